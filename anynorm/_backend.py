@@ -1,0 +1,92 @@
+"""Which executor runs a plan: the one dispatch point.
+
+``"auto"`` (default): CUDA kernels for CuPy arrays and CUDA torch tensors where they apply,
+a library's fast executor for NumPy and torch CPU, the array-API core for everything else.
+``"kernels"``: the CUDA kernels or a ValueError.  ``"reference"``: the array-API core always.
+The start-up choice comes from the environment variable ``ANYNORM_BACKEND``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+import array_api_compat
+
+from . import _numpy, _reference, _torch
+
+__all__ = ["set_backend", "get_backend", "use_backend", "choose", "BACKENDS"]
+
+BACKENDS = ("auto", "kernels", "reference")
+
+
+def _checked(name, source):
+    if name not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+_default = _checked(os.environ.get("ANYNORM_BACKEND", "auto").strip().lower() or "auto",
+                   "the environment variable ANYNORM_BACKEND")
+# set_backend changes the process-wide default; use_backend overrides it in one context only.
+_override = contextvars.ContextVar("anynorm_backend", default=None)
+
+
+def set_backend(name: str) -> None:
+    """Choose the executor family for later calls: ``"auto"``, ``"kernels"`` or ``"reference"``."""
+    global _default
+    _default = _checked(name, "backend")
+
+
+def get_backend() -> str:
+    """The backend in force here: the innermost ``use_backend``, else ``set_backend``'s."""
+    return _override.get() or _default
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """``with use_backend("reference"): ...`` sets the backend for the block only."""
+    token = _override.set(_checked(name, "backend"))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def on_cuda(x) -> bool:
+    """True for CuPy arrays and CUDA torch tensors, the inputs the kernels take."""
+    if array_api_compat.is_cupy_array(x):
+        return True
+    return array_api_compat.is_torch_array(x) and x.device.type == "cuda"
+
+
+def _cuda_executor():
+    try:
+        from . import _cuda
+    except ImportError:  # CuPy missing or unusable
+        return None
+    return _cuda
+
+
+def choose(plan, x):
+    """Return the executor module (``forward``/``backward``) that runs ``plan`` on ``x``."""
+    backend = get_backend()
+    if backend == "reference":
+        return _reference
+    if on_cuda(x):
+        cuda = _cuda_executor()
+        reason = "CuPy with its CUDA kernels could not be imported" if cuda is None else cuda.unsupported(plan, x)
+        if reason is None:
+            return cuda
+        if backend == "kernels":
+            raise ValueError(f"backend 'kernels' cannot run this call: {reason}")
+        return _reference
+    if backend == "kernels":
+        raise ValueError("backend 'kernels' needs a CuPy array or a CUDA torch tensor, "
+                         f"got {type(x).__module__}.{type(x).__name__} on {array_api_compat.device(x)}")
+    if array_api_compat.is_numpy_array(x):
+        return _numpy
+    if array_api_compat.is_torch_array(x):
+        return _torch
+    return _reference

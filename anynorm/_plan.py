@@ -1,0 +1,224 @@
+"""Validate a call once and describe it as one normalization problem.
+
+Every public function reduces to: view ``x`` as ``view_shape`` (identical to ``x.shape``
+except for group norm, whose channel axis is split into ``(G, C/G)``), take statistics
+over ``reduce_axes`` of that view, and scale/shift by parameters laid along
+``param_axes``.  Executors receive a :class:`Plan` and never re-validate.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+
+__all__ = ["Plan", "make_plan", "namespace_of"]
+
+_OPS = ("layer_norm", "rms_norm", "instance_norm", "group_norm")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything an executor needs to run one call, with no further checking.
+
+    Shapes are Python tuples; ``*_axes`` index ``view_shape`` and are sorted.
+    """
+
+    op: str
+    xp: Any
+    shape: tuple  # x.shape
+    dtype: Any  # x.dtype, also the output dtype
+    acc_dtype: Any  # dtype the statistics are accumulated and returned in
+    center: bool  # False for RMS norm
+    eps: float
+    view_shape: tuple
+    reduce_axes: tuple
+    param_axes: tuple
+    param_shape: tuple  # public weight/bias shape
+    param_view_shape: tuple  # weight/bias reshaped to broadcast against the view
+    stats_view_shape: tuple  # statistics with keepdims in the view
+    stats_shape: tuple  # public statistics shape
+    count: int  # elements per normalized slice
+    has_weight: bool
+    has_bias: bool
+    has_residual: bool
+    channel_axis: int | None = None  # canonical, for instance/group norm
+    num_groups: int | None = None
+
+    @property
+    def nonparam_axes(self) -> tuple:
+        """View axes that dweight/dbias sum over."""
+        return tuple(a for a in range(len(self.view_shape)) if a not in self.param_axes)
+
+    @property
+    def normalized_axes(self) -> tuple:
+        """For layer/rms norm: the caller's normalized axes in ``x`` (sorted)."""
+        return self.reduce_axes
+
+
+def _describe(obj) -> str:
+    if hasattr(obj, "shape") and hasattr(obj, "dtype"):
+        return f"{type(obj).__module__}.{type(obj).__name__} of shape {tuple(obj.shape)} and dtype {obj.dtype}"
+    return f"{type(obj).__name__} {obj!r}"
+
+
+def namespace_of(x, **others):
+    """Return the array-API namespace of ``x``; check that ``others`` share it.
+
+    ``others`` maps argument names to arrays or None, so that errors can name them.
+    """
+    if not array_api_compat.is_array_api_obj(x) or isinstance(x, (int, float, complex, bool)):
+        raise TypeError(f"x must be an array of an array-API library, got {_describe(x)}")
+    xp = array_api_compat.array_namespace(x)
+    for name, arr in others.items():
+        if arr is None:
+            continue
+        if not array_api_compat.is_array_api_obj(arr):
+            raise TypeError(f"{name} must be an array of the same library as x, got {_describe(arr)}")
+        try:
+            other = array_api_compat.array_namespace(arr)
+        except TypeError as exc:  # an unsupported array type
+            raise TypeError(f"{name} must be an array of the same library as x: {exc}") from None
+        if other is not xp:
+            raise TypeError(
+                f"{name} must be an array of the same library as x ({xp.__name__}), "
+                f"got {_describe(arr)} from {other.__name__}"
+            )
+    return xp
+
+
+def _check_float(xp, name, arr):
+    if not xp.isdtype(arr.dtype, "real floating"):
+        raise TypeError(f"{name} must have a real floating-point dtype, got {arr.dtype}")
+
+
+def _check_device(name, arr, x):
+    if arr is None:
+        return
+    if array_api_compat.device(arr) != array_api_compat.device(x):
+        raise ValueError(
+            f"{name} must be on the same device as x ({array_api_compat.device(x)}), "
+            f"got {array_api_compat.device(arr)}"
+        )
+
+
+def _as_int(name, value) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _canonical_axis(name, axis, ndim) -> int:
+    a = _as_int(name, axis)
+    if not -ndim <= a < ndim:
+        raise ValueError(f"{name}={axis} is out of range for an array of {ndim} dimensions "
+                         f"(expected -{ndim} <= {name} < {ndim})")
+    return a % ndim
+
+
+def _canonical_axes(axis, ndim) -> tuple:
+    """Sorted, non-negative, unique axes from an int or a sequence of ints."""
+    items = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
+    if not items:
+        raise ValueError("axis must name at least one axis, got ()")
+    axes = [_canonical_axis("axis", a, ndim) for a in items]
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axis={axis!r} repeats an axis (as non-negative axes: {axes})")
+    return tuple(sorted(axes))
+
+
+def check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) and not hasattr(eps, "__float__"):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
+    value = float(eps)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    return value
+
+
+def _check_param(name, arr, expected):
+    if arr is not None and tuple(arr.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected}, got shape {tuple(arr.shape)}")
+
+
+def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_axis=1,
+              num_groups=None, eps=1e-5) -> Plan:
+    """Validate the arguments of ``op`` and canonicalize its axes into a :class:`Plan`."""
+    assert op in _OPS
+    xp = namespace_of(x, weight=weight, bias=bias, residual=residual)
+    _check_float(xp, "x", x)
+    for name, arr in (("weight", weight), ("bias", bias), ("residual", residual)):
+        if arr is not None:
+            _check_float(xp, name, arr)
+            _check_device(name, arr, x)
+    shape = tuple(int(s) for s in x.shape)
+    ndim = len(shape)
+    if ndim == 0:
+        raise ValueError("x must have at least one dimension, got a 0-d array")
+    if residual is not None and (tuple(residual.shape) != shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual must have x's shape {shape} and dtype {x.dtype}, "
+                         f"got shape {tuple(residual.shape)} and dtype {residual.dtype}")
+    if eps is None:  # rms_norm's default, as in PyTorch
+        eps = float(xp.finfo(x.dtype).eps)
+    eps = check_eps(eps)
+
+    # getattr default "": comparing a NumPy dtype with None would match float64
+    half = any(x.dtype == getattr(xp, name, "") for name in ("float16", "bfloat16"))
+    acc_dtype = xp.float32 if half else x.dtype
+    center = op != "rms_norm"
+    canon_channel = groups = None
+
+    if op in ("layer_norm", "rms_norm"):
+        reduce_axes = _canonical_axes(axis, ndim)
+        view_shape = shape
+        param_axes = reduce_axes
+        param_shape = tuple(shape[a] for a in reduce_axes)
+        stats_view_shape = tuple(1 if a in reduce_axes else s for a, s in enumerate(shape))
+        stats_shape = stats_view_shape
+    else:
+        if ndim < 2:
+            raise ValueError(f"x must have a batch and a channel axis (ndim >= 2), got shape {shape}")
+        c = _canonical_axis("channel_axis", channel_axis, ndim)
+        if c == 0:
+            raise ValueError("channel_axis must not be 0: axis 0 is the batch axis")
+        canon_channel, channels = c, shape[c]
+        if op == "instance_norm":
+            if ndim < 3:
+                raise ValueError(f"instance_norm needs at least one spatial axis (ndim >= 3), got shape {shape}")
+            view_shape = shape
+            reduce_axes = tuple(a for a in range(ndim) if a not in (0, c))
+            param_axes = (c,)
+            stats_view_shape = tuple(s if a in (0, c) else 1 for a, s in enumerate(shape))
+            stats_shape = stats_view_shape
+        else:
+            groups = _as_int("num_groups", num_groups)
+            if groups <= 0 or channels % groups:
+                raise ValueError(f"num_groups must be a positive divisor of the channel count "
+                                 f"{channels} (x.shape[{c}]), got {num_groups!r}")
+            view_shape = shape[:c] + (groups, channels // groups) + shape[c + 1:]
+            reduce_axes = tuple(a for a in range(len(view_shape)) if a not in (0, c))
+            param_axes = (c, c + 1)
+            stats_view_shape = tuple(s if a in (0, c) else 1 for a, s in enumerate(view_shape))
+            stats_shape = (shape[0], groups)
+        param_shape = (channels,)
+
+    param_view_shape = tuple(s if a in param_axes else 1 for a, s in enumerate(view_shape))
+    count = math.prod(view_shape[a] for a in reduce_axes)
+    if count == 0:
+        raise ValueError(f"the normalized extent of x is empty: x.shape={shape}, "
+                         f"normalized axes {reduce_axes if op in ('layer_norm', 'rms_norm') else 'of each slice'} "
+                         f"hold 0 elements")
+    _check_param("weight", weight, param_shape)
+    _check_param("bias", bias, param_shape)
+    return Plan(op=op, xp=xp, shape=shape, dtype=x.dtype, acc_dtype=acc_dtype, center=center,
+                eps=eps, view_shape=view_shape, reduce_axes=reduce_axes, param_axes=param_axes,
+                param_shape=param_shape, param_view_shape=param_view_shape,
+                stats_view_shape=stats_view_shape, stats_shape=stats_shape, count=count,
+                has_weight=weight is not None, has_bias=bias is not None,
+                has_residual=residual is not None, channel_axis=canon_channel, num_groups=groups)
