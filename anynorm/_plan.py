@@ -168,8 +168,9 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
         eps = float(xp.finfo(x.dtype).eps)
     eps = check_eps(eps)
 
-    # getattr default "": comparing a NumPy dtype with None would match float64
-    half = any(x.dtype == getattr(xp, name, "") for name in ("float16", "bfloat16"))
+    # By width, not by name: float16 is no array-API dtype, so namespaces such as
+    # array_api_compat.dask.array do not export it, yet their arrays can hold it.
+    half = xp.finfo(x.dtype).bits < 32
     acc_dtype = xp.float32 if half else x.dtype
     center = op != "rms_norm"
     canon_channel = groups = None
