@@ -1,0 +1,193 @@
+// Shared device code for anynorm's kernels: element conversions, 16-byte vector access,
+// Welford/Chan statistics, warp and block reductions, and the index maps of the
+// (outer, reduced, inner) layout. Plain CUDA C++ only (see README.md): the CPU emulation
+// harness compiles this file with g++.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace anynorm {
+
+// ---- types and conversions -------------------------------------------------------------
+
+// Accumulation type: float for __half/__nv_bfloat16/float, double for double.
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+template <typename T> using acc_t = typename Acc<T>::type;
+
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+
+template <typename T> __device__ __forceinline__ T from_acc(acc_t<T> v);
+template <> __device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <> __device__ __forceinline__ double from_acc<double>(double v) { return v; }
+
+// 1 / sqrt(v), correctly rounded sqrt then division (matches the reference's 1 / sqrt).
+__device__ __forceinline__ float inv_sqrt(float v) { return 1.0f / sqrtf(v); }
+__device__ __forceinline__ double inv_sqrt(double v) { return 1.0 / sqrt(v); }
+
+// h = x + residual rounded to T, as the caller's library adds two arrays of dtype T.
+template <typename T> __device__ __forceinline__ T add_in_dtype(T a, T b) {
+    return from_acc<T>(to_acc(a) + to_acc(b));
+}
+
+// ---- 16-byte vectors ----------------------------------------------------------------------
+
+template <typename T> struct VecLen { static const int value = 16 / (int)sizeof(T); };
+
+template <typename T> struct alignas(16) Vec16 { T v[16 / sizeof(T)]; };
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// A null pointer counts as aligned, so optional arrays do not veto vector access.
+__device__ __forceinline__ bool aligned16_or_null(const void* p) { return p == 0 || aligned16(p); }
+
+template <typename T> __device__ __forceinline__ Vec16<T> load16(const T* p) {
+    return *reinterpret_cast<const Vec16<T>*>(p);
+}
+
+template <typename T> __device__ __forceinline__ void store16(T* p, const Vec16<T>& v) {
+    *reinterpret_cast<Vec16<T>*>(p) = v;
+}
+
+// ---- Welford / Chan -------------------------------------------------------------------
+
+// Running (count, mean, sum of squared deviations); var = m2 / n. Never E[x^2] - E[x]^2.
+template <typename A> struct Welford {
+    A n, mean, m2;
+};
+
+template <typename A> __device__ __forceinline__ Welford<A> welford_empty() {
+    Welford<A> s;
+    s.n = A(0);
+    s.mean = A(0);
+    s.m2 = A(0);
+    return s;
+}
+
+template <typename A> __device__ __forceinline__ void welford_push(Welford<A>& s, A v) {
+    s.n += A(1);
+    A d = v - s.mean;
+    s.mean += d / s.n;
+    s.m2 += d * (v - s.mean);
+}
+
+// Chan et al.: merge two disjoint partial states.
+template <typename A> __device__ __forceinline__ Welford<A> welford_merge(const Welford<A>& a,
+                                                                         const Welford<A>& b) {
+    A n = a.n + b.n;
+    if (n == A(0)) return a;
+    A wb = b.n / n;
+    A d = b.mean - a.mean;
+    Welford<A> s;
+    s.n = n;
+    s.mean = a.mean + d * wb;
+    s.m2 = a.m2 + b.m2 + d * d * a.n * wb;
+    return s;
+}
+
+// rstd from a finished state: centred 1/sqrt(m2/n + eps); RMS 1/sqrt(m2/n + mean^2 + eps).
+template <typename A> __device__ __forceinline__ A welford_rstd(const Welford<A>& s, int center, A eps) {
+    A var = s.m2 / s.n;
+    if (!center) var += s.mean * s.mean;
+    return inv_sqrt(var + eps);
+}
+
+// ---- warp and block reductions (warp = 32 lanes, full mask) ----------------------------
+
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+template <typename A> __device__ __forceinline__ Welford<A> warp_welford(Welford<A> s) {
+    for (int off = 16; off > 0; off >>= 1) {
+        Welford<A> o;
+        o.n = __shfl_xor_sync(0xffffffffu, s.n, off);
+        o.mean = __shfl_xor_sync(0xffffffffu, s.mean, off);
+        o.m2 = __shfl_xor_sync(0xffffffffu, s.m2, off);
+        s = welford_merge(s, o);
+    }
+    return s;
+}
+
+// Block-wide merge for a 1-D block of nthreads (a multiple of 32, <= 1024). Every thread
+// must call it; the result is valid in thread 0. smem: 3 * 32 values of A. Ends with a
+// barrier so smem may be reused.
+template <typename A> __device__ __forceinline__ Welford<A> block_welford(Welford<A> s, A* smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    s = warp_welford(s);
+    if (lane == 0) {
+        smem[warp] = s.n;
+        smem[32 + warp] = s.mean;
+        smem[64 + warp] = s.m2;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < nwarps; ++k) {
+            Welford<A> o;
+            o.n = smem[k];
+            o.mean = smem[32 + k];
+            o.m2 = smem[64 + k];
+            s = welford_merge(s, o);
+        }
+    }
+    __syncthreads();
+    return s;
+}
+
+// Block-wide sums of two values (1-D block, as block_welford); valid in thread 0.
+// smem: 2 * 32 values of A.
+template <typename A> __device__ __forceinline__ void block_sum2(A& a, A& b, A* smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (lane == 0) {
+        smem[warp] = a;
+        smem[32 + warp] = b;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < nwarps; ++k) {
+            a += smem[k];
+            b += smem[32 + k];
+        }
+    }
+    __syncthreads();
+}
+
+// ---- layout maps --------------------------------------------------------------------------
+
+// Statistics slice of element e in the (outer, reduced, inner) buffer; stats are per
+// (o, i / group). Rows (inner == 1): e / reduced.
+__device__ __forceinline__ long long slice_of(long long e, long long reduced, long long inner,
+                                              long long group) {
+    if (inner == 1) return e / reduced;
+    long long o = e / (reduced * inner);
+    long long i = e % inner;
+    return o * (inner / group) + i / group;
+}
+
+// Parameter index of element e: (e / p_div) % p_len.
+__device__ __forceinline__ long long param_of(long long e, long long p_div, long long p_len) {
+    return p_div == 1 ? e % p_len : (e / p_div) % p_len;
+}
+
+// Optional weight/bias (null pointer = identity).
+template <typename A> __device__ __forceinline__ A weight_at(const A* w, long long p) {
+    return w ? w[p] : A(1);
+}
+template <typename A> __device__ __forceinline__ A bias_at(const A* b, long long p) {
+    return b ? b[p] : A(0);
+}
+
+}  // namespace anynorm

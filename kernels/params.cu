@@ -1,0 +1,98 @@
+// dweight[p] = sum(dy * xhat), dbias[p] = sum(dy) over every element with parameter index p.
+//
+// The (outer, reduced, inner) buffer is viewed as (a_len, p_len, b_len), element
+// e = (a * p_len + p) * b_len + b; xhat = (x - mean[s]) * rstd[s] with s = slice_of(e).
+// Stage 1 writes per-chunk partials part[c * p_len + p] (chunks of the a axis); stage 2
+// (param_grad_finish) sums the chunks.
+#include "common.cuh"
+
+using namespace anynorm;
+
+#define PG_X 32
+#define PG_Y 8
+
+template <typename A>
+__device__ __forceinline__ A xhat_at(A xv, const A* mean, const A* rstd, long long s, int center) {
+    return (xv - (center ? mean[s] : A(0))) * rstd[s];
+}
+
+// b_len == 1: columns p of an (a_len, p_len) matrix; block (32, 8), grid (ceil(p_len/32), nchunk).
+template <typename T>
+__global__ void param_grad_cols(const T* __restrict__ dy, const T* __restrict__ x,
+                                const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                                acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
+                                long long a_len, long long p_len, long long reduced, long long inner,
+                                long long group, long long chunk, int center) {
+    typedef acc_t<T> A;
+    __shared__ A sw[PG_Y][PG_X], sb[PG_Y][PG_X];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const long long p = (long long)blockIdx.x * PG_X + tx;
+    const long long start = (long long)blockIdx.y * chunk;
+    const long long end = start + chunk < a_len ? start + chunk : a_len;
+    A dw = A(0), db = A(0);
+    if (p < p_len) {
+        for (long long a = start + ty; a < end; a += PG_Y) {
+            const long long e = a * p_len + p;
+            const A d = to_acc(dy[e]);
+            dw += d * xhat_at(to_acc(x[e]), mean, rstd, slice_of(e, reduced, inner, group), center);
+            db += d;
+        }
+    }
+    sw[ty][tx] = dw;
+    sb[ty][tx] = db;
+    __syncthreads();
+    if (ty == 0 && p < p_len) {
+        for (int k = 1; k < PG_Y; ++k) {
+            dw += sw[k][tx];
+            db += sb[k][tx];
+        }
+        part_w[blockIdx.y * p_len + p] = dw;
+        if (part_b) part_b[blockIdx.y * p_len + p] = db;
+    }
+}
+
+// b_len > 1: block (p, c) sums a in chunk c and every b (contiguous, coalesced); block 256.
+template <typename T>
+__global__ void param_grad_rows(const T* __restrict__ dy, const T* __restrict__ x,
+                                const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                                acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
+                                long long a_len, long long p_len, long long b_len, long long reduced,
+                                long long inner, long long group, long long chunk, int center) {
+    typedef acc_t<T> A;
+    __shared__ A smem[64];
+    const long long p = blockIdx.x;
+    const long long start = (long long)blockIdx.y * chunk;
+    const long long end = start + chunk < a_len ? start + chunk : a_len;
+    const long long len = (end - start) * b_len;
+    A dw = A(0), db = A(0);
+    for (long long q = threadIdx.x; q < len; q += blockDim.x) {
+        const long long a = start + q / b_len, bb = q % b_len;
+        const long long e = (a * p_len + p) * b_len + bb;
+        const A d = to_acc(dy[e]);
+        dw += d * xhat_at(to_acc(x[e]), mean, rstd, slice_of(e, reduced, inner, group), center);
+        db += d;
+    }
+    block_sum2(dw, db, smem);
+    if (threadIdx.x == 0) {
+        part_w[blockIdx.y * p_len + p] = dw;
+        if (part_b) part_b[blockIdx.y * p_len + p] = db;
+    }
+}
+
+// dweight[p] = sum_c part_w[c * p_len + p] (dbias likewise); one thread per p.
+template <typename T>
+__global__ void param_grad_finish(const acc_t<T>* __restrict__ part_w, const acc_t<T>* __restrict__ part_b,
+                                  acc_t<T>* __restrict__ dweight, acc_t<T>* __restrict__ dbias,
+                                  long long p_len, long long nchunk) {
+    typedef acc_t<T> A;
+    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < p_len;
+         p += (long long)gridDim.x * blockDim.x) {
+        A dw = A(0), db = A(0);
+        for (long long c = 0; c < nchunk; ++c) {
+            dw += part_w[c * p_len + p];
+            if (part_b) db += part_b[c * p_len + p];
+        }
+        dweight[p] = dw;
+        if (dbias) dbias[p] = db;
+    }
+}
