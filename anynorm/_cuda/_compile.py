@@ -1,0 +1,123 @@
+"""Compile ``kernels/*.cu`` with NVRTC through CuPy: one lazily built, cached
+``cupy.RawModule`` per (source file, dtype), every template instantiation of that file named
+through ``name_expressions``; kernels fetched from it are cached too (thread-safe).
+
+:func:`instantiations` lists every (file, dtype, name expression) the executor can request;
+:func:`nvrtc_check` compiles one file and dtype without a GPU with the options CuPy's
+RawModule uses, for the CPU compile test.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ._sources import SOURCE_FILES, read_source
+
+__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "name_expression", "name_expressions",
+           "instantiations", "get_kernel", "nvrtc_options", "nvrtc_check"]
+
+# Kernel dtype key (the dtype's name) -> C++ element type.
+CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+# Register-cache sizes of the warp-per-row kernels: a row of up to 32 * ITEMS elements.
+WARP_ITEMS = (1, 2, 4, 8, 16, 32)
+KERNELS = {
+    "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_stats_partial", "rows_grad_partial"),
+    "cols.cu": ("cols_stats_partial", "cols_grad_partial"),
+    "finish.cu": ("stats_finalize", "grad_finalize", "apply_fwd", "apply_bwd"),
+    "params.cu": ("param_grad_cols", "param_grad_rows", "param_grad_finish"),
+}
+_WITH_ITEMS = ("rows_fwd_warp", "rows_bwd_warp")
+_FILE_OF = {kernel: file for file, kernels in KERNELS.items() for kernel in kernels}
+# Our own NVRTC options; CuPy adds its include paths, -std=c++17, -ftz=true and -arch.
+OPTIONS = ("-DANYNORM_NVRTC=1",)
+
+assert set(KERNELS) == set(SOURCE_FILES)
+
+
+def name_expression(kernel: str, dtype: str, items: int | None = None) -> str:
+    """``"rows_fwd_warp<float, 4>"``: the C++ name of one instantiation."""
+    ctype = CTYPES[dtype]
+    if kernel in _WITH_ITEMS:
+        assert items in WARP_ITEMS, items
+        return f"{kernel}<{ctype}, {items}>"
+    return f"{kernel}<{ctype}>"
+
+
+def name_expressions(file: str, dtype: str) -> tuple:
+    """Every instantiation that one (file, dtype) module holds."""
+    out = []
+    for kernel in KERNELS[file]:
+        if kernel in _WITH_ITEMS:
+            out += [name_expression(kernel, dtype, items) for items in WARP_ITEMS]
+        else:
+            out.append(name_expression(kernel, dtype))
+    return tuple(out)
+
+
+def instantiations():
+    """All (file, dtype, name expression) triples the executor may launch."""
+    return [(file, dtype, expr) for file in KERNELS for dtype in CTYPES
+            for expr in name_expressions(file, dtype)]
+
+
+_lock = threading.Lock()
+_modules: dict = {}
+_kernels: dict = {}
+
+
+def _module(file: str, dtype: str):
+    key = (file, dtype)
+    module = _modules.get(key)
+    if module is None:
+        import cupy
+
+        module = cupy.RawModule(code=read_source(file), options=OPTIONS,
+                                name_expressions=list(name_expressions(file, dtype)))
+        _modules[key] = module
+    return module
+
+
+def get_kernel(kernel: str, dtype: str, items: int | None = None):
+    """The compiled ``cupy.RawKernel`` for one instantiation on the current device."""
+    import cupy
+
+    expr = name_expression(kernel, dtype, items)
+    key = (cupy.cuda.Device().id, expr)
+    function = _kernels.get(key)
+    if function is None:
+        with _lock:
+            function = _kernels.get(key)
+            if function is None:
+                function = _module(_FILE_OF[kernel], dtype).get_function(expr)
+                _kernels[key] = function
+    return function
+
+
+def nvrtc_options(arch: str) -> tuple:
+    """The NVRTC option list CuPy's RawModule builds for ``OPTIONS`` on ``sm_<arch>``.
+
+    Mirrors ``cupy.cuda.compiler``: ``assemble_cupy_compiler_options`` (include paths,
+    ``--std=c++17``), then ``-ftz=true``, ``-arch=sm_XX`` and
+    ``--device-as-default-execution-space``.
+    """
+    from cupy._core.core import assemble_cupy_compiler_options
+
+    return tuple(assemble_cupy_compiler_options(OPTIONS)) + (
+        "-ftz=true", f"-arch=sm_{arch}", "--device-as-default-execution-space")
+
+
+def nvrtc_check(file: str, dtype: str, arch: str = "90", extra_options: tuple = ()) -> str:
+    """Compile ``file`` for ``dtype`` to a cubin without a GPU; return NVRTC's log.
+
+    Raises ``cupy.cuda.compiler.CompileException`` on errors.
+    """
+    import io
+
+    from cupy.cuda import compiler
+
+    log = io.StringIO()
+    program = compiler._NVRTCProgram(read_source(file), f"anynorm_{file}",
+                                     name_expressions=list(name_expressions(file, dtype)),
+                                     method="cubin")
+    program.compile(nvrtc_options(arch) + tuple(extra_options), log)
+    return log.getvalue()
