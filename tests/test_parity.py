@@ -125,6 +125,17 @@ def test_rank_two_and_list_axes(backend, axis):
     run_and_compare(backend, case("layer_norm", (5, 6), axis=axis), "float32")
 
 
+@pytest.mark.parametrize("axis, eps", [(np.int64(-1), np.float32(1e-3)), ((np.int32(1),), 1), ([-1], np.float64(0.5))],
+                         ids=["numpy-scalars", "int-eps", "list-axis"])
+def test_numpy_scalars_and_ints_are_accepted(backend, axis, eps):
+    """axis may hold NumPy integers, eps may be an int or a NumPy float, as NumPy users expect."""
+    run_and_compare(backend, case("layer_norm", (3, 5), axis=axis), "float64", eps=float(eps))
+    x = backend.asarray(np.arange(15.0).reshape(3, 5))
+    y = anynorm.layer_norm(x, axis=axis, eps=eps)
+    ref = reference.forward("layer_norm", np.arange(15.0).reshape(3, 5), eps=float(eps), axis=axis)[0]
+    assert_close(backend.to_numpy(y), ref, "float64")
+
+
 # --- strided and non-contiguous inputs: executors that look at strides must get them right ----
 
 def _strided_views(lib, base):
