@@ -1,0 +1,202 @@
+"""Launch the kernels of one forward or backward call on CuPy's current stream.
+
+Inputs and outputs are CuPy arrays, outputs preallocated by the caller: ``y``/``h``/``dx``
+with ``x``'s shape and dtype (any strides), statistics contiguous in the public statistics
+shape and the accumulation dtype, ``dweight``/``dbias`` contiguous ``(p_len,)`` in the
+accumulation dtype. ``weight``/``bias`` arrive contiguous and already in the accumulation
+dtype. ``dtype`` is the kernel dtype key ("float16", "bfloat16", "float32", "float64").
+Which kernels run for which layout: kernels/README.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cupy
+import numpy as np
+
+from . import _buffers
+from ._compile import WARP_ITEMS, get_kernel
+from ._layout import plan_layout
+
+__all__ = ["forward", "backward", "acc_dtype"]
+
+_NULL = np.uint64(0)
+_WARP_MAX = 32 * WARP_ITEMS[-1]  # longest row the warp-per-row kernels hold in registers
+_ROWS_BLOCK, _BLOCK = 128, 256
+_MAX_Y = 65535  # gridDim.y / gridDim.z limit
+_MAX_X = 2**31 - 1
+
+
+def acc_dtype(dtype: str):
+    return np.float64 if dtype == "float64" else np.float32
+
+
+def _i64(v):
+    return np.int64(v)
+
+
+def _ptr(arr):
+    return _NULL if arr is None else arr
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def _target_blocks() -> int:
+    """Enough blocks to fill the device a few times over."""
+    return 4 * _sm_count(cupy.cuda.Device().id)
+
+
+def _ceil(a, b):
+    return -(-a // b)
+
+
+def _grid_1d(n, per_block, cap=None):
+    blocks = max(1, _ceil(n, per_block))
+    return min(blocks, cap or 64 * _target_blocks(), _MAX_X)
+
+
+def _warp_items(count):
+    return next(k for k in WARP_ITEMS if 32 * k >= count)
+
+
+def _split(length, parallel, target, min_chunk, align=1):
+    """(chunk, nchunk): cut ``length`` into at most 65535 chunks so that ``parallel`` blocks
+    per chunk make about ``target`` blocks, chunks of at least ``min_chunk`` elements."""
+    want = max(1, min(_ceil(target, max(parallel, 1)), _ceil(length, min_chunk), _MAX_Y))
+    chunk = _ceil(_ceil(length, want), align) * align
+    return chunk, _ceil(length, chunk)
+
+
+def _launch(kernel, dtype, grid, block, args, items=None):
+    get_kernel(kernel, dtype, items)(grid, block, args)
+
+
+# ---- statistics --------------------------------------------------------------------------
+
+def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
+    """Fill ``mean``/``rstd`` (and ``h``, ``y`` unless None) from the buffer ``src``."""
+    acc = acc_dtype(dtype)
+    center, eps = np.int32(plan.center), np.float64(plan.eps)
+    outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
+    if layout.rows and reduced <= _WARP_MAX:
+        grid = _grid_1d(outer, _ROWS_BLOCK // 32)
+        _launch("rows_fwd_warp", dtype, (grid,), (_ROWS_BLOCK,),
+                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, _i64(outer),
+                 _i64(reduced), _i64(layout.p_div), _i64(layout.p_len), center, eps),
+                items=_warp_items(reduced))
+        return
+    if layout.rows:
+        chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
+        ws = cupy.empty((3, outer * nchunk), dtype=acc)
+        _launch("rows_stats_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
+                (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], _i64(outer), _i64(reduced), _i64(chunk)))
+    else:
+        tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
+        chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
+        ws = cupy.empty((3, outer * nchunk * inner), dtype=acc)
+        _launch("cols_stats_partial", dtype, (tiles, nchunk, zdim), (32, 8),
+                (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], _i64(outer), _i64(reduced),
+                 _i64(inner), _i64(chunk)))
+    slices = layout.slices
+    _launch("stats_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], ws[2], _ptr(mean), rstd, _i64(outer), _i64(nchunk), _i64(inner),
+             _i64(group), center, eps))
+    if y is not None:
+        _launch("apply_fwd", dtype, (_grid_1d(layout.total, _BLOCK),), (_BLOCK,),
+                (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), rstd,
+                 _i64(layout.total), _i64(reduced), _i64(inner), _i64(group), _i64(layout.p_div),
+                 _i64(layout.p_len), center))
+
+
+def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd):
+    """y = (v - mean) * rstd * weight + bias with v = x (+ residual -> h); fills outputs."""
+    layout = plan_layout(plan, _buffers.element_strides(x))
+    xb = _buffers.input_buffer(plan, layout, x)
+    rb = None if residual is None else _buffers.input_buffer(plan, layout, residual)
+    hb = None if h is None else _buffers.output_buffer(plan, layout, h)
+    yb = _buffers.output_buffer(plan, layout, y)
+    _stats(plan, layout, dtype, xb, rb, hb, yb, weight, bias, mean, rstd)
+    _buffers.store(plan, layout, yb, y)
+    if h is not None:
+        _buffers.store(plan, layout, hb, h)
+
+
+# ---- gradients -------------------------------------------------------------------------
+
+def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb):
+    center = np.int32(plan.center)
+    acc = acc_dtype(dtype)
+    outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
+    pdiv, plen = _i64(layout.p_div), _i64(layout.p_len)
+    if layout.rows and reduced <= _WARP_MAX:
+        _launch("rows_bwd_warp", dtype, (_grid_1d(outer, _ROWS_BLOCK // 32),), (_ROWS_BLOCK,),
+                (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), pdiv, plen,
+                 center), items=_warp_items(reduced))
+        return
+    if layout.rows:
+        chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
+        ws = cupy.empty((2, outer * nchunk), dtype=acc)
+        _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
+                (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], _i64(outer), _i64(reduced),
+                 _i64(chunk), pdiv, plen, center))
+    else:
+        tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
+        chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
+        ws = cupy.empty((2, outer * nchunk * inner), dtype=acc)
+        _launch("cols_grad_partial", dtype, (tiles, nchunk, zdim), (32, 8),
+                (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], _i64(outer), _i64(reduced),
+                 _i64(inner), _i64(group), _i64(chunk), pdiv, plen, center))
+    slices = layout.slices
+    means = cupy.empty((2, slices), dtype=acc)
+    _launch("grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], means[0], means[1], _i64(outer), _i64(nchunk), _i64(inner), _i64(group),
+             np.float64(plan.count)))
+    _launch("apply_bwd", dtype, (_grid_1d(layout.total, _BLOCK),), (_BLOCK,),
+            (dyb, xb, _ptr(w), _ptr(mean), rstd, means[0], means[1], dxb, _i64(layout.total),
+             _i64(reduced), _i64(inner), _i64(group), pdiv, plen, center))
+
+
+def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias):
+    acc = acc_dtype(dtype)
+    center = np.int32(plan.center)
+    a_len, p_len, b_len = layout.a_len, layout.p_len, layout.b_len
+    target = _target_blocks()
+    geometry = (_i64(layout.reduced), _i64(layout.inner), _i64(layout.group))
+    if b_len == 1:
+        tiles = _ceil(p_len, 32)
+        chunk, nchunk = _split(a_len, tiles, target, 32)
+        part = cupy.empty((2, nchunk * p_len), dtype=acc)
+        _launch("param_grad_cols", dtype, (tiles, nchunk), (32, 8),
+                (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
+                 _i64(a_len), _i64(p_len)) + geometry + (_i64(chunk), center))
+    else:
+        chunk, nchunk = _split(a_len, p_len, target, 1)
+        part = cupy.empty((2, nchunk * p_len), dtype=acc)
+        _launch("param_grad_rows", dtype, (p_len, nchunk), (_BLOCK,),
+                (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
+                 _i64(a_len), _i64(p_len), _i64(b_len)) + geometry + (_i64(chunk), center))
+    _launch("param_grad_finish", dtype, (_grid_1d(p_len, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (part[0], _ptr(part[1] if dbias is not None else None), dweight, _ptr(dbias),
+             _i64(p_len), _i64(nchunk)))
+
+
+def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias):
+    """dx (and dweight/dbias unless None); ``mean``/``rstd`` None to recompute them."""
+    need_params = plan.has_weight or dweight is not None
+    layout = plan_layout(plan, _buffers.element_strides(x), need_params)
+    xb = _buffers.input_buffer(plan, layout, x)
+    dyb = _buffers.input_buffer(plan, layout, dy)
+    if rstd is None:
+        acc = acc_dtype(dtype)
+        mean = cupy.empty(layout.slices, dtype=acc) if plan.center else None
+        rstd = cupy.empty(layout.slices, dtype=acc)
+        _stats(plan, layout, dtype, xb, None, None, None, None, None, mean, rstd)
+    dxb = _buffers.output_buffer(plan, layout, dx)
+    _dx(plan, layout, dtype, dyb, xb, weight, mean, rstd, dxb)
+    _buffers.store(plan, layout, dxb, dx)
+    if dweight is not None:
+        _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias)
