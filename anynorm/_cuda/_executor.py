@@ -1,0 +1,82 @@
+"""The CUDA executor's entry points: which inputs it takes, and dispatch by array library.
+
+CuPy arrays run directly on CuPy's current stream; CUDA torch tensors go through the
+``anynorm::forward`` / ``anynorm::backward`` custom ops (autograd, torch.compile) on torch's
+current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import array_api_compat
+
+from . import _cupy_exec
+from ._interop import dtype_key
+
+__all__ = ["forward", "backward", "unsupported"]
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_problem():
+    """Why CuPy cannot drive a GPU here, or None (checked once)."""
+    import cupy
+
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "CuPy sees no CUDA device"
+    except Exception as exc:  # driver or runtime missing or too old
+        return f"CuPy cannot use CUDA: {exc}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_ops():
+    from . import _torch_ops
+
+    return _torch_ops
+
+
+def _torch_problem():
+    try:
+        _torch_ops()
+    except Exception as exc:  # torch too old for torch.library.custom_op, ...
+        return f"anynorm's torch custom ops are unavailable: {exc}"
+    return None
+
+
+def unsupported(plan, x):
+    """None when the kernels can run ``plan`` on ``x``, else the reason (never raises)."""
+    if dtype_key(plan.dtype) is None:
+        return (f"the CUDA kernels take float16, bfloat16, float32 and float64 inputs, "
+                f"got {plan.dtype}")
+    if array_api_compat.is_torch_array(x):
+        problem = _torch_problem()
+        if problem is not None:
+            return problem
+        if _is_fake(x):
+            return None
+    return _runtime_problem()
+
+
+def _is_fake(x) -> bool:
+    """A FakeTensor under torch.compile tracing: no device needed to trace it."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:
+        return False
+    return is_fake(x)
+
+
+def forward(plan, x, weight=None, bias=None, residual=None):
+    """``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` returns them."""
+    if array_api_compat.is_torch_array(x):
+        return _torch_ops().forward(plan, x, weight, bias, residual)
+    return _cupy_exec.forward(plan, x, weight, bias, residual)
+
+
+def backward(plan, dy, x, weight=None, mean=None, rstd=None):
+    """``(dx, dweight, dbias)`` as :func:`anynorm._reference.backward` returns them."""
+    if array_api_compat.is_torch_array(x):
+        return _torch_ops().backward(plan, dy, x, weight, mean, rstd)
+    return _cupy_exec.backward(plan, dy, x, weight, mean, rstd)
