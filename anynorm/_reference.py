@@ -39,16 +39,32 @@ def add_residual(plan, x, residual):
     return x + residual
 
 
-def statistics(plan, xv):
-    """(mean or None, rstd) of the view ``xv``, keepdims, in the accumulation dtype."""
+def centred_statistics(plan, xv):
+    """``(mean or None, rstd, xc)`` of the view ``xv``: keepdims, in the accumulation dtype,
+    with ``xc = xv - mean`` (``xv`` itself for RMS norm).
+
+    Corrected two-pass: ``xv - shift`` is exact near the first-pass mean ``shift``, and the
+    mean of those small differences corrects it.  Subtracting ``shift + correction`` as one
+    rounded number instead would lose the rows' offset's rounding (a float32 row near 1e6
+    would come out worse than torch's).
+    """
     xp = plan.xp
+    axes = plan.reduce_axes
     if plan.center:
-        mean = xp.mean(xv, axis=plan.reduce_axes, keepdims=True)
-        xc = xv - mean
+        shift = xp.mean(xv, axis=axes, keepdims=True)
+        diff = xv - shift
+        correction = xp.mean(diff, axis=axes, keepdims=True)
+        mean, xc = shift + correction, diff - correction
     else:
         mean, xc = None, xv
-    var = xp.mean(xc * xc, axis=plan.reduce_axes, keepdims=True)
-    return mean, 1.0 / xp.sqrt(var + plan.eps)
+    var = xp.mean(xc * xc, axis=axes, keepdims=True)
+    return mean, 1.0 / xp.sqrt(var + plan.eps), xc
+
+
+def statistics(plan, xv):
+    """(mean or None, rstd) of the view ``xv``, keepdims, in the accumulation dtype."""
+    mean, rstd, _ = centred_statistics(plan, xv)
+    return mean, rstd
 
 
 def forward(plan, x, weight=None, bias=None, residual=None):
@@ -56,8 +72,8 @@ def forward(plan, x, weight=None, bias=None, residual=None):
     xp = plan.xp
     h = add_residual(plan, x, residual) if residual is not None else None
     xv = _view(plan, h if h is not None else x)
-    mean, rstd = statistics(plan, xv)
-    y = (xv - mean) * rstd if mean is not None else xv * rstd
+    mean, rstd, xc = centred_statistics(plan, xv)
+    y = xc * rstd
     if weight is not None:
         y = y * _param(plan, weight)
     if bias is not None:
@@ -74,11 +90,11 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     xv = _view(plan, x)
     dyv = _view(plan, dy)
     if rstd is None:
-        mean_v, rstd_v = statistics(plan, xv)
+        _, rstd_v, xc = centred_statistics(plan, xv)
     else:
         rstd_v = xp.reshape(_acc(plan, rstd), plan.stats_view_shape)
-        mean_v = xp.reshape(_acc(plan, mean), plan.stats_view_shape) if plan.center else None
-    xhat = (xv - mean_v) * rstd_v if plan.center else xv * rstd_v
+        xc = xv - xp.reshape(_acc(plan, mean), plan.stats_view_shape) if plan.center else xv
+    xhat = xc * rstd_v
     g = dyv * _param(plan, weight) if weight is not None else dyv
     axes = plan.reduce_axes
     proj = xp.mean(g * xhat, axis=axes, keepdims=True)
