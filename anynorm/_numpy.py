@@ -1,7 +1,490 @@
-"""The NumPy executor.  For now the array-API core; a blocked, in-place version comes next."""
+"""The NumPy executor: the reference arithmetic, blocked so that memory is touched once.
+
+The view of ``x`` is cut into boxes that hold whole normalized slices (every reduced axis
+full) and fit in a core's cache (``BLOCK_BYTES`` of accumulation-dtype elements).  Per box,
+with the box read from memory once and ``y`` written once::
+
+    mean = add.reduce(x) / n                        (pairwise along a contiguous axis)
+    xc   = x - mean                                 (into y's own block, or our temporary)
+    rstd = 1 / sqrt(add.reduce(xc * xc) / n + eps)  (two-pass on the cached box)
+    y    = xc * rstd * weight + bias                (in place, the last step writes y)
+
+Backward per box, with ``xhat = (x - mean) * rstd`` and ``g = dy * weight``::
+
+    dx = rstd * (g - xhat * mean(g * xhat) - mean(g))          (no mean(g) for RMS norm)
+    dweight += sum(dy * xhat),  dbias += sum(dy)               (over the non-parameter axes)
+
+float16/bfloat16-like inputs are cast per box into a float32 temporary.  Adjacent view axes of
+the same kind (reduced or kept, parameter or not) are merged first when strides allow, so
+layer norm rows, NCHW and NHWC instance/group norm and channels-first layer norm all become
+2- to 4-axis boxes.  Peak extra memory: the outputs plus a few box-sized temporaries.
+"""
 
 from __future__ import annotations
 
-from ._reference import backward, forward
+import concurrent.futures
+import itertools
+import math
+import os
 
-__all__ = ["forward", "backward"]
+import numpy as np
+
+from . import _reference
+
+__all__ = ["forward", "backward", "BLOCK_BYTES", "NUM_THREADS"]
+
+BLOCK_BYTES = 1 << 20  # accumulation-dtype bytes per box: temporaries stay in L2/L3
+LARGE_BOX_BYTES = 8 << 20  # a whole sample rather than strided slivers, up to this size
+# cores that work on separate boxes of one call (NumPy and BLAS release the GIL)
+NUM_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                  else os.cpu_count() or 1)
+PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, handing boxes to threads costs more than it saves
+
+
+class _Layout:
+    """The view of ``x`` with merged axes, and how to cut it into boxes.
+
+    ``shape``: merged view shape; ``reduce``: merged axes the statistics run over;
+    ``param``: merged axes weight/bias vary along; ``boxes()`` yields index tuples (slices,
+    every axis kept) whose boxes hold whole normalized slices.
+    """
+
+    def __init__(self, plan, arrays):
+        view = plan.view_shape
+        reduce_set, param_set = set(plan.reduce_axes), set(plan.param_axes)
+        views = [a.reshape(view) for a in arrays]
+        groups = [[0]]
+        for a in range(1, len(view)):
+            last = groups[-1][-1]
+            same_kind = ((a in reduce_set) == (last in reduce_set)
+                         and (a in param_set) == (last in param_set))
+            if same_kind and all(_extends(v, groups[-1], a) for v in views):
+                groups[-1].append(a)
+            else:
+                groups.append([a])
+        self.shape = tuple(math.prod(view[a] for a in g) for g in groups)
+        self.reduce = tuple(i for i, g in enumerate(groups) if g[0] in reduce_set)
+        self.param = tuple(i for i, g in enumerate(groups) if g[0] in param_set)
+        self.kept = tuple(i for i in range(len(groups)) if i not in self.reduce)
+        self.nonparam = tuple(i for i in range(len(groups)) if i not in self.param)
+        self.views = [_merge(v, groups) for v in views]
+        self.stats_shape = tuple(1 if i in self.reduce else s for i, s in enumerate(self.shape))
+        self.param_shape = tuple(s if i in self.param else 1 for i, s in enumerate(self.shape))
+
+    def _unit(self, j):
+        """Elements in a box that takes one index of kept axis ``j``."""
+        before = math.prod(self.shape[a] for a in self.reduce if a < j)
+        return before * math.prod(self.shape[j + 1:])
+
+    def boxes(self, budget, large):
+        """Index tuples of boxes: kept axes before ``j`` one index, ``j`` chunked, rest full.
+
+        ``j`` is the outermost kept axis whose one-index box fits ``budget`` elements (else
+        the innermost kept axis, or an outer one up to ``large`` elements).  Returns ``(list of index tuples, largest box size)``.
+        """
+        if not self.kept:
+            return [tuple(slice(None) for _ in self.shape)], math.prod(self.shape)
+        j = next((k for k in self.kept if self._unit(k) <= budget), self.kept[-1])
+        chunk = max(1, min(self.shape[j], budget // self._unit(j)))
+        # with a reduced axis before j, a box is strided runs of chunk * (axes after j); when
+        # those runs are short, a whole index of an outer kept axis (in L3) is faster
+        leading = [k for k in self.kept if k < self.reduce[0]]
+        if (self.reduce[0] < j and chunk * math.prod(self.shape[j + 1:]) < 1024 and leading
+                and self._unit(leading[-1]) <= large):
+            j = leading[-1]
+            chunk = max(1, min(self.shape[j], budget // self._unit(j)))
+        unit = self._unit(j)
+        outer = [range(self.shape[a]) for a in self.kept if a < j]
+        boxes = []
+        for prefix in itertools.product(*outer):
+            lead = iter(prefix)
+            head = tuple(slice(None) if a in self.reduce else slice(i := next(lead), i + 1)
+                         for a in range(j))
+            tail = tuple(slice(None) for _ in self.shape[j + 1:])
+            for start in range(0, self.shape[j], chunk):
+                boxes.append(head + (slice(start, start + chunk),) + tail)
+        return boxes, unit * chunk
+
+    def small(self, full, index):
+        """Slice of a statistics/parameter array (size 1 where it broadcasts) for a box."""
+        return tuple(slice(None) if full[a] == 1 else s for a, s in enumerate(index))
+
+
+def _extends(arr, group, a):
+    """True when axis ``a`` continues the merged axes ``group`` of ``arr`` as one strided axis."""
+    inner = [g for g in group if arr.shape[g] != 1]
+    if arr.shape[a] == 1 or not inner:
+        return True
+    return arr.strides[inner[-1]] == arr.strides[a] * arr.shape[a]
+
+
+def _merge(arr, groups):
+    """``arr`` viewed with each group of adjacent axes as one axis (no copy)."""
+    shape, strides = [], []
+    for g in groups:
+        shape.append(math.prod(arr.shape[a] for a in g))
+        # a size-1 axis may carry any stride; the group's step is its last non-trivial axis
+        steps = [arr.strides[a] for a in g if arr.shape[a] != 1]
+        strides.append(steps[-1] if steps else arr.itemsize)
+    return np.lib.stride_tricks.as_strided(arr, shape, strides, writeable=arr.flags.writeable)
+
+
+def _param_view(plan, layout, arr):
+    if arr is None:
+        return None
+    return np.asarray(arr, dtype=plan.acc_dtype).reshape(layout.param_shape)
+
+
+class _Scratch:
+    """Box-sized temporaries in the accumulation dtype, made on first use, reused per box."""
+
+    def __init__(self, dtype, size):
+        self.dtype, self.size, self.buffers = dtype, size, {}
+
+    def get(self, slot, shape):
+        buffer = self.buffers.get(slot)
+        if buffer is None:
+            buffer = self.buffers[slot] = np.empty(self.size, self.dtype)
+        return buffer[:math.prod(shape)].reshape(shape)
+
+
+_ONES = {}
+
+
+def _ones(n, dtype):
+    """A read-only vector of ones: ``ones @ a`` and ``vecdot(a, ones)`` are BLAS sums."""
+    key = (n, np.dtype(dtype))
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = np.ones(n, dtype)
+        ones.flags.writeable = False
+        if n <= 1 << 22:
+            _ONES[key] = ones
+    return ones
+
+
+def _merged(arr, axes):
+    """``(extent, stride)`` of ``arr``'s adjacent ``axes`` as one axis, or None if impossible."""
+    extent, stride, expected = 1, arr.itemsize, None
+    for a in reversed(axes):
+        if arr.shape[a] == 1:
+            continue
+        if expected is None:
+            stride = arr.strides[a]
+        elif arr.strides[a] != expected:
+            return None
+        extent *= arr.shape[a]
+        expected = arr.strides[a] * arr.shape[a]
+    return extent, stride
+
+
+def _as_2d(arr, s):
+    """``arr`` as a (prod(shape[:s]), prod(shape[s:])) view with unit inner stride, or None."""
+    rows, cols = _merged(arr, range(s)), _merged(arr, range(s, arr.ndim))
+    if rows is None or cols is None or (cols[0] > 1 and cols[1] != arr.itemsize):
+        return None
+    return np.lib.stride_tricks.as_strided(arr, (rows[0], cols[0]), (rows[1], arr.itemsize),
+                                           writeable=arr.flags.writeable)
+
+
+class _Kernel:
+    """Sums over the reduced axes and broadcast arithmetic for one box layout.
+
+    ``"rows"``: reduced axes trailing and contiguous: each slice is a row, summed by BLAS
+    (``vecdot``).  ``"columns"``: the box is ``(P, Q)`` with reduced axes in front of axis
+    ``s`` (channels-last, channels-first): column sums are ``ones @ box`` (BLAS); per-column
+    operands are tiled so NumPy's inner loops stay long.  ``"generic"``: ``add.reduce``.
+    """
+
+    def __init__(self, layout, box_shape, arrays):
+        self.layout = layout
+        d = len(box_shape)
+        k = d - len(layout.reduce)
+        self.mode, self.split = "generic", None
+        if layout.reduce == tuple(range(k, d)) and all(a.flags.c_contiguous for a in arrays):
+            self.mode, self.split = "rows", k
+            return
+        s = next((a for a in range(d) if a not in layout.reduce and box_shape[a] > 1), None)
+        if s is not None and math.prod(box_shape[:s]) > 1:
+            self.mode, self.split = "columns", s
+
+    def sums(self, arr, out):
+        """``out[...] = add.reduce(arr, reduced axes, keepdims)`` by the fastest route."""
+        layout, s = self.layout, self.split
+        if self.mode == "rows":
+            n = math.prod(arr.shape[s:])
+            np.copyto(out, np.vecdot(arr.reshape(-1, n), _ones(n, arr.dtype)).reshape(out.shape))
+            return
+        if self.mode == "columns":
+            a2 = _as_2d(arr, s)
+            if a2 is not None:
+                col = np.matmul(_ones(a2.shape[0], arr.dtype), a2).reshape(arr.shape[s:])
+                inner = tuple(a - s for a in layout.reduce if a >= s)
+                if inner:
+                    col = np.add.reduce(col, axis=inner, keepdims=True)
+                np.copyto(out, col.reshape(out.shape))
+                return
+        np.add.reduce(arr, axis=layout.reduce, keepdims=True, out=out)
+
+    def sum_squares(self, arr, out, scratch):
+        """``out[...] = sum(arr * arr)`` over the reduced axes (keepdims)."""
+        if self.mode == "rows":
+            n = math.prod(arr.shape[self.split:])
+            a2 = arr.reshape(-1, n)
+            np.copyto(out, np.vecdot(a2, a2).reshape(out.shape))
+            return
+        squares = scratch.get("squares", arr.shape)
+        np.multiply(arr, arr, out=squares)
+        self.sums(squares, out)
+
+    def apply(self, ufunc, a, operand, out):
+        """``ufunc(a, operand, out=out)``; returns ``out``.
+
+        In ``"columns"`` mode an operand that varies along the box's contiguous tail only
+        (per channel, per group) is first spread over the whole tail, so that NumPy's inner
+        loop runs over the tail rather than over a few channels of one group.
+        """
+        s = self.split
+        if (self.mode == "columns" and operand.shape[:s] == (1,) * s
+                and operand.shape[s:] != a.shape[s:] and operand.size > 1):
+            operand = np.broadcast_to(operand, operand.shape[:s] + a.shape[s:]).copy()
+        ufunc(a, operand, out=out)
+        return out
+
+
+def _rstd_from_sum(plan, sum_sq):
+    """``sum_sq`` (sum of centred squares) becomes ``1 / sqrt(sum_sq / n + eps)`` in place."""
+    np.divide(sum_sq, plan.count, out=sum_sq)
+    np.add(sum_sq, plan.eps, out=sum_sq)
+    np.sqrt(sum_sq, out=sum_sq)
+    np.divide(1.0, sum_sq, out=sum_sq)
+
+
+def _statistics(plan, kernel, xa, xc, mean_out, rstd_out, scratch):
+    """Two-pass statistics of the box ``xa`` into ``mean_out``/``rstd_out`` (keepdims).
+
+    Returns ``xc = xa - mean`` (written into ``xc``; ``xa`` itself for RMS norm).
+    """
+    if plan.center:
+        kernel.sums(xa, mean_out)
+        np.divide(mean_out, plan.count, out=mean_out)
+        kernel.apply(np.subtract, xa, mean_out, xc)
+    else:
+        xc = xa
+    kernel.sum_squares(xc, rstd_out, scratch)
+    _rstd_from_sum(plan, rstd_out)
+    return xc
+
+
+def _as_acc(plan, src, scratch, slot="cast"):
+    """``src`` in the accumulation dtype: itself, or a cast copy in scratch."""
+    if src.dtype == plan.acc_dtype:
+        return src
+    out = scratch.get(slot, src.shape)
+    np.copyto(out, src, casting="unsafe")
+    return out
+
+
+def _box_shape(index, shape):
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+
+
+class _ForwardCall:
+    """One forward call: outputs, parameters and the per-box arithmetic."""
+
+    def __init__(self, plan, x, weight, bias, residual):
+        self.plan = plan
+        self.acc = np.dtype(plan.acc_dtype)
+        self.layout = layout = _Layout(plan, [x] if residual is None else [x, residual])
+        self.y = np.empty(plan.view_shape, plan.dtype)
+        self.h = None if residual is None else np.empty(plan.shape, plan.dtype)
+        self.mean = np.empty(layout.stats_shape, self.acc) if plan.center else None
+        self.rstd = np.empty(layout.stats_shape, self.acc)
+        self.ym = self.y.reshape(layout.shape)
+        self.hm = None if self.h is None else self.h.reshape(layout.shape)
+        self.w = _param_view(plan, layout, weight)
+        self.b = _param_view(plan, layout, bias)
+        self.direct = np.dtype(plan.dtype) == self.acc  # y's own block can hold x - mean
+        budget = BLOCK_BYTES // self.acc.itemsize
+        self.boxes, self.box_size = layout.boxes(budget, LARGE_BOX_BYTES // self.acc.itemsize)
+        largest = _box_shape(self.boxes[0], layout.shape)
+        self.kernel = _Kernel(layout, largest, layout.views)
+        # a bias that varies only along the reduced axes is the same in every box: tile it
+        # once, so adding it is a same-shape sum rather than a (slow) broadcast
+        self.b_tile = None
+        if self.b is not None and all(a in layout.reduce for a in layout.param):
+            self.b_tile = np.empty(largest, self.acc)
+            self.b_tile[...] = self.b[layout.small(layout.param_shape, self.boxes[0])]
+
+    def run(self, boxes, scratch):
+        plan, layout = self.plan, self.layout
+        no_mean = None if plan.center else np.empty(layout.stats_shape, self.acc)
+        for index in boxes:
+            yb = self.ym[index]
+            if self.hm is None:
+                src = layout.views[0][index]
+            else:
+                src = self.hm[index]
+                np.add(layout.views[0][index], layout.views[1][index], out=src)
+            xa = _as_acc(plan, src, scratch)
+            work = yb if self.direct else scratch.get("work", yb.shape)
+            stats_index = layout.small(layout.stats_shape, index)
+            rb = self.rstd[stats_index]
+            mb = self.mean[stats_index] if plan.center else no_mean[stats_index]
+            xc = _statistics(plan, self.kernel, xa, work, mb, rb, scratch)
+            self._scale(index, xc, rb, work, yb, scratch)
+
+    def _scale(self, index, xc, rb, work, yb, scratch):
+        """``yb = xc * (rstd * weight) + bias``: one product, one sum, the last one into y."""
+        layout, kernel = self.layout, self.kernel
+        param_index = layout.small(layout.param_shape, index)
+        factor = rb
+        if self.w is not None:
+            wb = self.w[param_index]
+            shape = np.broadcast_shapes(rb.shape, wb.shape)
+            if math.prod(shape) == yb.size:  # weight along the slice: a box-sized outer product
+                factor = scratch.get("factor", shape)
+                np.multiply(rb, wb, out=factor)
+            else:
+                factor = rb * wb
+        if self.b is None:
+            kernel.apply(np.multiply, xc, factor, yb)
+            return
+        kernel.apply(np.multiply, xc, factor, work)
+        if self.b_tile is not None:
+            np.add(work, self.b_tile[tuple(slice(0, e) for e in yb.shape)], out=yb)
+        else:
+            kernel.apply(np.add, work, self.b[param_index], yb)
+
+
+def _run(boxes, work, scratch_for):
+    """Run ``work(boxes_part, scratch)`` over the boxes, split across threads when large.
+
+    NumPy and BLAS release the GIL inside their loops, so boxes on separate cores overlap.
+    Returns the list of ``work``'s results.
+    """
+    threads = min(NUM_THREADS, len(boxes) // 4)
+    if threads <= 1:
+        return [work(boxes, scratch_for())]
+    step = -(-len(boxes) // threads)
+    parts = [boxes[i:i + step] for i in range(0, len(boxes), step)]
+    futures = [_pool().submit(work, part, scratch_for()) for part in parts[1:]]
+    results = [work(parts[0], scratch_for())]
+    return results + [f.result() for f in futures]
+
+
+_POOL = None
+
+
+def _pool():
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(max(1, NUM_THREADS - 1),
+                                                      thread_name_prefix="anynorm")
+    return _POOL
+
+
+def _parallel(x):
+    return NUM_THREADS > 1 and x.size >= PARALLEL_MIN_ELEMENTS
+
+
+def forward(plan, x, weight=None, bias=None, residual=None):
+    """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
+    if x.size == 0:
+        return _reference.forward(plan, x, weight, bias, residual)
+    call = _ForwardCall(plan, x, weight, bias, residual)
+    scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
+    if _parallel(x):
+        _run(call.boxes, call.run, scratch_for)
+    else:
+        call.run(call.boxes, scratch_for())
+    mean = call.mean.reshape(plan.stats_shape) if plan.center else None
+    return call.y.reshape(plan.shape), call.h, mean, call.rstd.reshape(plan.stats_shape)
+
+
+class _BackwardCall:
+    """One backward call: statistics, parameter-gradient sums and the per-box arithmetic."""
+
+    def __init__(self, plan, dy, x, weight, mean, rstd):
+        self.plan = plan
+        self.acc = acc = np.dtype(plan.acc_dtype)
+        self.layout = layout = _Layout(plan, [x, dy])
+        self.dx = np.empty(plan.view_shape, plan.dtype)
+        self.dxm = self.dx.reshape(layout.shape)
+        self.given = rstd is not None
+        if self.given:
+            self.rstd = np.asarray(rstd, dtype=acc).reshape(layout.stats_shape)
+            self.mean = np.asarray(mean, dtype=acc).reshape(layout.stats_shape) if plan.center else None
+        else:
+            self.rstd = np.empty(layout.stats_shape, acc)
+            self.mean = np.empty(layout.stats_shape, acc)
+        self.w = _param_view(plan, layout, weight)
+        budget = BLOCK_BYTES // acc.itemsize
+        self.boxes, self.box_size = layout.boxes(budget, LARGE_BOX_BYTES // acc.itemsize)
+        self.kernel = _Kernel(layout, _box_shape(self.boxes[0], layout.shape), layout.views)
+
+    def run(self, boxes, scratch):
+        """Write dx for ``boxes``; return this part's ``(dweight, dbias)`` sums (or Nones)."""
+        plan, layout, kernel = self.plan, self.layout, self.kernel
+        n, sums = plan.count, layout.nonparam
+        xm, dym = layout.views
+        w = self.w
+        dw = np.zeros(layout.param_shape, self.acc) if w is not None else None
+        db = np.zeros(layout.param_shape, self.acc) if w is not None else None
+        for index in boxes:
+            xa = _as_acc(plan, xm[index], scratch)
+            dya = _as_acc(plan, dym[index], scratch, "dy")
+            shape = xa.shape
+            stats_index = layout.small(layout.stats_shape, index)
+            rb = self.rstd[stats_index]
+            xhat = scratch.get("xhat", shape)
+            if self.given:
+                if plan.center:
+                    kernel.apply(np.subtract, xa, self.mean[stats_index], xhat)
+                    kernel.apply(np.multiply, xhat, rb, xhat)
+                else:
+                    kernel.apply(np.multiply, xa, rb, xhat)
+            else:
+                xc = _statistics(plan, kernel, xa, xhat, self.mean[stats_index], rb, scratch)
+                kernel.apply(np.multiply, xc, rb, xhat)
+            prod = scratch.get("prod", shape)
+            np.multiply(dya, xhat, out=prod)  # dy * xhat
+            if w is not None:
+                param_index = layout.small(layout.param_shape, index)
+                wb = w[param_index]
+                dw[param_index] += np.add.reduce(prod, axis=sums, keepdims=True) if sums else prod
+                db[param_index] += np.add.reduce(dya, axis=sums, keepdims=True) if sums else dya
+                kernel.apply(np.multiply, prod, wb, prod)  # g * xhat
+                g = kernel.apply(np.multiply, dya, wb, scratch.get("g", shape))
+            else:
+                g = dya
+            small = np.empty(rb.shape, self.acc)
+            kernel.sums(prod, small)
+            small /= n  # mean(g * xhat)
+            kernel.apply(np.multiply, xhat, small, xhat)
+            np.subtract(g, xhat, out=xhat)
+            if plan.center:
+                kernel.sums(g, small)
+                small /= n  # mean(g)
+                kernel.apply(np.subtract, xhat, small, xhat)
+            kernel.apply(np.multiply, xhat, rb, self.dxm[index])
+        return dw, db
+
+
+def backward(plan, dy, x, weight=None, mean=None, rstd=None):
+    """Return ``(dx, dweight, dbias)``; stats in public shape, recomputed when None."""
+    if x.size == 0:
+        return _reference.backward(plan, dy, x, weight, mean, rstd)
+    call = _BackwardCall(plan, dy, x, weight, mean, rstd)
+    scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
+    if _parallel(x):
+        parts = _run(call.boxes, call.run, scratch_for)
+    else:
+        parts = [call.run(call.boxes, scratch_for())]
+    dx = call.dx.reshape(plan.shape)
+    if weight is None:
+        return dx, None, None
+    dw = sum(p[0] for p in parts)
+    db = sum(p[1] for p in parts)
+    return (dx, dw.reshape(plan.param_shape).astype(weight.dtype, copy=False),
+            db.reshape(plan.param_shape).astype(weight.dtype, copy=False))

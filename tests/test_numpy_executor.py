@@ -1,0 +1,173 @@
+"""The blocked NumPy executor gives the array-API reference's answers on every kind of plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from anynorm import _numpy, _reference
+from anynorm._plan import make_plan
+
+# (op, shape, keyword arguments of make_plan)
+CASES = [
+    ("layer_norm", (6, 64), dict(axis=-1)),
+    ("layer_norm", (3, 40, 70), dict(axis=-1)),
+    ("layer_norm", (3, 4, 5), dict(axis=(-2, -1))),
+    ("layer_norm", (2, 8, 5, 5), dict(axis=1)),  # ConvNeXt channels-first
+    ("layer_norm", (4, 5, 3), dict(axis=(0, 2))),
+    ("layer_norm", (4, 5, 3), dict(axis=(2, 0, 1))),
+    ("layer_norm", (9, 7), dict(axis=0)),
+    ("layer_norm", (11,), dict(axis=0)),
+    ("layer_norm", (5, 1, 7), dict(axis=(1, 2))),
+    ("rms_norm", (7, 33), dict(axis=-1)),
+    ("rms_norm", (3, 6, 4), dict(axis=1)),
+    ("instance_norm", (2, 6, 5, 5), dict(channel_axis=1)),
+    ("instance_norm", (2, 5, 5, 6), dict(channel_axis=-1)),
+    ("instance_norm", (3, 4, 7), dict(channel_axis=1)),
+    ("instance_norm", (2, 3, 4, 5, 6), dict(channel_axis=2)),
+    ("group_norm", (2, 8, 5, 5), dict(channel_axis=1, num_groups=4)),
+    ("group_norm", (2, 5, 5, 8), dict(channel_axis=-1, num_groups=4)),
+    ("group_norm", (2, 6, 4), dict(channel_axis=1, num_groups=3)),
+    ("group_norm", (3, 6), dict(channel_axis=1, num_groups=2)),
+    ("group_norm", (2, 4, 6, 3), dict(channel_axis=2, num_groups=6)),
+]
+DTYPES = [np.float32, np.float64, np.float16]
+TOL = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-12}
+
+
+@pytest.fixture(params=["one box", "many boxes", "threads"])
+def blocking(request, monkeypatch):
+    """Run each case as one box, as many tiny boxes, and split across threads."""
+    if request.param != "one box":
+        monkeypatch.setattr(_numpy, "BLOCK_BYTES", 64)
+        monkeypatch.setattr(_numpy, "LARGE_BOX_BYTES", 256)
+    if request.param == "threads":
+        monkeypatch.setattr(_numpy, "NUM_THREADS", 2)
+        monkeypatch.setattr(_numpy, "PARALLEL_MIN_ELEMENTS", 1)
+    return request.param
+
+
+def _inputs(op, shape, dtype, kw, *, affine=True, residual=False, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 3 + 2).astype(dtype)
+    param_shape = make_plan(op, x, **kw).param_shape
+    weight = rng.standard_normal(param_shape).astype(dtype) if affine else None
+    bias = rng.standard_normal(param_shape).astype(dtype) if affine and op != "rms_norm" else None
+    res = rng.standard_normal(shape).astype(dtype) if residual else None
+    return x, weight, bias, res
+
+
+def _assert_same(ours, ref, dtype):
+    tol = TOL[dtype]
+    for a, b in zip(ours, ref):
+        if b is None:
+            assert a is None
+            continue
+        assert isinstance(a, np.ndarray)
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
+
+
+def _frozen(*arrays):
+    for a in arrays:
+        if a is not None:
+            a.flags.writeable = False
+    return arrays
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("op,shape,kw", CASES, ids=lambda v: str(v).replace(" ", ""))
+def test_forward_and_backward_match_reference(op, shape, kw, affine, dtype, blocking):
+    x, weight, bias, _ = _frozen(*_inputs(op, shape, dtype, kw, affine=affine))
+    plan = make_plan(op, x, weight, bias, **kw)
+    ref = _reference.forward(plan, x, weight, bias)
+    ours = _numpy.forward(plan, x, weight, bias)
+    _assert_same(ours, ref, dtype)
+    assert ours[2] is None or ours[2].shape == plan.stats_shape
+    assert ours[3].dtype == np.dtype(plan.acc_dtype)
+
+    (dy,) = _frozen((np.random.default_rng(1).standard_normal(shape)).astype(dtype))
+    for mean, rstd in ((None, None), (ref[2], ref[3])):
+        expected = _reference.backward(plan, dy, x, weight, mean, rstd)
+        got = _numpy.backward(plan, dy, x, weight, mean, rstd)
+        _assert_same(got, expected, dtype)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_residual(op, dtype, blocking):
+    x, weight, bias, res = _frozen(*_inputs(op, (5, 3, 17), dtype, {}, residual=True))
+    plan = make_plan(op, x, weight, bias, res)
+    ours = _numpy.forward(plan, x, weight, bias, res)
+    _assert_same(ours, _reference.forward(plan, x, weight, bias, res), dtype)
+    np.testing.assert_array_equal(ours[1], x + res)
+
+
+@pytest.mark.parametrize("op,shape,kw", [
+    ("layer_norm", (0, 8), dict(axis=-1)),
+    ("rms_norm", (0, 3, 8), dict(axis=(1, 2))),
+    ("instance_norm", (0, 4, 5), dict(channel_axis=1)),
+    ("group_norm", (0, 5, 4), dict(channel_axis=-1, num_groups=2)),
+])
+def test_empty_batch(op, shape, kw):
+    x, weight, bias, _ = _inputs(op, shape, np.float32, kw)
+    plan = make_plan(op, x, weight, bias, **kw)
+    y, h, mean, rstd = _numpy.forward(plan, x, weight, bias)
+    assert y.shape == shape and rstd.shape == plan.stats_shape and h is None
+    dx, dw, db = _numpy.backward(plan, np.ones_like(x), x, weight)
+    assert dx.shape == shape and dw.shape == plan.param_shape
+    np.testing.assert_array_equal(dw, 0)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "negative"])
+@pytest.mark.parametrize("op,shape,kw", [
+    ("layer_norm", (6, 10, 12), dict(axis=-1)),
+    ("layer_norm", (6, 10, 12), dict(axis=(0, 2))),
+    ("instance_norm", (3, 4, 6, 5), dict(channel_axis=1)),
+    ("group_norm", (3, 6, 5, 8), dict(channel_axis=-1, num_groups=2)),
+])
+def test_non_contiguous_inputs(op, shape, kw, layout, blocking):
+    rng = np.random.default_rng(3)
+    if layout == "transposed":
+        base = rng.standard_normal(shape[::-1]).astype(np.float32)
+        x = base.transpose(tuple(range(len(shape)))[::-1])
+    elif layout == "strided":
+        x = rng.standard_normal(shape[:-1] + (2 * shape[-1],)).astype(np.float32)[..., ::2]
+    else:
+        x = rng.standard_normal(shape).astype(np.float32)[::-1, ..., ::-1]
+    assert x.shape == shape and not x.flags.c_contiguous
+    _, weight, bias, _ = _inputs(op, shape, np.float32, kw)
+    dy = np.asfortranarray(rng.standard_normal(shape).astype(np.float32))
+    before = x.copy()
+    plan = make_plan(op, x, weight, bias, **kw)
+    _assert_same(_numpy.forward(plan, x, weight, bias), _reference.forward(plan, x, weight, bias),
+                 np.float32)
+    _assert_same(_numpy.backward(plan, dy, x, weight), _reference.backward(plan, dy, x, weight),
+                 np.float32)
+    np.testing.assert_array_equal(x, before)
+
+
+def test_mixed_parameter_and_gradient_dtypes():
+    """float64 weight on float32 x, float64 dy: arithmetic in the accumulation dtype."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 9)).astype(np.float32)
+    weight, bias = rng.standard_normal(9), rng.standard_normal(9)
+    dy = rng.standard_normal((4, 9))
+    plan = make_plan("layer_norm", x, weight, bias)
+    _assert_same(_numpy.forward(plan, x, weight, bias), _reference.forward(plan, x, weight, bias),
+                 np.float32)
+    _assert_same(_numpy.backward(plan, dy, x, weight), _reference.backward(plan, dy, x, weight),
+                 np.float32)
+
+
+def test_large_offset_is_stable():
+    """Two-pass statistics: a mean far from zero does not swamp a small variance."""
+    rng = np.random.default_rng(5)
+    x = (1e4 + rng.standard_normal((8, 4096))).astype(np.float32)
+    plan = make_plan("layer_norm", x)
+    y, _, _, rstd = _numpy.forward(plan, x)
+    exact = x.astype(np.float64)
+    exact = (exact - exact.mean(-1, keepdims=True)) / np.sqrt(exact.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(y, exact, atol=5e-3)
+    np.testing.assert_allclose(1 / rstd[:, 0] ** 2 - 1e-5, x.astype(np.float64).var(-1), rtol=1e-3)
