@@ -15,7 +15,8 @@ The statistics' kept axes must also run in their logical order (so the statistic
 in the public shape) and, when there are parameters, the parameter axes must be one run in
 logical order (``p = (e // p_div) % p_len``). Anything else (non-dense views, overlapping or
 negative strides, other axis orders) is copied once into the canonical order "kept axes,
-then reduced axes", always a rows layout; outputs are then copied back once.
+then reduced axes" (group norm: the ``C/G`` axis first among them), always a rows layout;
+outputs are then copied back once.
 """
 
 from __future__ import annotations
@@ -143,9 +144,17 @@ def _factor(plan, order, need_params):
 
 
 def canonical_order(plan) -> tuple:
-    """Kept axes then reduced axes, each in logical order: always a rows layout."""
+    """Kept axes then reduced axes, each in logical order: always a rows layout.
+
+    Group norm puts the ``C/G`` axis first among the reduced ones, next to the group axis
+    (the last kept one), so that the channel index ``g * C/G + c`` stays one run.
+    """
     kept = tuple(a for a in range(len(plan.view_shape)) if a not in plan.reduce_axes)
-    return kept + tuple(plan.reduce_axes)
+    reduced = tuple(plan.reduce_axes)
+    if plan.num_groups is not None:
+        within = plan.channel_axis + 1
+        reduced = (within,) + tuple(a for a in reduced if a != within)
+    return kept + reduced
 
 
 def plan_layout(plan, strides, need_params=None) -> Layout:

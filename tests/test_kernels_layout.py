@@ -1,0 +1,182 @@
+"""The kernels' (outer, reduced, inner) factorization, checked on the CPU.
+
+For inputs of many memory layouts, ``plan_layout`` picks a buffer; a NumPy model of the
+kernels' index maps (README: slice ``s`` and parameter ``p`` of element ``e``, the
+``(a_len, p_len, b_len)`` parameter view) then computes outputs, statistics and gradients
+from that buffer alone, which must match the reference executor. This checks the layout
+logic and the index formulas the kernels rely on; the kernels' arithmetic is checked by the
+emulation harness and the GPU suite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy", exc_type=ImportError)  # anynorm._cuda needs CuPy to import
+_layout = pytest.importorskip("anynorm._cuda._layout", exc_type=ImportError)
+
+from anynorm import _reference  # noqa: E402
+from anynorm._plan import make_plan  # noqa: E402
+
+
+def _buffer(plan, layout, arr):
+    """The kernel buffer of ``arr``: its own memory when laid out as the buffer (as
+    ``_buffers.input_buffer`` decides), else one copy in layout order."""
+    if _is_buffer(plan, layout, arr):
+        return np.lib.stride_tricks.as_strided(arr, shape=(arr.size,), strides=(arr.itemsize,))
+    assert layout.copy or arr is not _buffer.x, "x itself must never need a copy in a zero-copy layout"
+    return np.ascontiguousarray(np.transpose(arr.reshape(plan.view_shape), layout.order)).ravel()
+
+
+def _is_buffer(plan, layout, arr):
+    want = _layout.buffer_strides(plan, layout)
+    have = _layout.view_strides(plan, [s // arr.itemsize for s in arr.strides])
+    return all(n == 1 or w == h for n, w, h in zip(plan.view_shape, want, have))
+
+
+def _unbuffer(plan, layout, buf):
+    """Logical array of ``plan.shape`` from a buffer in layout order."""
+    ordered = buf.reshape([plan.view_shape[a] for a in layout.order])
+    return np.transpose(ordered, np.argsort(layout.order)).reshape(plan.shape)
+
+
+def _index_maps(layout):
+    e = np.arange(layout.total)
+    if layout.inner == 1:
+        s = e // layout.reduced
+    else:
+        s = (e // (layout.reduced * layout.inner)) * (layout.inner // layout.group) + (e % layout.inner) // layout.group
+    p = (e // layout.p_div) % layout.p_len
+    a, rest = np.divmod(e, layout.p_len * layout.b_len)
+    assert np.array_equal(rest // layout.b_len, p)  # the (a_len, p_len, b_len) view agrees
+    assert layout.a_len * layout.p_len * layout.b_len == layout.total
+    return s, p
+
+
+def _model_forward(plan, layout, x, w, b):
+    v = _buffer(plan, layout, x).astype(np.float64)
+    s, p = _index_maps(layout)
+    n = np.bincount(s, minlength=layout.slices)
+    assert (n == plan.count).all()
+    mean = np.bincount(s, v, layout.slices) / n if plan.center else np.zeros(layout.slices)
+    var = np.bincount(s, (v - mean[s]) ** 2, layout.slices) / n
+    rstd = 1 / np.sqrt(var + plan.eps)
+    y = (v - mean[s]) * rstd[s]
+    if w is not None:
+        y = y * w.reshape(-1)[p]
+    if b is not None:
+        y = y + b.reshape(-1)[p]
+    stats = plan.stats_shape
+    return _unbuffer(plan, layout, y), mean.reshape(stats), rstd.reshape(stats)
+
+
+def _model_backward(plan, layout, dy, x, w):
+    v = _buffer(plan, layout, x)
+    d = _buffer(plan, layout, dy)
+    s, p = _index_maps(layout)
+    _, mean, rstd = _model_forward(plan, layout, x, None, None)
+    mean, rstd = mean.reshape(-1), rstd.reshape(-1)
+    xhat = (v - mean[s]) * rstd[s]
+    g = d * w.reshape(-1)[p]
+    mg = np.bincount(s, g, layout.slices) / plan.count if plan.center else np.zeros(layout.slices)
+    mgx = np.bincount(s, g * xhat, layout.slices) / plan.count
+    dx = rstd[s] * (g - mg[s] - xhat * mgx[s])
+    dw = np.bincount(p, d * xhat, layout.p_len).reshape(plan.param_shape)
+    db = np.bincount(p, d, layout.p_len).reshape(plan.param_shape)
+    return _unbuffer(plan, layout, dx), dw, db
+
+
+def _strided(shape, memory_order=None, step=None, rng=None):
+    """float64 array of ``shape`` whose memory runs in ``memory_order`` (outermost first),
+    optionally a non-dense slice (every ``step``-th element of the last axis)."""
+    rng = rng or np.random.default_rng(0)
+    order = memory_order or tuple(range(len(shape)))
+    big = [shape[a] for a in order]
+    if step:
+        big[-1] *= step
+    base = rng.standard_normal(big) * 3 + 1
+    if step:
+        base = base[..., ::step]
+    return np.transpose(base, np.argsort(order))
+
+
+CASES = [
+    # (op, shape, kwargs, memory order or None, non-dense step or None, expected kind)
+    ("layer_norm", (3, 5, 7), dict(axis=-1), None, None, "rows"),
+    ("layer_norm", (3, 5, 7), dict(axis=(-2, -1)), None, None, "rows"),
+    ("layer_norm", (2, 3, 4, 5), dict(axis=1), None, None, "cols"),  # ConvNeXt channels-first
+    ("layer_norm", (2, 3, 4, 5), dict(axis=(1, 2)), None, None, "cols"),
+    ("layer_norm", (2, 3, 4, 5), dict(axis=(1, 3)), None, None, "copy"),
+    ("layer_norm", (4, 6), dict(axis=0), None, None, "cols"),
+    ("layer_norm", (3, 5, 7), dict(axis=(-2, -1)), (0, 2, 1), None, "copy"),
+    ("layer_norm", (3, 5, 7), dict(axis=-1), (1, 0, 2), None, "copy"),
+    ("layer_norm", (3, 5, 7), dict(axis=-1), None, 2, "copy"),
+    ("layer_norm", (1, 5, 1, 7), dict(axis=(1, 3)), None, None, "rows"),
+    ("layer_norm", (6,), dict(axis=0), None, None, "rows"),
+    ("rms_norm", (3, 5, 7), dict(axis=-1), None, None, "rows"),
+    ("rms_norm", (2, 3, 4, 5), dict(axis=1), None, None, "cols"),
+    ("instance_norm", (2, 3, 4, 5), dict(channel_axis=1), None, None, "rows"),
+    ("instance_norm", (2, 4, 5, 3), dict(channel_axis=-1), None, None, "cols"),  # NHWC
+    ("instance_norm", (2, 3, 4, 5), dict(channel_axis=1), (0, 2, 3, 1), None, "cols"),  # channels_last
+    ("instance_norm", (2, 3, 4, 5), dict(channel_axis=1), (1, 0, 2, 3), None, "copy"),
+    ("instance_norm", (2, 3, 4, 5), dict(channel_axis=2), None, None, "cols"),  # group = 5
+    ("instance_norm", (2, 3, 4, 5), dict(channel_axis=2), None, 2, "copy"),
+    ("group_norm", (2, 4, 5, 6), dict(channel_axis=-1, num_groups=3), None, 2, "copy"),
+    ("group_norm", (2, 4, 6, 5), dict(channel_axis=2, num_groups=3), (0, 2, 1, 3), None, "rows"),
+    ("instance_norm", (2, 3, 1, 1), dict(channel_axis=1), None, None, "rows"),
+    ("group_norm", (2, 6, 4, 5), dict(channel_axis=1, num_groups=3), None, None, "rows"),
+    ("group_norm", (2, 4, 5, 6), dict(channel_axis=-1, num_groups=3), None, None, "cols"),  # NHWC
+    ("group_norm", (2, 6, 4, 5), dict(channel_axis=1, num_groups=2), (0, 2, 3, 1), None, "cols"),
+    ("group_norm", (2, 4, 5, 6), dict(channel_axis=-1, num_groups=6), None, None, "cols"),
+    ("group_norm", (2, 4, 5, 6), dict(channel_axis=-1, num_groups=1), None, None, "rows"),
+    ("group_norm", (2, 6, 4, 5), dict(channel_axis=1, num_groups=3), None, 3, "copy"),
+    ("group_norm", (3, 6, 7), dict(channel_axis=1, num_groups=6), None, None, "rows"),
+]
+
+
+def _kind(layout):
+    return "copy" if layout.copy else ("rows" if layout.rows else "cols")
+
+
+@pytest.mark.parametrize("with_params", [True, False])
+@pytest.mark.parametrize("op, shape, kwargs, memory_order, step, kind", CASES)
+def test_layout_model_matches_reference(op, shape, kwargs, memory_order, step, kind, with_params):
+    rng = np.random.default_rng(1)
+    x = _strided(shape, memory_order, step, rng)
+    _buffer.x = x
+    plan0 = make_plan(op, x, **kwargs)
+    w = rng.standard_normal(plan0.param_shape) if with_params else None
+    b = rng.standard_normal(plan0.param_shape) if with_params and op != "rms_norm" else None
+    plan = make_plan(op, x, w, b, **kwargs)
+    layout = _layout.plan_layout(plan, [s // x.itemsize for s in x.strides])
+    if with_params:
+        assert _kind(layout) == kind, layout
+    assert layout.total == x.size and layout.inner % layout.group == 0
+    y, mean, rstd = _model_forward(plan, layout, x, w, b)
+    ry, _, rmean, rrstd = _reference.forward(plan, x, w, b)
+    np.testing.assert_allclose(y, ry, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(rstd, rrstd, rtol=1e-10)
+    if plan.center:
+        np.testing.assert_allclose(mean, rmean, rtol=1e-10, atol=1e-12)
+
+    dy = rng.standard_normal(shape)
+    wb = w if w is not None else np.ones(plan.param_shape)
+    bplan = make_plan(op, x, wb, **kwargs)
+    blayout = _layout.plan_layout(bplan, [s // x.itemsize for s in x.strides], True)
+    dx, dw, db = _model_backward(bplan, blayout, dy, x, wb)
+    rdx, rdw, rdb = _reference.backward(bplan, dy, x, wb)
+    np.testing.assert_allclose(dx, rdx, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(dw, rdw, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(db, rdb, rtol=1e-9, atol=1e-10)
+
+
+def test_canonical_order_is_always_rows():
+    for op, shape, kwargs, *_ in CASES:
+        plan = make_plan(op, np.zeros(shape), np.ones(make_plan(op, np.zeros(shape), **kwargs).param_shape),
+                         **kwargs)
+        layout = _layout._factor(plan, _layout.canonical_order(plan), True)
+        assert layout is not None and layout.rows, (op, shape, kwargs)
+        assert layout.outer * layout.reduced == math.prod(shape)
