@@ -4,10 +4,10 @@ The view of ``x`` is cut into boxes that hold whole normalized slices (every red
 full) and fit in a core's cache (``BLOCK_BYTES`` of accumulation-dtype elements).  Per box,
 with the box read from memory once and ``y`` written once::
 
-    mean = add.reduce(x) / n                        (pairwise along a contiguous axis)
-    xc   = x - mean                                 (into y's own block, or our temporary)
-    rstd = 1 / sqrt(add.reduce(xc * xc) / n + eps)  (two-pass on the cached box)
-    y    = xc * rstd * weight + bias                (in place, the last step writes y)
+    shift = sum(x) / n;  d = x - shift;  c = sum(d) / n      (corrected two-pass, as the
+    mean  = shift + c;   var = sum(d * d) / n - c * c         reference; sums by BLAS dot
+    rstd  = 1 / sqrt(var + eps);  xc = d - c                  products where rows allow)
+    y     = xc * (rstd * weight) + bias                       (in place; the last step writes y)
 
 Backward per box, with ``xhat = (x - mean) * rstd`` and ``g = dy * weight``::
 
@@ -252,27 +252,45 @@ class _Kernel:
         return out
 
 
-def _rstd_from_sum(plan, sum_sq):
-    """``sum_sq`` (sum of centred squares) becomes ``1 / sqrt(sum_sq / n + eps)`` in place."""
-    np.divide(sum_sq, plan.count, out=sum_sq)
-    np.add(sum_sq, plan.eps, out=sum_sq)
-    np.sqrt(sum_sq, out=sum_sq)
-    np.divide(1.0, sum_sq, out=sum_sq)
+def _rstd_from_var(plan, var):
+    """``var`` becomes ``1 / sqrt(var + eps)`` in place."""
+    np.add(var, plan.eps, out=var)
+    np.sqrt(var, out=var)
+    np.divide(1.0, var, out=var)
 
 
 def _statistics(plan, kernel, xa, xc, mean_out, rstd_out, scratch):
-    """Two-pass statistics of the box ``xa`` into ``mean_out``/``rstd_out`` (keepdims).
+    """Corrected two-pass statistics of the box ``xa`` into ``mean_out``/``rstd_out`` (keepdims).
 
-    Returns ``xc = xa - mean`` (written into ``xc``; ``xa`` itself for RMS norm).
+    ``shift = sum(x) / n``, ``d = x - shift`` (exact near the shift), ``c = sum(d) / n``::
+
+        mean = shift + c,   var = sum(d * d) / n - c * c,   xc = d - c
+
+    as in the reference.  ``c`` is the summation error of the first pass; ``d - c`` costs a
+    full pass, so it is taken only where ``|c| * rstd`` exceeds the accumulation dtype's
+    epsilon (rows far from zero), i.e. where skipping it would show in ``y``.
+    Returns ``xc`` (written into ``xc``; ``xa`` itself for RMS norm).
     """
-    if plan.center:
-        kernel.sums(xa, mean_out)
-        np.divide(mean_out, plan.count, out=mean_out)
-        kernel.apply(np.subtract, xa, mean_out, xc)
-    else:
-        xc = xa
+    n = plan.count
+    if not plan.center:
+        kernel.sum_squares(xa, rstd_out, scratch)
+        np.divide(rstd_out, n, out=rstd_out)
+        _rstd_from_var(plan, rstd_out)
+        return xa
+    kernel.sums(xa, mean_out)
+    np.divide(mean_out, n, out=mean_out)
+    kernel.apply(np.subtract, xa, mean_out, xc)
+    correction = np.empty_like(mean_out)
+    kernel.sums(xc, correction)
+    np.divide(correction, n, out=correction)
     kernel.sum_squares(xc, rstd_out, scratch)
-    _rstd_from_sum(plan, rstd_out)
+    np.divide(rstd_out, n, out=rstd_out)
+    np.subtract(rstd_out, correction * correction, out=rstd_out)
+    np.maximum(rstd_out, 0, out=rstd_out)
+    _rstd_from_var(plan, rstd_out)
+    if np.max(np.abs(correction) * rstd_out) > np.finfo(correction.dtype).eps:
+        kernel.apply(np.subtract, xc, correction, xc)
+    np.add(mean_out, correction, out=mean_out)
     return xc
 
 

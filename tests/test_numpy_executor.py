@@ -161,13 +161,14 @@ def test_mixed_parameter_and_gradient_dtypes():
                  np.float32)
 
 
-def test_large_offset_is_stable():
-    """Two-pass statistics: a mean far from zero does not swamp a small variance."""
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+def test_offset_rows_as_accurate_as_reference(offset, blocking):
+    """Corrected two-pass: a mean far from zero does not swamp a small variance."""
     rng = np.random.default_rng(5)
-    x = (1e4 + rng.standard_normal((8, 4096))).astype(np.float32)
+    x = (offset + rng.standard_normal((8, 4096))).astype(np.float32)
     plan = make_plan("layer_norm", x)
-    y, _, _, rstd = _numpy.forward(plan, x)
     exact = x.astype(np.float64)
     exact = (exact - exact.mean(-1, keepdims=True)) / np.sqrt(exact.var(-1, keepdims=True) + 1e-5)
-    np.testing.assert_allclose(y, exact, atol=5e-3)
-    np.testing.assert_allclose(1 / rstd[:, 0] ** 2 - 1e-5, x.astype(np.float64).var(-1), rtol=1e-3)
+    ours = np.abs(_numpy.forward(plan, x)[0] - exact).max()
+    ref = np.abs(_reference.forward(plan, x)[0] - exact).max()
+    assert ours <= 1.5 * ref + 1e-6, (ours, ref)
