@@ -1,0 +1,200 @@
+"""anynorm.nn (torch drop-ins) and the array-API module classes: outputs, parameters, state dicts."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+import anynorm
+import reference
+from support import assert_close, get_backend
+
+torch = pytest.importorskip("torch")
+nn = anynorm.nn
+
+# (our class, torch's class, constructor args, input shape)
+PAIRS = [
+    ("LayerNorm", torch.nn.LayerNorm, ((5,),), (2, 3, 5)),
+    ("LayerNorm", torch.nn.LayerNorm, ((3, 5),), (2, 3, 5)),
+    ("LayerNorm", torch.nn.LayerNorm, (5, 1e-3, True, False), (4, 5)),
+    ("LayerNorm", torch.nn.LayerNorm, (5, 1e-5, False), (4, 5)),
+    ("RMSNorm", torch.nn.RMSNorm, ((5,),), (2, 3, 5)),
+    ("RMSNorm", torch.nn.RMSNorm, ((3, 5), 1e-4), (2, 3, 5)),
+    ("RMSNorm", torch.nn.RMSNorm, (5, None, False), (4, 5)),
+    ("GroupNorm", torch.nn.GroupNorm, (2, 6), (2, 6, 3, 3)),
+    ("GroupNorm", torch.nn.GroupNorm, (3, 6, 1e-3, False), (2, 6, 4)),
+    ("GroupNorm", torch.nn.GroupNorm, (1, 4), (3, 4)),
+    ("InstanceNorm", torch.nn.InstanceNorm1d, (4,), (2, 4, 7)),
+    ("InstanceNorm", torch.nn.InstanceNorm2d, (4, 1e-5, 0.1, True), (2, 4, 3, 5)),
+    ("InstanceNorm", torch.nn.InstanceNorm3d, (3, 1e-4, 0.1, True), (2, 3, 2, 3, 4)),
+]
+PAIR_IDS = [f"{p[0]}{p[2]}" for p in PAIRS]
+
+
+def randomize(module, seed):
+    """Give every parameter random values, so that loading a state dict is visible."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return module
+
+
+@pytest.mark.parametrize("name, theirs_cls, args, shape", PAIRS, ids=PAIR_IDS)
+def test_nn_module_is_a_drop_in(name, theirs_cls, args, shape):
+    """Same parameters and state_dict keys; loading works both ways; same outputs and gradients."""
+    ours = randomize(getattr(nn, name)(*args).double(), 1)
+    theirs = randomize(theirs_cls(*args).double(), 2)
+    assert isinstance(ours, torch.nn.Module)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    for p_ours, p_theirs in zip(ours.parameters(), theirs.parameters()):
+        assert p_ours.shape == p_theirs.shape
+
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(shape, dtype=torch.float64)
+    for direction in ("theirs->ours", "ours->theirs"):
+        x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_ours, y_theirs = ours(x_ours), theirs(x_theirs)
+        assert_close(y_ours.detach().numpy(), y_theirs.detach().numpy(), "float64", what=direction)
+        dy = torch.randn(shape, dtype=torch.float64)
+        y_ours.backward(dy)
+        y_theirs.backward(dy)
+        assert_close(x_ours.grad.numpy(), x_theirs.grad.numpy(), "float64", scale=10)
+        for p_ours, p_theirs in zip(ours.parameters(), theirs.parameters()):
+            assert_close(p_ours.grad.numpy(), p_theirs.grad.numpy(), "float64", scale=10)
+        randomize(ours, 3)
+        theirs.load_state_dict(ours.state_dict())
+        ours.zero_grad(), theirs.zero_grad()
+
+
+@pytest.mark.parametrize("name, theirs_cls", [("LayerNorm", torch.nn.LayerNorm), ("RMSNorm", torch.nn.RMSNorm),
+                                              ("GroupNorm", torch.nn.GroupNorm),
+                                              ("InstanceNorm", torch.nn.InstanceNorm2d)])
+def test_nn_constructor_matches_torch(name, theirs_cls):
+    """Every constructor argument of the torch namesake, in order, with the same default."""
+    ours = inspect.signature(getattr(nn, name)).parameters
+    theirs = inspect.signature(theirs_cls).parameters
+    positional = [p for p in theirs.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [p.name for p in positional] == [p.name for p in ours.values()][:len(positional)]
+    for p in theirs.values():
+        assert p.name in ours and ours[p.name].default == p.default, p.name
+
+
+def test_nn_default_parameters_and_axis():
+    ln = nn.LayerNorm((3, 5))
+    assert torch.equal(ln.weight, torch.ones(3, 5)) and torch.equal(ln.bias, torch.zeros(3, 5))
+    assert ln.axis == (-2, -1)
+    assert nn.RMSNorm(4).eps is None and nn.GroupNorm(2, 4).channel_axis == 1
+    assert "axis" in repr(ln) and "channel_axis" in repr(nn.InstanceNorm(3))
+
+
+def channels_last_pairs():
+    """(ours, the torch computation it must equal) for channels-last / channels-first layouts."""
+    ln = nn.LayerNorm(4, axis=1)  # ConvNeXt's channels-first LayerNorm on NCHW
+    gn = nn.GroupNorm(2, 4, channel_axis=-1)  # NHWC group norm
+    inorm = nn.InstanceNorm(4, affine=True, channel_axis=-1)  # NHWC instance norm
+    tln, tgn, tin = torch.nn.LayerNorm(4), torch.nn.GroupNorm(2, 4), torch.nn.InstanceNorm2d(4, affine=True)
+    for a, b in ((ln, tln), (gn, tgn), (inorm, tin)):
+        randomize(b.double(), 4)
+        a.double().load_state_dict(b.state_dict())
+    return {
+        "layer-norm-channels-first": (ln, lambda x: tln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2), (2, 4, 3, 5)),
+        "group-norm-nhwc": (gn, lambda x: tgn(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1), (2, 3, 5, 4)),
+        "instance-norm-nhwc": (inorm, lambda x: tin(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1), (2, 3, 5, 4)),
+    }
+
+
+@pytest.mark.parametrize("layout", ["layer-norm-channels-first", "group-norm-nhwc", "instance-norm-nhwc"])
+@pytest.mark.parametrize("memory", ["contiguous", "channels_last"])
+def test_nn_channels_last(layout, memory):
+    ours, theirs, shape = channels_last_pairs()[layout]
+    x = torch.randn(shape, dtype=torch.float64)
+    if memory == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    assert_close(ours(x).detach().numpy(), theirs(x).detach().numpy(), "float64")
+
+
+def test_nn_instance_norm_errors():
+    with pytest.raises(NotImplementedError, match="track_running_stats"):
+        nn.InstanceNorm(4, track_running_stats=True)
+    with pytest.raises(ValueError, match="num_features=4"):
+        nn.InstanceNorm(4)(torch.randn(2, 3, 5))
+
+
+def test_nn_modules_follow_dtype_and_device_moves():
+    """.half()/.double() and float16 inputs: parameters and output follow like torch's."""
+    ln = nn.LayerNorm(8).half()
+    x = torch.randn(2, 8).half()
+    y = ln(x)
+    assert y.dtype == torch.float16 and ln.weight.dtype == torch.float16
+    want = reference.forward("layer_norm", x.double().numpy())[0]
+    np.testing.assert_allclose(y.double().detach().numpy(), want, rtol=4e-3, atol=4e-3)
+
+
+# --- array-API modules ------------------------------------------------------------------------
+
+ARRAY_MODULES = [
+    ("LayerNorm", torch.nn.LayerNorm, ((3, 5),), (2, 3, 5)),
+    ("LayerNorm", torch.nn.LayerNorm, (5, 1e-5, True, False), (4, 5)),
+    ("RMSNorm", torch.nn.RMSNorm, (5,), (4, 5)),
+    ("GroupNorm", torch.nn.GroupNorm, (2, 6), (2, 6, 3)),
+    ("InstanceNorm", torch.nn.InstanceNorm2d, (4, 1e-5, 0.1, True), (2, 4, 3, 3)),
+]
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch", "array-api-strict", "jax"])
+@pytest.mark.parametrize("name, theirs_cls, args, shape", ARRAY_MODULES, ids=[f"{m[0]}{m[2]}" for m in ARRAY_MODULES])
+def test_array_module_loads_torch_state_dict_both_ways(lib, name, theirs_cls, args, shape):
+    b = get_backend(lib)
+    ours = getattr(anynorm, name)(*args, xp=b.xp, dtype=b.dtype("float64"))
+    theirs = randomize(theirs_cls(*args).double(), 5)
+    want_keys = list(theirs.state_dict())
+    assert list(ours.state_dict()) == want_keys
+    # defaults: ones and zeros in the chosen library
+    for key, value in ours.state_dict().items():
+        assert b.is_own(value)
+        assert np.all(b.to_numpy(value) == (1.0 if key == "weight" else 0.0))
+        assert tuple(value.shape) == tuple(theirs.state_dict()[key].shape)
+
+    ours.load_state_dict(theirs.state_dict())  # torch tensors (requires_grad) into any library
+    x64 = np.random.default_rng(6).standard_normal(shape)
+    y = ours(b.asarray(x64))
+    assert b.is_own(y)
+    assert_close(b.to_numpy(y), theirs(torch.asarray(x64)).detach().numpy(), "float64")
+
+    ours.load_state_dict({k: np.full(tuple(v.shape), 0.5) for k, v in ours.state_dict().items()})
+    theirs.load_state_dict({k: torch.asarray(b.to_numpy(v)) for k, v in ours.state_dict().items()})
+    assert all(torch.all(v == 0.5) for v in theirs.state_dict().values())
+
+
+def test_array_module_state_dict_errors():
+    ln = anynorm.LayerNorm(4)
+    with pytest.raises(ValueError, match="missing.*bias"):
+        ln.load_state_dict({"weight": np.ones(4)})
+    with pytest.raises(ValueError, match="unexpected.*running_mean"):
+        ln.load_state_dict({"weight": np.ones(4), "bias": np.zeros(4), "running_mean": np.zeros(4)})
+    with pytest.raises(ValueError, match=r"state_dict\['weight'\] must have shape \(4,\)"):
+        ln.load_state_dict({"weight": np.ones(5), "bias": np.zeros(4)})
+    with pytest.raises(NotImplementedError, match="track_running_stats"):
+        anynorm.InstanceNorm(3, track_running_stats=True)
+    with pytest.raises(ValueError, match="num_groups"):
+        anynorm.GroupNorm(4, 6)
+
+
+def test_array_module_without_affine_has_no_parameters():
+    assert anynorm.LayerNorm(4, elementwise_affine=False).state_dict() == {}
+    assert anynorm.InstanceNorm(3).state_dict() == {}
+    assert list(anynorm.GroupNorm(1, 3, bias=False).state_dict()) == ["weight"]
+
+
+def test_array_module_channels_last_and_axis():
+    """The array-API modules take axis=/channel_axis= like the functions."""
+    x64 = np.random.default_rng(8).standard_normal((2, 3, 5, 4))
+    got = anynorm.GroupNorm(2, 4, channel_axis=-1, dtype=np.float64)(x64)
+    want = reference.forward("group_norm", x64, num_groups=2, channel_axis=-1)[0]
+    assert_close(got, want, "float64")
+    got = anynorm.LayerNorm(3, axis=1, dtype=np.float64)(x64)
+    assert_close(got, reference.forward("layer_norm", x64, axis=1)[0], "float64")
