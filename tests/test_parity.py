@@ -7,9 +7,8 @@ import pytest
 
 import anynorm
 import reference
-from support import (CASES, FLOAT_DTYPES, TOLERANCE, assert_close, call, case, default_eps, get_backend,
-                     make_inputs,
-                     stats_dtype, torch_functional)
+from support import (CASES, FLOAT_DTYPES, TOLERANCE, assert_close, call, call_backward, case, default_eps,
+                     get_backend, make_inputs, stats_dtype, torch_functional)
 
 
 def run_and_compare(backend, c, dtype, *, affine=True, eps=None, weight_dtype=None, seed=0):
@@ -208,3 +207,35 @@ def test_statistics_match_torch_natives(c):
         _, tmean, trstd = torch.native_group_norm(moved, None, None, n, ch, moved[0, 0].numel(), groups, 1e-5)
     np.testing.assert_allclose(mean.numpy().ravel(), tmean.numpy().ravel(), rtol=TOLERANCE["float64"])
     np.testing.assert_allclose(rstd.numpy().ravel(), trstd.numpy().ravel(), rtol=TOLERANCE["float64"])
+
+
+# --- the caller's arrays are never modified ----------------------------------------------------
+
+def _snapshot(backend, arrays):
+    return [(backend.to_numpy(a), getattr(a, "_version", None)) for a in arrays]
+
+
+@pytest.mark.parametrize("c", [CASES[0], CASES[2], CASES[8], CASES[12], CASES[16]], ids=str)
+def test_inputs_are_never_modified(backend, c):
+    """x, weight, bias, residual, dy and stats keep their values (and torch version counters)
+    through the forward and the backward; NumPy outputs share no memory with the inputs."""
+    x64, w64, b64 = make_inputs(c)
+    x, w = backend.asarray(x64, "float32"), backend.asarray(w64, "float32")
+    b = None if b64 is None else backend.asarray(b64, "float32")
+    dy = backend.asarray(np.random.default_rng(4).standard_normal(c.shape), "float32")
+    extra = {"residual": backend.asarray(-x64, "float32")} if c.op in ("layer_norm", "rms_norm") else {}
+    given = [a for a in (x, w, b, dy, *extra.values()) if a is not None]
+    before = _snapshot(backend, given)
+
+    out = call(c.op, x, w, b, return_stats=True, **extra, **c.kw)
+    stats = out[2:] if extra else out[1:]
+    stats_before = _snapshot(backend, stats)
+    grads = call_backward(c.op, dy, x, w, stats=stats, **c.kw)
+
+    for (value, version), arr in zip(before + stats_before, given + list(stats)):
+        np.testing.assert_array_equal(backend.to_numpy(arr), value)
+        assert getattr(arr, "_version", None) == version
+    if backend.name.startswith("numpy"):
+        for result in (*out, *grads):
+            if result is not None:
+                assert not any(np.shares_memory(result, a) for a in given)
