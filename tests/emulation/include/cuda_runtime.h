@@ -1,0 +1,3 @@
+// Stand-in for CUDA's <cuda_runtime.h> under the CPU emulation: everything lives in cuda_emu.h.
+#pragma once
+#include "../cuda_emu.h"
