@@ -1,0 +1,149 @@
+"""CUDA: anynorm's kernels on CuPy arrays and CUDA torch tensors vs torch.nn.functional.
+
+Every class skips (setup raises NotImplementedError) without a CUDA GPU.  Kernels are
+compiled in setup by a warm-up call; bodies end with a device synchronize so wall time
+covers the GPU work, and ``track_*_ms`` time with CUDA events.  Run with
+``--launch-method=spawn`` (asv.conf.json's default): CUDA does not survive a fork.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import anynorm
+
+from . import torch_cpu
+from .common import CASE_NAMES, TINY, call_anynorm, numpy_inputs
+
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def _cupy():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError
+    except Exception:  # ImportError, no driver, no device: asv's skip
+        raise NotImplementedError("no CUDA GPU with CuPy") from None
+    return cupy
+
+
+def _event_ms(start_event, stop_event, record, fn, repeat):
+    """Smallest of ``repeat`` CUDA-event timings of ``fn`` (after one warm-up), in ms."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        record(start_event)
+        fn()
+        record(stop_event)
+        stop_event.synchronize()
+        best = min(best, start_event.elapsed_time(stop_event) if hasattr(start_event, "elapsed_time")
+                   else _cupy().cuda.get_elapsed_time(start_event, stop_event))
+    return best
+
+
+class CupyForward:
+    """anynorm on CuPy arrays, and a device-to-device copy of the same bytes."""
+
+    timeout = 300
+    params = [CASE_NAMES, DTYPES]
+    param_names = ["case", "dtype"]
+
+    def setup(self, name, dtype):
+        cp = self.cp = _cupy()
+        if dtype == "bfloat16":
+            raise NotImplementedError("CuPy has no bfloat16")
+        self.name = name
+        x, w, b, _ = numpy_inputs(name, np.dtype("float32"))
+        self.x, self.weight, self.bias = (cp.asarray(a).astype(dtype) for a in (x, w, b))
+        self.out = cp.empty_like(self.x)
+        self.ours()  # compiles the kernels
+        cp.cuda.Device().synchronize()
+
+    def ours(self):
+        return call_anynorm(anynorm, self.name, self.x, self.weight, self.bias)
+
+    def copy(self):
+        self.cp.copyto(self.out, self.x)
+
+    def _ms(self, fn):
+        cp = self.cp
+        return _event_ms(cp.cuda.Event(), cp.cuda.Event(), lambda e: e.record(), fn, 1 if TINY else 20)
+
+    def time_anynorm(self, name, dtype):
+        self.ours()
+        self.cp.cuda.Device().synchronize()
+
+    def time_copy(self, name, dtype):
+        self.copy()
+        self.cp.cuda.Device().synchronize()
+
+    def track_anynorm_ms(self, name, dtype):
+        return self._ms(self.ours)
+
+    track_anynorm_ms.unit = "ms (CUDA events)"
+
+    def track_copy_fraction(self, name, dtype):
+        return self._ms(self.copy) / self._ms(self.ours)
+
+    track_copy_fraction.unit = "fraction of copy bandwidth"
+
+
+class _TorchCudaMixin:
+    device = "cuda"
+
+    def setup(self, name, dtype):
+        torch = torch_cpu._torch()
+        if not torch.cuda.is_available():
+            raise NotImplementedError("no CUDA GPU for torch")
+        super().setup(name, dtype)
+        self.ours()  # compiles the kernels
+        self.peer()
+        self.sync()
+
+    def sync(self):
+        self.torch.cuda.synchronize()
+
+    def _ms(self, fn):
+        torch = self.torch
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        return _event_ms(start, stop, lambda e: e.record(), fn, 1 if TINY else 20)
+
+
+class TorchCudaForward(_TorchCudaMixin, torch_cpu.TorchCPUForward):
+    """anynorm on CUDA torch tensors vs torch.nn.functional (no autograd)."""
+
+    params = [CASE_NAMES, DTYPES]
+
+    def track_anynorm_ms(self, name, dtype):
+        return self._ms(self.ours)
+
+    track_anynorm_ms.unit = "ms (CUDA events)"
+
+    def track_torch_functional_ms(self, name, dtype):
+        return self._ms(self.peer)
+
+    track_torch_functional_ms.unit = "ms (CUDA events)"
+
+    def track_peer_ratio(self, name, dtype):
+        return self._ms(self.ours) / self._ms(self.peer)
+
+    track_peer_ratio.unit = "anynorm time / torch time"
+
+    def track_copy_fraction(self, name, dtype):
+        return self._ms(self.copy) / self._ms(self.ours)
+
+    track_copy_fraction.unit = "fraction of copy bandwidth"
+
+
+class TorchCudaBackward(_TorchCudaMixin, torch_cpu.TorchCPUBackward):
+    """Forward + autograd backward on CUDA tensors."""
+
+    params = [torch_cpu.TorchCPUBackward.params[0], ["float32", "bfloat16"]]
+
+    def track_peer_ratio(self, name, dtype):
+        return (self._ms(lambda: self._step(self.ours))
+                / self._ms(lambda: self._step(self.peer)))
+
+    track_peer_ratio.unit = "anynorm time / torch time"
+
