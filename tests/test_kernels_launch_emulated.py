@@ -1,0 +1,213 @@
+"""``anynorm._cuda._launch`` end to end on the CPU: the Python launch sequences (layouts,
+chunk sizes, grids, workspaces, argument order) drive the real kernels compiled by the
+emulation harness (``tests/emulation/emu_harness.py``), against the reference executor.
+
+CuPy's allocator and kernel lookup are swapped for the harness's emulated device memory
+and modules; the device is pretended small (few blocks) so grid-stride loops, several
+chunks per row and several partial chunks per column all run. Layout copies (``_buffers``)
+need real CuPy arrays and are left to the GPU suite: the buffers here are given in memory
+order with the strides the layout reads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy", exc_type=ImportError)  # anynorm._cuda imports CuPy (no GPU needed)
+_launch = pytest.importorskip("anynorm._cuda._launch", exc_type=ImportError)
+
+from anynorm import _reference  # noqa: E402
+from anynorm._cuda import _compile, _layout  # noqa: E402
+from anynorm._plan import make_plan  # noqa: E402
+
+_HERE = Path(__file__).resolve().parent
+_NAME = "anynorm_emu_harness"
+if _NAME in sys.modules:
+    emu = sys.modules[_NAME]
+else:
+    _spec = importlib.util.spec_from_file_location(_NAME, _HERE / "emulation" / "emu_harness.py")
+    emu = importlib.util.module_from_spec(_spec)
+    sys.modules[_NAME] = emu
+    _spec.loader.exec_module(emu)
+
+pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
+                                reason="the CUDA emulation needs g++ and fork()")
+
+SOURCES = [str(_HERE.parent / "kernels" / f) for f in _compile.KERNELS]
+TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 1e-2, "bfloat16": 3e-2}
+_modules: dict = {}
+
+
+def _module(dtype):
+    if dtype not in _modules:
+        names = [e for f in _compile.KERNELS for e in _compile.name_expressions(f, dtype)]
+        _modules[dtype] = emu.Module(emu.build(SOURCES, names, f"anynorm-launch-{dtype}"), names)
+    return _modules[dtype]
+
+
+def _row_view(parent, start, n):
+    """Elements [start, start + n) of an emulated buffer, as a DeviceArray."""
+    v = emu.DeviceArray.__new__(emu.DeviceArray)
+    v.shape, v.dtype, v.size = (n,), parent.dtype, n
+    v.array = parent.array.reshape(-1)[start:start + n]
+    v.nbytes = n * v.array.itemsize
+    v.ptr = parent.ptr + start * v.array.itemsize
+    v.guard_damage = parent.guard_damage
+    return v
+
+
+class _Workspace:
+    """``cupy.empty((k, n))``: rows usable as kernel pointers."""
+
+    def __init__(self, shape, dtype):
+        self.rows, self.n = shape
+        self.dev = emu.empty(self.rows * self.n, np.dtype(dtype).name)
+
+    def __getitem__(self, i):
+        return _row_view(self.dev, i * self.n, self.n)
+
+
+def _empty(shape, dtype):
+    if isinstance(shape, tuple):
+        return _Workspace(shape, dtype)
+    return emu.empty(int(shape), np.dtype(dtype).name)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(_launch, "cupy", types.SimpleNamespace(empty=_empty))
+    monkeypatch.setattr(_launch, "get_kernel",
+                        lambda k, dtype, items=None: _module(dtype).get_function(
+                            _compile.name_expression(k, dtype, items)))
+    monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
+    monkeypatch.setattr(_launch, "_buffers", types.SimpleNamespace(
+        element_strides=lambda a: a.elem_strides, input_buffer=lambda p, l, a: a,
+        output_buffer=lambda p, l, a: a, store=lambda p, l, b, o: None))
+
+
+def _rounded(a, dtype):
+    if dtype == "bfloat16":
+        return emu.bf16_to_float(emu.bf16_bits(a)).astype(np.float64)
+    return a.astype(dtype).astype(np.float64)
+
+
+def _device(x, order, dtype, offset):
+    """x's elements in memory ``order`` on the emulated device, tagged with x's strides."""
+    mem = np.ascontiguousarray(np.transpose(x, order))
+    logical = np.transpose(mem, np.argsort(order))
+    d = emu.to_device(mem.reshape(-1), dtype, offset)
+    d.elem_strides = tuple(s // mem.itemsize for s in logical.strides)
+    return d
+
+
+def _host(d, shape, order):
+    return np.transpose(d.get_float().reshape([shape[a] for a in order]), np.argsort(order))
+
+
+def _assert_scaled(got, want, rtol, what):
+    err = float(np.abs(got - want).max(initial=0))
+    assert err <= rtol * max(1.0, float(np.abs(want).max(initial=0))), (what, err)
+
+
+def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True):
+    rng = np.random.default_rng(abs(hash((op, shape, dtype, residual))) % 2**32)
+    order = order or tuple(range(len(shape)))
+    acc = "float64" if dtype == "float64" else "float32"
+    x = _rounded(rng.standard_normal(shape) * 3 + 1, dtype)
+    res = _rounded(rng.standard_normal(shape), dtype) if residual else None
+    pshape = make_plan(op, x, **kw).param_shape
+    w = _rounded(rng.standard_normal(pshape) * 0.5 + 1, acc) if with_params else None
+    b = _rounded(rng.standard_normal(pshape) * 0.5, acc) if with_params and op != "rms_norm" else None
+    plan = make_plan(op, x, w, b, res, **kw)
+    xd = _device(x, order, dtype, offset)
+    assert not _layout.plan_layout(plan, xd.elem_strides).copy
+    rd = _device(res, order, dtype, offset) if residual else None
+    yd = emu.empty(x.size, dtype, offset)
+    hd = emu.empty(x.size, dtype, offset) if residual else None
+    nstats = math.prod(plan.stats_shape)
+    md = emu.empty(nstats, acc) if plan.center else None
+    sd = emu.empty(nstats, acc)
+    wd = None if w is None else emu.to_device(w.reshape(-1), acc)
+    bd = None if b is None else emu.to_device(b.reshape(-1), acc)
+    _launch.forward(plan, dtype, xd, wd, bd, rd, yd, hd, md, sd)
+
+    h = _rounded(x + res, dtype) if residual else x
+    ry, _, rmean, rrstd = _reference.forward(make_plan(op, h, w, b, **kw), h, w, b)
+    _assert_scaled(_host(yd, shape, order), ry, TOL[dtype], "y")
+    stat_tol = 1e-12 if acc == "float64" else 1e-5
+    _assert_scaled(sd.get_float().reshape(plan.stats_shape), rrstd, stat_tol, "rstd")
+    if plan.center:
+        _assert_scaled(md.get_float().reshape(plan.stats_shape), rmean, stat_tol, "mean")
+    if residual:
+        np.testing.assert_array_equal(_host(hd, shape, order), h)
+
+    dy = _rounded(rng.standard_normal(shape), dtype)
+    bplan = make_plan(op, h, w, **kw)
+    rdx, rdw, rdb = _reference.backward(bplan, dy, h, w)
+    hdev, dydev = _device(h, order, dtype, offset), _device(dy, order, dtype, offset)
+    for given_stats in (False, True):
+        dxd = emu.empty(x.size, dtype, offset)
+        plen = math.prod(pshape)
+        dwd = emu.empty(plen, acc) if w is not None else None
+        dbd = emu.empty(plen, acc) if w is not None else None
+        mean, rstd = ((md if plan.center else None), sd) if given_stats else (None, None)
+        _launch.backward(bplan, dtype, dydev, hdev, wd, mean, rstd, dxd, dwd, dbd)
+        _assert_scaled(_host(dxd, shape, order), rdx, 3 * TOL[dtype], "dx")
+        if w is not None:
+            grad_tol = 1e-10 if acc == "float64" else 1e-4
+            _assert_scaled(dwd.get_float().reshape(pshape), rdw, grad_tol, "dweight")
+            _assert_scaled(dbd.get_float().reshape(pshape), rdb, grad_tol, "dbias")
+
+
+CASES = [
+    ("layer_norm", (5, 1), {}, None),  # warp, ITEMS=1
+    ("layer_norm", (7, 3), {}, None),
+    ("layer_norm", (6, 1000), {}, None),  # warp, ITEMS=32
+    ("layer_norm", (3, 1025), {}, None),  # chunked rows, one chunk
+    ("layer_norm", (2, 5000), {}, None),  # chunked rows, several chunks
+    ("layer_norm", (2, 3, 4, 5), {"axis": 1}, None),  # columns (channels-first)
+    ("layer_norm", (3, 70, 33), {"axis": 1}, None),  # columns, several chunks, 2 tiles
+    ("rms_norm", (2, 3000), {"axis": -1, "eps": 1e-6}, None),
+    ("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, None),
+    ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, None),  # chunked rows, p per row
+    ("instance_norm", (2, 4, 5, 3), {"channel_axis": -1}, None),  # NHWC columns
+    ("instance_norm", (2, 3, 4, 5), {"channel_axis": 1}, (0, 2, 3, 1)),  # channels-last memory
+    ("group_norm", (2, 6, 4, 5), {"channel_axis": 1, "num_groups": 3}, None),
+    ("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}, None),  # columns, group 2
+    ("group_norm", (2, 8, 20, 20), {"channel_axis": 1, "num_groups": 2}, None),
+]
+
+
+# Every case in float32 and float16; one per kernel path in bfloat16 and float64.
+_SHORT = [CASES[i] for i in (1, 4, 6, 11, 13)]
+MATRIX = ([(c, d) for d in ("float32", "float16") for c in CASES]
+          + [(c, d) for d in ("bfloat16", "float64") for c in _SHORT])
+
+
+@pytest.mark.parametrize("case, dtype", MATRIX,
+                         ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}-{d}" for c, d in MATRIX])
+def test_launch_sequences(emulated, case, dtype):
+    op, shape, kw, order = case
+    _check(op, shape, kw, dtype, order)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_launch_without_parameters(emulated, dtype):
+    _check("layer_norm", (3, 1025), {}, dtype, with_params=False)
+    _check("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}, dtype, with_params=False)
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("shape", [(5, 40), (3, 2000)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launch_fused_residual(emulated, dtype, shape, offset):
+    _check("layer_norm", shape, {}, dtype, residual=True, offset=offset)
+    _check("rms_norm", shape, {"axis": -1, "eps": 1e-6}, dtype, residual=True, offset=offset)
