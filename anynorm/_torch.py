@@ -1,22 +1,34 @@
-"""The torch CPU executor: PyTorch's own fused routines where they give the same answer.
+"""The torch CPU executor: PyTorch's fused routines, or the NumPy executor on the same memory.
 
-``torch.native_layer_norm``, ``torch._fused_rms_norm`` and ``torch.native_group_norm``
-compute exactly the contract's formula (biased variance, eps inside the square root) and
-return the statistics, with autograd.  They serve float32/float64 inputs whose normalized
-axes are the trailing ones (layer/RMS norm) or whose channels sit on axis 1 of a contiguous
-tensor (instance/group norm).  Everything else, and float16/bfloat16 (whose statistics
-PyTorch's CPU routines round to the input dtype), runs the array-API core.
+``torch.native_layer_norm`` and ``torch._fused_rms_norm`` compute exactly the contract's
+formula (biased variance, eps inside the square root) and return the statistics, with
+autograd; they serve float32/float64 layer/RMS norm over trailing axes (what
+``F.layer_norm`` runs).  ``torch.native_group_norm`` serves group norm with channels on
+axis 1 of a contiguous tensor.
+
+Every other layout (channels-last instance/group norm, ConvNeXt's channels-first layer
+norm, any axes), instance norm, and float16, runs the blocked NumPy executor on the
+tensors' own memory (``Tensor.numpy()``, zero-copy) when no gradient is recorded: one read
+of x, one write of y, corrected two-pass statistics.  With autograd on, those fall back to
+the array-API core, whose torch operations autograd differentiates.  bfloat16 (no NumPy
+dtype) and torch.compile tracing also take the array-API core.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import torch
 
-from . import _reference
+from . import _numpy, _reference
 
 __all__ = ["forward", "backward"]
+
+_NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
+                 torch.float64: np.dtype(np.float64)}
+_numpy_namespace = None
 
 
 def _same_dtype(plan, *params):
@@ -51,8 +63,54 @@ def native_forward(plan, src, weight, bias):
     return y, mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
 
 
+def _numpy_plan(plan):
+    """The same plan, described in NumPy's terms."""
+    global _numpy_namespace
+    if _numpy_namespace is None:
+        import array_api_compat.numpy as _numpy_namespace_module
+
+        _numpy_namespace = _numpy_namespace_module
+    acc = _NUMPY_DTYPES[plan.acc_dtype]
+    return dataclasses.replace(plan, xp=_numpy_namespace, dtype=_NUMPY_DTYPES[plan.dtype], acc_dtype=acc)
+
+
+def _numpy_eligible(plan, *tensors):
+    """True when the NumPy executor may run on these tensors' memory: CPU, plain tensors of a
+    NumPy dtype, no gradient to record, not being traced by torch.compile."""
+    if plan.dtype not in _NUMPY_DTYPES or torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype not in _NUMPY_DTYPES:
+            return False
+        if grad and t.requires_grad:
+            return False
+    return True
+
+
+def _as_numpy(t):
+    return None if t is None else t.detach().numpy()
+
+
+def _as_torch(a):
+    return None if a is None else torch.from_numpy(a)
+
+
+def _prefers_native(plan):
+    """Layouts where torch's own routine is the peer and as fast as the NumPy executor."""
+    if plan.op in ("layer_norm", "rms_norm"):
+        return _trailing(plan)
+    return plan.op == "group_norm" and plan.channel_axis == 1
+
+
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
+    if not _prefers_native(plan) and _numpy_eligible(plan, x, weight, bias, residual):
+        outs = _numpy.forward(_numpy_plan(plan), _as_numpy(x), _as_numpy(weight), _as_numpy(bias),
+                              _as_numpy(residual))
+        return tuple(_as_torch(a) for a in outs)
     h = _reference.add_residual(plan, x, residual) if residual is not None else None
     native = native_forward(plan, h if h is not None else x, weight, bias)
     if native is None:
@@ -61,4 +119,10 @@ def forward(plan, x, weight=None, bias=None, residual=None):
     return y, h, mean, rstd
 
 
-backward = _reference.backward
+def backward(plan, dy, x, weight=None, mean=None, rstd=None):
+    """Return ``(dx, dweight, dbias)`` as :func:`anynorm._reference.backward` does."""
+    if _numpy_eligible(plan, dy, x, weight, mean, rstd):
+        outs = _numpy.backward(_numpy_plan(plan), _as_numpy(dy), _as_numpy(x), _as_numpy(weight),
+                               _as_numpy(mean), _as_numpy(rstd))
+        return tuple(_as_torch(a) for a in outs)
+    return _reference.backward(plan, dy, x, weight, mean, rstd)

@@ -18,14 +18,21 @@ from .common import CASE_NAMES, TINY, call_anynorm, numpy_inputs
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
+_CUPY = []
+
+
 def _cupy():
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError
-    except Exception:  # ImportError, no driver, no device: asv's skip
-        raise NotImplementedError("no CUDA GPU with CuPy") from None
-    return cupy
+    """CuPy with a CUDA device, or NotImplementedError (asv's skip); probed once per process."""
+    if not _CUPY:
+        try:
+            import cupy
+
+            _CUPY.append(cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None)
+        except Exception:  # ImportError, no driver, no device
+            _CUPY.append(None)
+    if _CUPY[0] is None:
+        raise NotImplementedError("no CUDA GPU with CuPy")
+    return _CUPY[0]
 
 
 def _event_ms(start_event, stop_event, record, fn, repeat):
