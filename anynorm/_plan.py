@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
+import numpy as np
 
 __all__ = ["Plan", "make_plan", "namespace_of"]
 
@@ -65,16 +66,26 @@ def _describe(obj) -> str:
     return f"{type(obj).__name__} {obj!r}"
 
 
+# Array types already seen, with their namespace: array_api_compat decides by type, so a
+# type it accepted once is accepted again (this keeps make_plan's cost per call small).
+_NAMESPACES = {}
+# (namespace, dtype) -> is it real floating, and how many bits
+_FLOAT_BITS = {}
+
+
 def namespace_of(x, **others):
     """Return the array-API namespace of ``x``; check that ``others`` share it.
 
     ``others`` maps argument names to arrays or None, so that errors can name them.
     """
-    if not array_api_compat.is_array_api_obj(x) or isinstance(x, (int, float, complex, bool)):
-        raise TypeError(f"x must be an array of an array-API library, got {_describe(x)}")
-    xp = array_api_compat.array_namespace(x)
+    xp = _NAMESPACES.get(type(x))
+    if xp is None:
+        if not array_api_compat.is_array_api_obj(x) or isinstance(x, (int, float, complex, bool)):
+            raise TypeError(f"x must be an array of an array-API library, got {_describe(x)}")
+        xp = array_api_compat.array_namespace(x)
+        _NAMESPACES[type(x)] = xp
     for name, arr in others.items():
-        if arr is None:
+        if arr is None or type(arr) is type(x):
             continue
         if not array_api_compat.is_array_api_obj(arr):
             raise TypeError(f"{name} must be an array of the same library as x, got {_describe(arr)}")
@@ -90,13 +101,25 @@ def namespace_of(x, **others):
     return xp
 
 
+def _float_bits(xp, dtype):
+    """Bits of a real floating ``dtype`` of ``xp``, 0 for any other dtype (cached)."""
+    try:
+        return _FLOAT_BITS[xp, dtype]
+    except KeyError:
+        bits = xp.finfo(dtype).bits if xp.isdtype(dtype, "real floating") else 0
+        _FLOAT_BITS[xp, dtype] = bits
+        return bits
+    except TypeError:  # an unhashable dtype
+        return xp.finfo(dtype).bits if xp.isdtype(dtype, "real floating") else 0
+
+
 def _check_float(xp, name, arr):
-    if not xp.isdtype(arr.dtype, "real floating"):
+    if not _float_bits(xp, arr.dtype):
         raise TypeError(f"{name} must have a real floating-point dtype, got {arr.dtype}")
 
 
 def _check_device(name, arr, x):
-    if arr is None:
+    if arr is None or type(arr) is type(x) is np.ndarray:  # NumPy has one device
         return
     if array_api_compat.device(arr) != array_api_compat.device(x):
         raise ValueError(
@@ -170,7 +193,7 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
 
     # By width, not by name: float16 is no array-API dtype, so namespaces such as
     # array_api_compat.dask.array do not export it, yet their arrays can hold it.
-    half = xp.finfo(x.dtype).bits < 32
+    half = _float_bits(xp, x.dtype) < 32
     acc_dtype = xp.float32 if half else x.dtype
     center = op != "rms_norm"
     canon_channel = groups = None
