@@ -39,6 +39,8 @@ LARGE_BOX_BYTES = 8 << 20  # a whole sample rather than strided slivers, up to t
 NUM_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                   else os.cpu_count() or 1)
 PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, handing boxes to threads costs more than it saves
+# below this, the blocking's bookkeeping costs more than the array-API core's extra passes
+SMALL_ELEMENTS = 4096
 
 
 class _Layout:
@@ -408,7 +410,7 @@ def _parallel(x):
 
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
-    if x.size == 0:
+    if x.size < SMALL_ELEMENTS:
         return _reference.forward(plan, x, weight, bias, residual)
     call = _ForwardCall(plan, x, weight, bias, residual)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
@@ -491,7 +493,7 @@ class _BackwardCall:
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """Return ``(dx, dweight, dbias)``; stats in public shape, recomputed when None."""
-    if x.size == 0:
+    if x.size < SMALL_ELEMENTS:
         return _reference.backward(plan, dy, x, weight, mean, rstd)
     call = _BackwardCall(plan, dy, x, weight, mean, rstd)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731

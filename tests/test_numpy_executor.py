@@ -38,6 +38,7 @@ TOL = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-12}
 @pytest.fixture(params=["one box", "many boxes", "threads"])
 def blocking(request, monkeypatch):
     """Run each case as one box, as many tiny boxes, and split across threads."""
+    monkeypatch.setattr(_numpy, "SMALL_ELEMENTS", 1)  # the test shapes are small
     if request.param != "one box":
         monkeypatch.setattr(_numpy, "BLOCK_BYTES", 64)
         monkeypatch.setattr(_numpy, "LARGE_BOX_BYTES", 256)
@@ -148,7 +149,7 @@ def test_non_contiguous_inputs(op, shape, kw, layout, blocking):
     np.testing.assert_array_equal(x, before)
 
 
-def test_mixed_parameter_and_gradient_dtypes():
+def test_mixed_parameter_and_gradient_dtypes(blocking):
     """float64 weight on float32 x, float64 dy: arithmetic in the accumulation dtype."""
     rng = np.random.default_rng(4)
     x = rng.standard_normal((4, 9)).astype(np.float32)
