@@ -18,6 +18,13 @@ import pytest
 import anynorm
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+NO_BFLOAT16 = ("float16", "float32", "float64")
+# The float dtypes each backend can hold (known before its library is imported).
+BACKEND_DTYPES = {"numpy": NO_BFLOAT16, "numpy-readonly": NO_BFLOAT16, "torch": FLOAT_DTYPES,
+                  "array-api-strict": ("float32", "float64"), "dask": NO_BFLOAT16, "jax": FLOAT_DTYPES,
+                  "cupy": NO_BFLOAT16, "torch-cuda": FLOAT_DTYPES}
+# Libraries where each call costs a graph build or a compilation: large test matrices are thinned there.
+SLOW_BACKENDS = ("dask", "jax")
 
 # Relative/absolute tolerance of a result against the float64 reference computed on the same
 # (already rounded) input: a few units in the last place of the output dtype.
@@ -84,7 +91,7 @@ def _numpy(readonly):
         arr.setflags(write=not readonly)
         return arr
 
-    return Backend("numpy-readonly" if readonly else "numpy", np, ("float16", "float32", "float64"),
+    return Backend("numpy-readonly" if readonly else "numpy", np, NO_BFLOAT16,
                    array_api_compat.is_numpy_array, np.asarray, make)
 
 
@@ -106,7 +113,7 @@ def _torch(device):
 
 def _strict():
     xs = importlib.import_module("array_api_strict")
-    return Backend("array-api-strict", xs, ("float32", "float64"), lambda arr: type(arr).__module__.startswith("array_api_strict"),
+    return Backend("array-api-strict", xs, BACKEND_DTYPES["array-api-strict"], lambda arr: type(arr).__module__.startswith("array_api_strict"),
                    np.from_dlpack, lambda data, dtype: xs.asarray(data, dtype=getattr(xs, dtype)))
 
 
@@ -124,7 +131,7 @@ def _dask():
     def is_own(arr):
         return array_api_compat.is_dask_array(arr)
 
-    return Backend("dask", da, ("float16", "float32", "float64"), is_own,
+    return Backend("dask", da, NO_BFLOAT16, is_own,
                    lambda arr: np.asarray(arr.compute()), make, lazy=True, dtype_source=np)
 
 
@@ -145,7 +152,7 @@ def _cupy():
         count = 0
     if not count:
         pytest.skip("cupy needs a CUDA GPU")
-    return Backend("cupy", cp, ("float16", "float32", "float64"), array_api_compat.is_cupy_array,
+    return Backend("cupy", cp, NO_BFLOAT16, array_api_compat.is_cupy_array,
                    lambda arr: arr.get(), lambda data, dtype: cp.asarray(data.astype(dtype)))
 
 

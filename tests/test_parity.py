@@ -38,6 +38,7 @@ def run_and_compare(backend, c, dtype, *, affine=True, eps=None, weight_dtype=No
     return x, y
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("c", CASES, ids=str)
 def test_forward_matches_reference(backend, c, dtype):
