@@ -2,11 +2,14 @@
 
 Every class skips (setup raises NotImplementedError) without a CUDA GPU.  Kernels are
 compiled in setup by a warm-up call; bodies end with a device synchronize so wall time
-covers the GPU work, and ``track_*_ms`` time with CUDA events.  Run with
-``--launch-method=spawn`` (asv.conf.json's default): CUDA does not survive a fork.
+covers the GPU work, and ``track_*_ms`` time with CUDA events.  Run GPU benchmarks with
+``--launch-method=spawn``: a CUDA context does not survive a fork.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import numpy as np
 
@@ -21,8 +24,18 @@ DTYPES = ["float32", "float16", "bfloat16"]
 _CUPY = []
 
 
+def _driver_visible():
+    """False where no NVIDIA driver is visible (Linux), so that setup skips before importing
+    CuPy, whose probe costs seconds in every benchmark process."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return any(os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg"))
+
+
 def _cupy():
     """CuPy with a CUDA device, or NotImplementedError (asv's skip); probed once per process."""
+    if not _CUPY and not _driver_visible():
+        _CUPY.append(None)
     if not _CUPY:
         try:
             import cupy
@@ -101,7 +114,7 @@ class _TorchCudaMixin:
 
     def setup(self, name, dtype):
         torch = torch_cpu._torch()
-        if not torch.cuda.is_available():
+        if not _driver_visible() or not torch.cuda.is_available():
             raise NotImplementedError("no CUDA GPU for torch")
         super().setup(name, dtype)
         self.ours()  # compiles the kernels
