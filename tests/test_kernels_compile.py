@@ -3,13 +3,17 @@
 Needs no GPU: NVRTC is a host library. It needs CuPy, NVRTC and the CUDA headers
 (cuda_fp16.h, cuda_bf16.h); from pip: ``cupy-cuda13x nvidia-cuda-nvrtc nvidia-cuda-runtime``
 (the last one ships the headers into ``site-packages/nvidia/cu13/include``, where CuPy
-looks). Skips only when CuPy or NVRTC cannot be loaded at all.
+looks). Skips only when CuPy or NVRTC cannot be loaded at all. The compilations run in
+parallel worker processes (NVRTC holds the GIL), one job per (kernel, dtype, arch).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import pathlib
 import re
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -23,41 +27,61 @@ try:
 except Exception as exc:  # libnvrtc missing
     pytest.skip(f"NVRTC cannot be loaded: {exc}", allow_module_level=True)
 
-from cupy.cuda.compiler import CompileException  # noqa: E402
-
-ARCHES = ("80", "90")
+# sm_80 (A100) and sm_90 (H100); ANYNORM_NVRTC_ARCHES="90" narrows it for a quick run.
+ARCHES = tuple(a.strip() for a in os.environ.get("ANYNORM_NVRTC_ARCHES", "80,90").split(",") if a.strip())
 LAUNCH_SOURCE = pathlib.Path(_compile.__file__).with_name("_launch.py").read_text()
+JOBS = [(file, kernel, dtype, arch) for file, kernels in _compile.KERNELS.items()
+        for kernel in kernels for dtype in sorted(_compile.CTYPES) for arch in ARCHES]
 
 
-@pytest.mark.parametrize("arch", ARCHES)
-@pytest.mark.parametrize("dtype", sorted(_compile.CTYPES))
-@pytest.mark.parametrize("file", sorted(_compile.KERNELS))
-def test_compiles_without_warnings(file, dtype, arch):
+def _compile_job(job):
+    """(ok, NVRTC log or error) for one (file, kernel, dtype, arch); runs in a worker."""
+    from cupy.cuda.compiler import CompileException
+
+    from anynorm._cuda import _compile as compile_module
+
+    file, kernel, dtype, arch = job
     try:
-        log = _compile.nvrtc_check(file, dtype, arch)
+        return True, compile_module.nvrtc_check(file, dtype, arch, kernels=(kernel,))
     except CompileException as exc:
+        return False, str(exc)
+
+
+@pytest.fixture(scope="module")
+def results():
+    workers = max(1, min(len(JOBS), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return dict(zip(JOBS, pool.map(_compile_job, JOBS)))
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[f"{k}-{d}-sm{a}" for _, k, d, a in JOBS])
+def test_compiles_without_warnings(results, job):
+    ok, text = results[job]
+    file, kernel, dtype, arch = job
+    if not ok:
         hint = ""
-        if "cannot open source file" in str(exc):
+        if "cannot open source file" in text:
             hint = ("\nNVRTC found no CUDA headers: install nvidia-cuda-runtime (pip) or a CUDA "
                     "toolkit where CuPy looks for it")
-        pytest.fail(f"{file} for {dtype} on sm_{arch} does not compile:\n{exc}{hint}")
-    warnings = [line for line in log.splitlines() if "warning" in line.lower()]
-    assert not warnings, f"{file} for {dtype} on sm_{arch}:\n{log}"
+        pytest.fail(f"{kernel} ({file}) for {dtype} on sm_{arch} does not compile:\n{text}{hint}")
+    warnings = [line for line in text.splitlines() if "warning" in line.lower()]
+    assert not warnings, f"{kernel} ({file}) for {dtype} on sm_{arch}:\n{text}"
 
 
 def test_instantiation_list_is_complete():
     """Every kernel the launcher names, at every ITEMS it may pick, is in the compiled list."""
     listed = {expr for _, _, expr in _compile.instantiations()}
     launched = set(re.findall(r'_launch\(\s*"(\w+)"', LAUNCH_SOURCE))
+    launched |= {f"{prefix}_{kind}" for prefix in re.findall(r'_row_kernel\(\s*"(\w+)"', LAUNCH_SOURCE)
+                 for kind in ("warp", "block")}
     assert launched == {k for kernels in _compile.KERNELS.values() for k in kernels}
     for kernel in launched:
         for dtype in _compile.CTYPES:
-            if kernel in ("rows_fwd_warp", "rows_bwd_warp"):
-                exprs = [_compile.name_expression(kernel, dtype, k) for k in _compile.WARP_ITEMS]
-            else:
-                exprs = [_compile.name_expression(kernel, dtype)]
+            items = _compile.items_of(kernel) or (None,)
+            exprs = [_compile.name_expression(kernel, dtype, k) for k in items]
             assert set(exprs) <= listed
-    assert len(listed) == 92
+    per_dtype = sum(len(_compile.items_of(k)) or 1 for ks in _compile.KERNELS.values() for k in ks)
+    assert len(listed) == 4 * per_dtype == 116
 
 
 def test_every_kernel_is_defined_in_its_file():

@@ -171,23 +171,27 @@ CASES = [
     ("layer_norm", (5, 1), {}, None),  # warp, ITEMS=1
     ("layer_norm", (7, 3), {}, None),
     ("layer_norm", (6, 1000), {}, None),  # warp, ITEMS=32
-    ("layer_norm", (3, 1025), {}, None),  # chunked rows, one chunk
-    ("layer_norm", (2, 5000), {}, None),  # chunked rows, several chunks
+    ("layer_norm", (3, 1025), {}, None),  # block per row, ITEMS=8
+    ("layer_norm", (2, 8192), {}, None),  # block per row, ITEMS=32
+    ("layer_norm", (2, 9000), {}, None),  # chunked rows, several chunks
     ("layer_norm", (2, 3, 4, 5), {"axis": 1}, None),  # columns (channels-first)
     ("layer_norm", (3, 70, 33), {"axis": 1}, None),  # columns, several chunks, 2 tiles
     ("rms_norm", (2, 3000), {"axis": -1, "eps": 1e-6}, None),
+    ("rms_norm", (2, 9000), {"axis": -1, "eps": 1e-6}, None),
     ("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, None),
-    ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, None),  # chunked rows, p per row
+    ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, None),  # block per row, p per row
+    ("instance_norm", (2, 3, 90, 100), {"channel_axis": 1}, None),  # chunked rows, p per row
     ("instance_norm", (2, 4, 5, 3), {"channel_axis": -1}, None),  # NHWC columns
     ("instance_norm", (2, 3, 4, 5), {"channel_axis": 1}, (0, 2, 3, 1)),  # channels-last memory
     ("group_norm", (2, 6, 4, 5), {"channel_axis": 1, "num_groups": 3}, None),
     ("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}, None),  # columns, group 2
-    ("group_norm", (2, 8, 20, 20), {"channel_axis": 1, "num_groups": 2}, None),
+    ("group_norm", (2, 8, 20, 20), {"channel_axis": 1, "num_groups": 2}, None),  # block per row
+    ("group_norm", (1, 8, 50, 50), {"channel_axis": 1, "num_groups": 2}, None),  # chunked rows
 ]
 
 
 # Every case in float32 and float16; one per kernel path in bfloat16 and float64.
-_SHORT = [CASES[i] for i in (1, 4, 6, 11, 13)]
+_SHORT = [CASES[i] for i in (1, 3, 5, 7, 12, 16)]
 MATRIX = ([(c, d) for d in ("float32", "float16") for c in CASES]
           + [(c, d) for d in ("bfloat16", "float64") for c in _SHORT])
 
@@ -206,7 +210,7 @@ def test_launch_without_parameters(emulated, dtype):
 
 
 @pytest.mark.parametrize("offset", [0, 1])
-@pytest.mark.parametrize("shape", [(5, 40), (3, 2000)])
+@pytest.mark.parametrize("shape", [(5, 40), (3, 2000), (2, 9000)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_launch_fused_residual(emulated, dtype, shape, offset):
     _check("layer_norm", shape, {}, dtype, residual=True, offset=offset)

@@ -1,6 +1,7 @@
 """Compile ``kernels/*.cu`` with NVRTC through CuPy: one lazily built, cached
-``cupy.RawModule`` per (source file, dtype), every template instantiation of that file named
-through ``name_expressions``; kernels fetched from it are cached too (thread-safe).
+``cupy.RawModule`` per instantiation (kernel, dtype, ITEMS), named through
+``name_expressions``, so a first call compiles only what it launches (a few seconds; CuPy
+keeps the cubin in its disk cache). Thread-safe.
 
 :func:`instantiations` lists every (file, dtype, name expression) the executor can request;
 :func:`nvrtc_check` compiles one file and dtype without a GPU with the options CuPy's
@@ -13,20 +14,24 @@ import threading
 
 from ._sources import SOURCE_FILES, read_source
 
-__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "name_expression", "name_expressions",
-           "instantiations", "get_kernel", "nvrtc_options", "nvrtc_check"]
+__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "BLOCK_ITEMS", "items_of", "name_expression",
+           "name_expressions", "instantiations", "get_kernel", "nvrtc_options", "nvrtc_check"]
 
 # Kernel dtype key (the dtype's name) -> C++ element type.
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
-# Register-cache sizes of the warp-per-row kernels: a row of up to 32 * ITEMS elements.
+# Register-cache sizes (elements per thread) of the warp-per-row kernels (rows of up to
+# 32 * ITEMS elements) and of the block-per-row kernels (256 threads: up to 256 * ITEMS).
 WARP_ITEMS = (1, 2, 4, 8, 16, 32)
+BLOCK_ITEMS = (8, 16, 32)
 KERNELS = {
-    "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_stats_partial", "rows_grad_partial"),
+    "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block",
+                "rows_stats_partial", "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial"),
     "finish.cu": ("stats_finalize", "grad_finalize", "apply_fwd", "apply_bwd"),
     "params.cu": ("param_grad_cols", "param_grad_rows", "param_grad_finish"),
 }
-_WITH_ITEMS = ("rows_fwd_warp", "rows_bwd_warp")
+_ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
+          "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS}
 _FILE_OF = {kernel: file for file, kernels in KERNELS.items() for kernel in kernels}
 # Our own NVRTC options; CuPy adds its include paths, -std=c++17, -ftz=true and -arch.
 OPTIONS = ("-DANYNORM_NVRTC=1",)
@@ -34,11 +39,16 @@ OPTIONS = ("-DANYNORM_NVRTC=1",)
 assert set(KERNELS) == set(SOURCE_FILES)
 
 
+def items_of(kernel: str) -> tuple:
+    """The ITEMS values a kernel is instantiated for (empty: no ITEMS parameter)."""
+    return _ITEMS.get(kernel, ())
+
+
 def name_expression(kernel: str, dtype: str, items: int | None = None) -> str:
     """``"rows_fwd_warp<float, 4>"``: the C++ name of one instantiation."""
     ctype = CTYPES[dtype]
-    if kernel in _WITH_ITEMS:
-        assert items in WARP_ITEMS, items
+    if kernel in _ITEMS:
+        assert items in _ITEMS[kernel], (kernel, items)
         return f"{kernel}<{ctype}, {items}>"
     return f"{kernel}<{ctype}>"
 
@@ -47,8 +57,8 @@ def name_expressions(file: str, dtype: str) -> tuple:
     """Every instantiation that one (file, dtype) module holds."""
     out = []
     for kernel in KERNELS[file]:
-        if kernel in _WITH_ITEMS:
-            out += [name_expression(kernel, dtype, items) for items in WARP_ITEMS]
+        if kernel in _ITEMS:
+            out += [name_expression(kernel, dtype, items) for items in _ITEMS[kernel]]
         else:
             out.append(name_expression(kernel, dtype))
     return tuple(out)
@@ -61,20 +71,7 @@ def instantiations():
 
 
 _lock = threading.Lock()
-_modules: dict = {}
 _kernels: dict = {}
-
-
-def _module(file: str, dtype: str):
-    key = (file, dtype)
-    module = _modules.get(key)
-    if module is None:
-        import cupy
-
-        module = cupy.RawModule(code=read_source(file), options=OPTIONS,
-                                name_expressions=list(name_expressions(file, dtype)))
-        _modules[key] = module
-    return module
 
 
 def get_kernel(kernel: str, dtype: str, items: int | None = None):
@@ -88,7 +85,9 @@ def get_kernel(kernel: str, dtype: str, items: int | None = None):
         with _lock:
             function = _kernels.get(key)
             if function is None:
-                function = _module(_FILE_OF[kernel], dtype).get_function(expr)
+                module = cupy.RawModule(code=read_source(_FILE_OF[kernel]), options=OPTIONS,
+                                        name_expressions=[expr])
+                function = module.get_function(expr)
                 _kernels[key] = function
     return function
 
@@ -106,8 +105,10 @@ def nvrtc_options(arch: str) -> tuple:
         "-ftz=true", f"-arch=sm_{arch}", "--device-as-default-execution-space")
 
 
-def nvrtc_check(file: str, dtype: str, arch: str = "90", extra_options: tuple = ()) -> str:
-    """Compile ``file`` for ``dtype`` to a cubin without a GPU; return NVRTC's log.
+def nvrtc_check(file: str, dtype: str, arch: str = "90", extra_options: tuple = (),
+                kernels: tuple | None = None) -> str:
+    """Compile ``file``'s instantiations for ``dtype`` (all, or those of ``kernels``) to a
+    cubin for ``sm_<arch>`` without a GPU; return NVRTC's log.
 
     Raises ``cupy.cuda.compiler.CompileException`` on errors.
     """
@@ -115,9 +116,10 @@ def nvrtc_check(file: str, dtype: str, arch: str = "90", extra_options: tuple = 
 
     from cupy.cuda import compiler
 
+    names = [expr for expr in name_expressions(file, dtype)
+             if kernels is None or expr.split("<", 1)[0] in kernels]
     log = io.StringIO()
-    program = compiler._NVRTCProgram(read_source(file), f"anynorm_{file}",
-                                     name_expressions=list(name_expressions(file, dtype)),
+    program = compiler._NVRTCProgram(read_source(file), f"anynorm_{file}", name_expressions=names,
                                      method="cubin")
     program.compile(nvrtc_options(arch) + tuple(extra_options), log)
     return log.getvalue()

@@ -16,14 +16,14 @@ import cupy
 import numpy as np
 
 from . import _buffers
-from ._compile import WARP_ITEMS, get_kernel
+from ._compile import BLOCK_ITEMS, WARP_ITEMS, get_kernel
 from ._layout import plan_layout
 
 __all__ = ["forward", "backward", "acc_dtype"]
 
 _NULL = np.uint64(0)
-_WARP_MAX = 32 * WARP_ITEMS[-1]  # longest row the warp-per-row kernels hold in registers
-_ROWS_BLOCK, _BLOCK = 128, 256
+_ROWS_BLOCK, _ROW_BLOCK, _BLOCK = 128, 256, 256  # warp-per-row block, block-per-row, others
+_REGISTER_MAX = _ROW_BLOCK * BLOCK_ITEMS[-1]  # longest row held in registers
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
 _MAX_X = 2**31 - 1
 
@@ -59,8 +59,13 @@ def _grid_1d(n, per_block, cap=None):
     return min(blocks, cap or 64 * _target_blocks(), _MAX_X)
 
 
-def _warp_items(count):
-    return next(k for k in WARP_ITEMS if 32 * k >= count)
+def _row_kernel(prefix, rows, count):
+    """(kernel, grid, block, ITEMS) of the register-resident row kernels for ``count``."""
+    for items in WARP_ITEMS:
+        if 32 * items >= count:
+            return f"{prefix}_warp", (_grid_1d(rows, _ROWS_BLOCK // 32),), (_ROWS_BLOCK,), items
+    items = next(k for k in BLOCK_ITEMS if _ROW_BLOCK * k >= count)
+    return f"{prefix}_block", (_grid_1d(rows, 1),), (_ROW_BLOCK,), items
 
 
 def _split(length, parallel, target, min_chunk, align=1):
@@ -82,12 +87,11 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
     acc = acc_dtype(dtype)
     center, eps = np.int32(plan.center), np.float64(plan.eps)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
-    if layout.rows and reduced <= _WARP_MAX:
-        grid = _grid_1d(outer, _ROWS_BLOCK // 32)
-        _launch("rows_fwd_warp", dtype, (grid,), (_ROWS_BLOCK,),
+    if layout.rows and reduced <= _REGISTER_MAX:
+        kernel, grid, block, items = _row_kernel("rows_fwd", outer, reduced)
+        _launch(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, _i64(outer),
-                 _i64(reduced), _i64(layout.p_div), _i64(layout.p_len), center, eps),
-                items=_warp_items(reduced))
+                 _i64(reduced), _i64(layout.p_div), _i64(layout.p_len), center, eps), items=items)
         return
     if layout.rows:
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
@@ -132,10 +136,11 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb):
     acc = acc_dtype(dtype)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
     pdiv, plen = _i64(layout.p_div), _i64(layout.p_len)
-    if layout.rows and reduced <= _WARP_MAX:
-        _launch("rows_bwd_warp", dtype, (_grid_1d(outer, _ROWS_BLOCK // 32),), (_ROWS_BLOCK,),
+    if layout.rows and reduced <= _REGISTER_MAX:
+        kernel, grid, block, items = _row_kernel("rows_bwd", outer, reduced)
+        _launch(kernel, dtype, grid, block,
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), pdiv, plen,
-                 center), items=_warp_items(reduced))
+                 center), items=items)
         return
     if layout.rows:
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
