@@ -21,7 +21,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 NO_BFLOAT16 = ("float16", "float32", "float64")
 # The float dtypes each backend can hold (known before its library is imported).
 BACKEND_DTYPES = {"numpy": NO_BFLOAT16, "numpy-readonly": NO_BFLOAT16, "torch": FLOAT_DTYPES,
-                  "array-api-strict": ("float32", "float64"), "dask": NO_BFLOAT16, "jax": FLOAT_DTYPES,
+                  "torch-autograd": FLOAT_DTYPES, "array-api-strict": ("float32", "float64"), "dask": NO_BFLOAT16, "jax": FLOAT_DTYPES,
                   "cupy": NO_BFLOAT16, "torch-cuda": FLOAT_DTYPES}
 # Libraries where each call costs a graph build or a compilation: large test matrices are thinned there.
 SLOW_BACKENDS = ("dask", "jax")
@@ -95,7 +95,9 @@ def _numpy(readonly):
                    array_api_compat.is_numpy_array, np.asarray, make)
 
 
-def _torch(device):
+def _torch(device, autograd=False):
+    """torch tensors on ``device``; with ``autograd`` every float tensor requires grad, so the
+    executors' autograd-recording paths run the same tests."""
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -105,9 +107,11 @@ def _torch(device):
         return t.detach().to("cpu", torch.float64).numpy()
 
     def make(data, dtype):
-        return torch.asarray(data, device=device).to(getattr(torch, dtype))
+        t = torch.asarray(data, device=device).to(getattr(torch, dtype))
+        return t.requires_grad_() if autograd and t.is_floating_point() else t
 
-    return Backend("torch" if device == "cpu" else "torch-cuda", torch, FLOAT_DTYPES,
+    name = "torch" if device == "cpu" else "torch-cuda"
+    return Backend(name + ("-autograd" if autograd else ""), torch, FLOAT_DTYPES,
                    array_api_compat.is_torch_array, to_numpy, make)
 
 
@@ -160,6 +164,7 @@ _FACTORIES = {
     "numpy": lambda: _numpy(False),
     "numpy-readonly": lambda: _numpy(True),
     "torch": lambda: _torch("cpu"),
+    "torch-autograd": lambda: _torch("cpu", autograd=True),
     "array-api-strict": _strict,
     "dask": _dask,
     "jax": _jax,
@@ -167,7 +172,7 @@ _FACTORIES = {
     "torch-cuda": lambda: _torch("cuda"),
 }
 BACKEND_NAMES = tuple(_FACTORIES)
-_LIBRARY = {"torch": "torch", "torch-cuda": "torch", "array-api-strict": "array_api_strict", "dask": "dask.array",
+_LIBRARY = {"torch": "torch", "torch-autograd": "torch", "torch-cuda": "torch", "array-api-strict": "array_api_strict", "dask": "dask.array",
             "jax": "jax", "cupy": "cupy"}
 _cache: dict = {}
 

@@ -25,32 +25,19 @@ def max_error(backend, y, x, c, eps=1e-5):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("offset", [1e4, 1e6])
 @pytest.mark.parametrize("c", LAYOUTS, ids=str)
-def test_offset_rows_no_worse_than_torch(backend, c, offset, dtype):
+def test_offset_rows_no_worse_than_torch(backend, c, offset, dtype, request):
     """Rows offset by 1e4/1e6: the error against the exact answer is at most torch.nn.functional's
     on the same data (naive E[x^2]-E[x]^2 would lose every digit here)."""
     torch = pytest.importorskip("torch")
+    if backend.name == "torch-autograd" and c.op == "instance_norm" and dtype == "float32":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "reported bug in anynorm/_torch.py: with autograd on, instance_norm runs "
+            "torch.native_group_norm(groups=C), 1.3-2x less accurate than F.instance_norm")))
     x64 = offset + np.random.default_rng(11).standard_normal(c.shape)
     x = backend.asarray(x64, dtype)
     ours = max_error(backend, call(c.op, x, **c.kw), x, c)
     xt = torch.asarray(backend.to_numpy(x)).to(getattr(torch, dtype))
     theirs = max_error(get_backend("torch"), torch_functional(c.op, xt, **c.kw), xt, c)
-    assert ours <= max(theirs, TOLERANCE[dtype]), f"error {ours:.3g}, torch's {theirs:.3g}"
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("offset", [1e4, 1e6])
-@pytest.mark.parametrize("c", LAYOUTS, ids=str)
-def test_offset_rows_with_autograd_no_worse_than_torch(c, offset, dtype, request):
-    """The same on torch tensors that require grad (the executor may take another path there)."""
-    torch = pytest.importorskip("torch")
-    if c.op == "instance_norm" and dtype == "float32":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "reported bug in anynorm/_torch.py: with autograd on, instance_norm runs "
-            "torch.native_group_norm(groups=C), 1.3-2x less accurate than F.instance_norm")))
-    tb = get_backend("torch")
-    x = tb.asarray(offset + np.random.default_rng(11).standard_normal(c.shape), dtype).requires_grad_()
-    ours = max_error(tb, call(c.op, x, **c.kw), x, c)
-    theirs = max_error(tb, torch_functional(c.op, x, **c.kw), x, c)
     assert ours <= max(theirs, TOLERANCE[dtype]), f"error {ours:.3g}, torch's {theirs:.3g}"
 
 
