@@ -180,6 +180,9 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
         if arr is not None:
             _check_float(xp, name, arr)
             _check_device(name, arr, x)
+    if any(s is None or s != s for s in x.shape):  # None or NaN: Dask after boolean indexing
+        raise ValueError(f"x must have a known shape, got {tuple(x.shape)}: for a Dask array, "
+                         "call x.compute_chunk_sizes() first")
     shape = tuple(int(s) for s in x.shape)
     ndim = len(shape)
     if ndim == 0:
