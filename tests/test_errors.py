@@ -156,6 +156,14 @@ def test_arrays_on_different_devices(backend, role):
         anynorm.layer_norm(x, **kw)
 
 
+def test_dask_unknown_shape_is_a_clear_error():
+    """Boolean indexing leaves Dask dimensions unknown (NaN): say so, and what to do about it."""
+    da = pytest.importorskip("dask.array")
+    x = da.from_array(X64, chunks=(1, 3, 2))
+    with pytest.raises(ValueError, match=r"x must have a known shape.*compute_chunk_sizes"):
+        anynorm.layer_norm(x[x[:, 0, 0] > 0])
+
+
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "instance_norm", "group_norm"])
 def test_errors_precede_any_work_on_empty_batches(backend, op):
     """A batch of size 0 is fine, but a wrong weight shape is still an error on it."""
