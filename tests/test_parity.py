@@ -143,34 +143,40 @@ def test_numpy_scalars_and_ints_are_accepted(backend, axis, eps):
 
 # --- strided and non-contiguous inputs: executors that look at strides must get them right ----
 
-def _strided_views(lib, base):
-    if lib == "numpy":
+def _strided_views(b, base):
+    """Views of ``base`` in backend ``b`` whose memory is not one C-contiguous block."""
+    if b.name.startswith("numpy"):
+        base = b.asarray(base, "float32")
         return {"transposed": base.T, "sliced": base[:, ::2], "reversed": base[::-1, :, ::-1],
-                "fortran": np.asfortranarray(base)}
-    import torch
-
-    t = torch.asarray(base)
+                "fortran": np.asfortranarray(base), "broadcast": np.broadcast_to(base[:1], base.shape)}
+    torch = b.xp
+    t = b.asarray(base, "float32")
     return {"transposed": t.permute(2, 1, 0), "sliced": t[:, ::2], "reversed": t.flip(0),
             "expanded": t[:1].expand(3, -1, -1), "channels_last": t.unsqueeze(0).contiguous(
                 memory_format=torch.channels_last).squeeze(0)}
 
 
-@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("lib", ["numpy", "numpy-readonly", "torch", "torch-autograd"])
 @pytest.mark.parametrize("op, where", [
     ("layer_norm", {}), ("layer_norm", {"axis": (1, 2)}), ("rms_norm", {"axis": (0, 2)}),
     ("instance_norm", {}), ("group_norm", {"num_groups": 2, "channel_axis": -1}),
 ], ids=str)
 def test_non_contiguous_inputs(lib, op, where):
-    """Transposed, sliced, reversed, broadcast and channels-last views give the reference's answer."""
-    pytest.importorskip(lib)
-    base = np.random.default_rng(3).standard_normal((3, 4, 6)).astype(np.float32)
-    for name, x in _strided_views(lib, base).items():
+    """Transposed, sliced, reversed, broadcast and channels-last views give the reference's answer,
+    forward and backward (executors that look at strides must get them right)."""
+    b = get_backend(lib)
+    base = np.random.default_rng(3).standard_normal((3, 4, 6))
+    for name, x in _strided_views(b, base).items():
         if op == "group_norm" and x.shape[-1] % 2:
             continue
+        x_np = b.to_numpy(x)
         y = call(op, x, **where)
-        ref = reference.forward(op, np.asarray(x), **where)[0]
         assert tuple(y.shape) == tuple(x.shape)
-        assert_close(np.asarray(y, dtype=np.float64), ref, "float32", what=name)
+        assert_close(b.to_numpy(y), reference.forward(op, x_np, **where)[0], "float32", what=name)
+        dy = x[..., ::-1] if lib.startswith("numpy") else x.flip(-1)  # a strided dy as well
+        dx = call_backward(op, dy, x, **where)[0]
+        want = reference.backward(op, b.to_numpy(dy), x_np, **where)[0]
+        assert_close(b.to_numpy(dx), want, "float32", scale=10, what=f"dx, {name}")
 
 
 # --- the second oracle: torch.nn.functional ---------------------------------------------------
