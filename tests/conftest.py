@@ -20,7 +20,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(scope="session", params=BACKEND_NAMES)
 def backend(request):
-    """Each array library under test (skipped when not installed or, for cupy/torch-cuda, no GPU)."""
+    """Each array library under test: numpy, numpy-readonly (write-protected inputs), torch,
+    torch-autograd (float inputs require grad), array-api-strict, dask (two chunks per axis),
+    jax (x64 on), cupy and torch-cuda; skipped when not installed or, for the last two, no GPU."""
     return get_backend(request.param)
 
 
