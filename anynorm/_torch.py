@@ -4,14 +4,14 @@
 formula (biased variance, eps inside the square root) and return the statistics, with
 autograd; they serve float32/float64 layer/RMS norm over trailing axes (what
 ``F.layer_norm`` runs).  ``torch.native_group_norm`` serves group norm with channels on
-axis 1 of a contiguous tensor.
+axis 1 of a contiguous tensor, or channels last (NHWC memory), as ``F.group_norm`` does.
 
-Every other layout (channels-last instance/group norm, ConvNeXt's channels-first layer
-norm, any axes), instance norm, and float16, runs the blocked NumPy executor on the
-tensors' own memory (``Tensor.numpy()``, zero-copy) when no gradient is recorded: one read
-of x, one write of y, corrected two-pass statistics.  With autograd on, those fall back to
-the array-API core, whose torch operations autograd differentiates.  bfloat16 (no NumPy
-dtype) and torch.compile tracing also take the array-API core.
+When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
+(``Tensor.numpy()``, zero-copy) wherever it is the faster or the more accurate: layer/RMS
+rows longer than ``NATIVE_MAX_ROW``, instance norm (torch's group-norm route is less
+accurate on offset rows), channels-first layer norm, any other axes, float16.  With autograd
+on, layouts without a torch routine take the array-API core, whose torch operations
+autograd differentiates.  bfloat16 (no NumPy dtype) and torch.compile tracing also do.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = ["forward", "backward"]
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
                  torch.float64: np.dtype(np.float64)}
 _numpy_namespace = None
+NATIVE_MAX_ROW = 2048
 
 
 def _same_dtype(plan, *params):
@@ -54,13 +55,39 @@ def native_forward(plan, src, weight, bias):
             return y, None, rstd.reshape(plan.stats_shape)
         y, mean, rstd = torch.native_layer_norm(src, normalized, weight, bias, plan.eps)
         return y, mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
-    if plan.channel_axis != 1 or not src.is_contiguous():
-        return None
-    n, c = plan.shape[0], plan.shape[1]
+    n, c = plan.shape[0], plan.shape[plan.channel_axis]
     groups = plan.num_groups if plan.op == "group_norm" else c
-    spatial = math.prod(plan.shape[2:])
-    y, mean, rstd = torch.native_group_norm(src, weight, bias, n, c, spatial, groups, plan.eps)
-    return y, mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
+    spatial = math.prod(plan.shape) // (n * c)
+    order = _channels_first(plan)
+    if order is None:
+        if not src.is_contiguous():
+            return None
+        y, mean, rstd = torch.native_group_norm(src, weight, bias, n, c, spatial, groups, plan.eps)
+        return y, mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
+    if plan.op != "group_norm" or not _channels_last_memory(src.permute(order)):
+        return None
+    # channels last (NHWC): torch's channels-last kernel on the NCHW view, as F.group_norm runs
+    y, mean, rstd = torch.native_group_norm(src.permute(order), weight, bias, n, c, spatial, groups,
+                                            plan.eps)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return y.permute(inverse), mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
+
+
+def _channels_first(plan):
+    """None when channels are on axis 1, else the permutation that puts them there."""
+    c = plan.channel_axis
+    if c == 1:
+        return None
+    return [0, c] + [a for a in range(1, len(plan.shape)) if a != c]
+
+
+def _channels_last_memory(view):
+    """True for an NCHW (NCDHW) view whose memory is channels-last, which torch's kernels take."""
+    if view.dim() == 4:
+        return view.is_contiguous(memory_format=torch.channels_last)
+    if view.dim() == 5:
+        return view.is_contiguous(memory_format=torch.channels_last_3d)
+    return False
 
 
 def _numpy_plan(plan):
@@ -99,10 +126,12 @@ def _as_torch(a):
 
 
 def _prefers_native(plan):
-    """Layouts where torch's own routine is the peer and as fast as the NumPy executor."""
+    """Where torch's own routine beats the NumPy executor on the CPU (measured, see
+    asv_bench/README.md): group norm, and layer/RMS norm rows up to NATIVE_MAX_ROW long
+    (beyond that torch's row kernel falls to a fraction of memory bandwidth)."""
     if plan.op in ("layer_norm", "rms_norm"):
-        return _trailing(plan)
-    return plan.op == "group_norm" and plan.channel_axis == 1
+        return _trailing(plan) and plan.count <= NATIVE_MAX_ROW
+    return plan.op == "group_norm"
 
 
 def forward(plan, x, weight=None, bias=None, residual=None):

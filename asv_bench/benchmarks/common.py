@@ -100,7 +100,7 @@ def call_anynorm_backward(anynorm, name, dy, x, weight):
 
 def best_time(fn, repeat=None, sync=None):
     """Smallest wall time of ``fn()`` over a few calls (after one warm-up), in seconds."""
-    repeat = repeat or (1 if TINY else 5)
+    repeat = repeat or (1 if TINY else 3)
     fn()
     best = float("inf")
     for _ in range(repeat):
