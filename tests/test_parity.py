@@ -251,3 +251,35 @@ def test_inputs_are_never_modified(backend, c):
         for result in (*out, *grads):
             if result is not None:
                 assert not any(np.shares_memory(result, a) for a in given)
+
+
+# --- large inputs: blocked and multi-threaded executors cut these into many pieces ------------
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("c", [
+    case("layer_norm", (1200, 1024)),
+    case("layer_norm", (96, 100, 130), axis=0),
+    case("rms_norm", (40, 300, 100), axis=1),
+    case("layer_norm", (8, 96, 40, 41), axis=(1, 3)),
+    case("instance_norm", (4, 50, 64, 96), channel_axis=-1),
+    case("group_norm", (6, 64, 55, 60), num_groups=8),
+], ids=str)
+def test_large_inputs(lib, c):
+    """~1.2M elements: more than one cache-sized block and enough for several threads."""
+    b = get_backend(lib)
+    x64, w64, b64 = make_inputs(c, 21)
+    x, w = b.asarray(x64, "float32"), b.asarray(w64, "float32")
+    bias = None if b64 is None else b.asarray(b64, "float32")
+    x_np, w_np = b.to_numpy(x), b.to_numpy(w)
+    y = call(c.op, x, w, bias, **c.kw)
+    eps = default_eps(c.op, "float32")
+    assert_close(b.to_numpy(y), reference.forward(c.op, x_np, w_np, b.to_numpy(bias), eps=eps, **c.kw)[0],
+                 "float32", scale=4)
+    dy = b.asarray(np.random.default_rng(22).standard_normal(c.shape), "float32")
+    got = call_backward(c.op, dy, x, w, **c.kw)
+    want = reference.backward(c.op, b.to_numpy(dy), x_np, w_np, eps=eps, **c.kw)
+    for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
+        if g is not None:
+            # dweight/dbias sum ~1e6/len(weight) products: float32 summation error grows with that count
+            scale = 4 if name == "dx" else 4 * np.sqrt(np.prod(c.shape) / r.size)
+            assert_close(b.to_numpy(g), r, "float32", scale=scale, what=name)
