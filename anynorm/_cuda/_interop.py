@@ -47,11 +47,20 @@ class _StreamHandle:
 
 @contextlib.contextmanager
 def on_torch_stream(device):
-    """Make CuPy's current device and stream torch's current ones for ``device``."""
+    """Make torch's current stream of ``device`` CuPy's current stream (and ``device`` the
+    current device of both: torch exports tensors by DLPack only from its current device).
+
+    torch's default stream is the legacy NULL stream (handle 0), which is CuPy's
+    ``Stream.null``; any other stream is wrapped by ``Stream.from_external``.
+    """
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(index):
-        stream = cupy.cuda.Stream.from_external(_StreamHandle(torch.cuda.current_stream(index)))
+    with torch.cuda.device(index), cupy.cuda.Device(index):
+        current = torch.cuda.current_stream(index)
+        if current.cuda_stream == 0:
+            stream = cupy.cuda.Stream.null
+        else:
+            stream = cupy.cuda.Stream.from_external(_StreamHandle(current))
         with stream:
             yield
