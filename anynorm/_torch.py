@@ -9,7 +9,7 @@ axis 1 of a contiguous tensor, or channels last (NHWC memory), as ``F.group_norm
 When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
 (``Tensor.numpy()``, zero-copy) wherever it is the faster or the more accurate: layer/RMS
 rows longer than ``NATIVE_MAX_ROW``, instance norm (torch's group-norm route is less
-accurate on offset rows), channels-first layer norm, any other axes, float16.  With autograd
+accurate on offset rows), channels-first layer norm over long runs, float16.  With autograd
 on, layouts without a torch routine take the array-API core, whose torch operations
 autograd differentiates.  bfloat16 (no NumPy dtype) and torch.compile tracing also do.
 """
@@ -30,6 +30,7 @@ _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np
                  torch.float64: np.dtype(np.float64)}
 _numpy_namespace = None
 NATIVE_MAX_ROW = 2048
+SHORT_RUN = 1024
 
 
 def _same_dtype(plan, *params):
@@ -47,14 +48,23 @@ def native_forward(plan, src, weight, bias):
     if not _same_dtype(plan, weight, bias) or src.numel() == 0:
         return None
     if plan.op in ("layer_norm", "rms_norm"):
-        if not _trailing(plan):
-            return None
+        # other axes: the normalized ones moved last (torch copies to rows), as ConvNeXt does
+        ndim = len(plan.shape)
+        order = [a for a in range(ndim) if a not in plan.reduce_axes] + list(plan.reduce_axes)
+        inverse = sorted(range(ndim), key=order.__getitem__)
+        moved = not _trailing(plan)
+        src = src.permute(order) if moved else src
         normalized = list(plan.param_shape)
         if plan.op == "rms_norm":
             y, rstd = torch._fused_rms_norm(src, normalized, weight, plan.eps)
-            return y, None, rstd.reshape(plan.stats_shape)
-        y, mean, rstd = torch.native_layer_norm(src, normalized, weight, bias, plan.eps)
-        return y, mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
+            mean = None
+        else:
+            y, mean, rstd = torch.native_layer_norm(src, normalized, weight, bias, plan.eps)
+        if moved:
+            y, rstd = y.permute(inverse), rstd.permute(inverse)
+            mean = None if mean is None else mean.permute(inverse)
+        return (y, None if mean is None else mean.reshape(plan.stats_shape),
+                rstd.reshape(plan.stats_shape))
     n, c = plan.shape[0], plan.shape[plan.channel_axis]
     groups = plan.num_groups if plan.op == "group_norm" else c
     spatial = math.prod(plan.shape) // (n * c)
@@ -127,10 +137,13 @@ def _as_torch(a):
 
 def _prefers_native(plan):
     """Where torch's own routine beats the NumPy executor on the CPU (measured, see
-    asv_bench/README.md): group norm, and layer/RMS norm rows up to NATIVE_MAX_ROW long
-    (beyond that torch's row kernel falls to a fraction of memory bandwidth)."""
+    asv_bench/README.md): group norm; layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond
+    that torch's row kernel falls to a fraction of memory bandwidth); other layer/RMS axes
+    when the contiguous run after them is short (ConvNeXt's late stages: 14 x 14)."""
     if plan.op in ("layer_norm", "rms_norm"):
-        return _trailing(plan) and plan.count <= NATIVE_MAX_ROW
+        if _trailing(plan):
+            return plan.count <= NATIVE_MAX_ROW
+        return math.prod(plan.shape[plan.reduce_axes[-1] + 1:]) < SHORT_RUN
     return plan.op == "group_norm"
 
 
