@@ -12,10 +12,12 @@ barrier bugs without one.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import os
 import sys
+import types
 from fractions import Fraction
 from pathlib import Path
 
@@ -31,7 +33,8 @@ _spec.loader.exec_module(emu)
 pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
                                 reason="the CUDA emulation needs g++ and fork()")
 
-KERNELS = _HERE.parent / "kernels"
+# ANYNORM_EMU_KERNEL_DIR runs the suite on another copy of the sources (e.g. a mutated one).
+KERNELS = Path(os.environ.get("ANYNORM_EMU_KERNEL_DIR", _HERE.parent / "kernels"))
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 ACC = {"float16": "float32", "bfloat16": "float32", "float32": "float32", "float64": "float64"}
@@ -210,39 +213,78 @@ def test_selftest_bad_launch_is_caught(selftest):
 
 # ---- anynorm's kernels --------------------------------------------------------------------------
 
-# Register-cache sizes built per dtype (a subset keeps the cold compile short; V = 16 / itemsize
-# elements per vector: every dtype gets a scalar-only size and vector sizes).
-WARP_ITEMS = {"float32": (1, 2, 4, 8, 32), "float64": (1, 2, 16), "float16": (1, 8, 16),
-              "bfloat16": (2, 8)}
-ROWS_BLOCK, BLOCK = 128, 256
+# Register-cache sizes built per dtype: all for float32, a subset elsewhere to keep the cold
+# compile short (V = 16 / itemsize elements per vector: each dtype gets scalar and vector sizes).
+BUILD_ITEMS = {"float32": (1, 2, 4, 8, 16, 32), "float64": (1, 2, 8, 16), "float16": (1, 8, 16),
+               "bfloat16": (2, 8)}
+ROWS_BLOCK, BLOCK, ROW_BLOCK = 128, 256, 256
 
 
-def _names():
-    per_file = {"rows.cu": [], "cols.cu": [], "finish.cu": [], "params.cu": []}
-    for dtype, ctype in CTYPES.items():
-        for items in WARP_ITEMS[dtype]:
-            per_file["rows.cu"] += [f"rows_fwd_warp<{ctype}, {items}>", f"rows_bwd_warp<{ctype}, {items}>"]
-        per_file["rows.cu"] += [f"rows_stats_partial<{ctype}>", f"rows_grad_partial<{ctype}>"]
-        per_file["cols.cu"] += [f"cols_stats_partial<{ctype}>", f"cols_grad_partial<{ctype}>"]
-        per_file["finish.cu"] += [f"{k}<{ctype}>" for k in
-                                  ("stats_finalize", "grad_finalize", "apply_fwd", "apply_bwd")]
-        per_file["params.cu"] += [f"{k}<{ctype}>" for k in
-                                  ("param_grad_cols", "param_grad_rows", "param_grad_finish")]
-    return per_file
+def _private_cuda(module: str):
+    """Import ``anynorm/_cuda/<module>.py`` as a private copy whose ``cupy`` is NumPy on shared
+    memory (no CuPy or GPU needed); ``sys.modules`` is left as it was found."""
+    fake = types.ModuleType("cupy")
+    fake.empty = lambda shape, dtype: emu.shared_empty(shape, dtype)
+    fake.ascontiguousarray = np.ascontiguousarray
+    fake.transpose = np.transpose
+    fake.cuda = types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0, attributes={}))
+    tricks = types.ModuleType("cupy.lib.stride_tricks")
+    tricks.as_strided = np.lib.stride_tricks.as_strided
+    fake.lib = types.ModuleType("cupy.lib")
+    fake.lib.stride_tricks = tricks
+    pkg = types.ModuleType("anynorm_emu_cuda")
+    pkg.__path__ = [str(_HERE.parent / "anynorm" / "_cuda")]
+    names = ("cupy", "cupy.lib", "cupy.lib.stride_tricks", "anynorm_emu_cuda")
+    saved = {name: sys.modules.get(name) for name in names}
+    sys.modules.update({"cupy": fake, "cupy.lib": fake.lib, "cupy.lib.stride_tricks": tricks,
+                        "anynorm_emu_cuda": pkg})
+    try:
+        return importlib.import_module(f"anynorm_emu_cuda.{module}")
+    finally:
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
+        for name in [n for n in sys.modules if n.startswith("anynorm_emu_cuda.")]:
+            sys.modules.pop(name)
+
+
+_compile = _private_cuda("_compile")  # the executor's list of kernels and instantiations
+
+
+def items_built(kernel, dtype):
+    """The ITEMS values of ``kernel`` built for ``dtype`` (empty: no ITEMS parameter)."""
+    items = _compile.items_of(kernel)
+    return tuple(k for k in items if k in BUILD_ITEMS[dtype]) or items[:1]
+
+
+def _build_jobs():
+    """(sources, names, tag) per file; rows.cu split in two so both cores compile."""
+    jobs = []
+    for file, kernels in _compile.KERNELS.items():
+        groups = (DTYPES[:2], DTYPES[2:]) if file == "rows.cu" else (DTYPES,)
+        for dtypes in groups:
+            names = []
+            for dtype in dtypes:
+                for kernel in kernels:
+                    for items in items_built(kernel, dtype) or (None,):
+                        names.append(_compile.name_expression(kernel, dtype, items))
+            jobs.append(([KERNELS / file], names, f"{file.split('.')[0]}-{dtypes[0]}"))
+    return jobs
 
 
 class Kernels:
     """The emulated kernels, fetched as ``kernels("rows_fwd_warp", "float32", items=4)``."""
 
     def __init__(self):
-        jobs = [([KERNELS / f], names, f.split(".")[0]) for f, names in _names().items()]
         self._by_name = {}
-        for module in emu.build_many(jobs):
+        for module in emu.build_many(_build_jobs()):
             for name in module.names:
                 self._by_name[name] = module
 
     def __call__(self, kernel, dtype, items=None):
-        name = f"{kernel}<{CTYPES[dtype]}" + (f", {items}>" if items else ">")
+        name = _compile.name_expression(kernel, dtype, items)
         return self._by_name[name].get_function(name)
 
 
@@ -379,7 +421,10 @@ def _opt(flag, make):
 
 def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, want_y=True,
                 path="warp", items=None, chunk=None, offset=0, grid=None, schedule=None):
-    """Launch the forward kernels; returns float64 (y, h, mean, rstd) (None where not produced)."""
+    """Launch the forward kernels; returns float64 (y, h, mean, rstd) (None where not produced).
+
+    ``grid`` replaces every grid extent that a kernel loops over (rows, outer, slices,
+    elements): 1 makes each kernel walk its whole range from a single block or warp group."""
     A = ACC[dtype]
     xd = emu.to_device(x.reshape(-1), dtype, offset)
     rd = None if res is None else emu.to_device(res.reshape(-1), dtype, offset)
@@ -391,23 +436,26 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
     rstd = emu.empty(case.slices, A)
     outer, reduced, inner, group = case.outer, case.reduced, case.inner, case.group
     launch = dict(schedule=schedule)
-    if path == "warp":
-        assert inner == 1 and reduced <= 32 * items
-        grid = grid or min(_ceil(outer, ROWS_BLOCK // 32), 65535 * 16)
-        kernels("rows_fwd_warp", dtype, items)(
-            (grid,), (ROWS_BLOCK,), (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div,
-                                     case.p_len, center, eps), **launch)
+    if path in ("warp", "block"):  # rows held in registers: a warp or a 256-thread block per row
+        per_row = 32 if path == "warp" else ROW_BLOCK
+        assert inner == 1 and reduced <= per_row * items
+        grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
+        kernels(f"rows_fwd_{path}", dtype, items)(
+            (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
+            (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps),
+            **launch)
     else:
         nchunk = _ceil(reduced, chunk)
         ws = [_acc_buf(outer * nchunk * inner, dtype) for _ in range(3)]
         if path == "rows":
             assert inner == 1
-            kernels("rows_stats_partial", dtype)((nchunk, min(outer, 65535)), (BLOCK,),
+            kernels("rows_stats_partial", dtype)((nchunk, grid or min(outer, 65535)), (BLOCK,),
                                                  (xd, rd, hd, *ws, outer, reduced, chunk), **launch)
         else:
-            kernels("cols_stats_partial", dtype)((_ceil(inner, 32), nchunk, min(outer, 65535)), (32, 8),
-                                                 (xd, rd, hd, *ws, outer, reduced, inner, chunk), **launch)
-        kernels("stats_finalize", dtype)((min(_ceil(case.slices, BLOCK), 65535),), (BLOCK,),
+            kernels("cols_stats_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)),
+                                                 (32, 8), (xd, rd, hd, *ws, outer, reduced, inner, chunk),
+                                                 **launch)
+        kernels("stats_finalize", dtype)((grid or min(_ceil(case.slices, BLOCK), 65535),), (BLOCK,),
                                          (*ws, mean, rstd, outer, nchunk, inner, group, center, eps), **launch)
         if want_y:
             kernels("apply_fwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),
@@ -428,24 +476,24 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     rd = emu.to_device(rstd, A)
     outer, reduced, inner, group = case.outer, case.reduced, case.inner, case.group
     launch = dict(schedule=schedule)
-    if path == "warp":
-        grid = grid or min(_ceil(outer, ROWS_BLOCK // 32), 65535 * 16)
-        kernels("rows_bwd_warp", dtype, items)(
-            (grid,), (ROWS_BLOCK,), (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len,
-                                     center), **launch)
+    if path in ("warp", "block"):
+        grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
+        kernels(f"rows_bwd_{path}", dtype, items)(
+            (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
+            (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len, center), **launch)
         return dxd.get_float()
     nchunk = _ceil(reduced, chunk)
     ws = [_acc_buf(outer * nchunk * inner, dtype) for _ in range(2)]
     if path == "rows":
-        kernels("rows_grad_partial", dtype)((nchunk, min(outer, 65535)), (BLOCK,),
+        kernels("rows_grad_partial", dtype)((nchunk, grid or min(outer, 65535)), (BLOCK,),
                                             (dyd, xd, wd, md, rd, *ws, outer, reduced, chunk, case.p_div,
                                              case.p_len, center), **launch)
     else:
-        kernels("cols_grad_partial", dtype)((_ceil(inner, 32), nchunk, min(outer, 65535)), (32, 8),
+        kernels("cols_grad_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)), (32, 8),
                                             (dyd, xd, wd, md, rd, *ws, outer, reduced, inner, group, chunk,
                                              case.p_div, case.p_len, center), **launch)
     means = [_acc_buf(case.slices, dtype) for _ in range(2)]
-    kernels("grad_finalize", dtype)((min(_ceil(case.slices, BLOCK), 65535),), (BLOCK,),
+    kernels("grad_finalize", dtype)((grid or min(_ceil(case.slices, BLOCK), 65535),), (BLOCK,),
                                     (*ws, *means, outer, nchunk, inner, group, float(case.reduced * group)),
                                     **launch)
     kernels("apply_bwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),
@@ -481,8 +529,8 @@ def run_param_grads(kernels, case, dtype, dy, x, mean, rstd, *, center=1, with_b
     return dw.get_float(), (db.get_float() if with_bias else None)
 
 
-def _items(dtype, count):
-    return next(k for k in WARP_ITEMS[dtype] if 32 * k >= count)
+def _items(dtype, count, kernel="rows_fwd_warp", width=32):
+    return next(k for k in items_built(kernel, dtype) if width * k >= count)
 
 
 def check_forward(kernels, case, dtype, *, center=1, weight=True, bias=True, residual=False,
@@ -576,3 +624,299 @@ def test_rows_warp_param_stride(kernels, dtype, make):
     items = _items(dtype, case.reduced)
     check_forward(kernels, case, dtype, path="warp", items=items)
     check_backward(kernels, case, dtype, path="warp", items=items)
+
+
+# ---- rows, one 256-thread block per row (medium rows) ---------------------------------------------
+
+_BLOCK_COUNTS = {"float32": (1, 33, 256, 257, 1000, 1025, 2048, 2049, 4100, 8192),
+                 "float64": (3, 700, 2048, 3001), "float16": (7, 1024, 2050, 4096), "bfloat16": (5, 1500, 2048)}
+_BLOCK_CASES = [(d, c) for d in DTYPES for c in _BLOCK_COUNTS[d]]
+
+
+def _block_items(dtype, count):
+    return _items(dtype, count, "rows_fwd_block", ROW_BLOCK)
+
+
+@pytest.mark.parametrize("dtype,count", _BLOCK_CASES)
+def test_rows_block_forward(kernels, dtype, count):
+    check_forward(kernels, layer_norm_rows(3, count), dtype, path="block", items=_block_items(dtype, count))
+
+
+@pytest.mark.parametrize("dtype,count", _BLOCK_CASES)
+def test_rows_block_backward(kernels, dtype, count):
+    check_backward(kernels, layer_norm_rows(3, count), dtype, path="block", items=_block_items(dtype, count))
+
+
+@pytest.mark.parametrize("variant", ["rms", "no_params", "residual", "stats_only", "misaligned", "grid_stride",
+                                     "schedule_random"])
+@pytest.mark.parametrize("dtype,count", [("float32", 1028), ("float16", 2000)])
+def test_rows_block_variants(kernels, dtype, count, variant):
+    case, items = layer_norm_rows(2, count), _block_items(dtype, count)
+    check_forward(kernels, case, dtype, path="block", items=items, **_VARIANTS[variant])
+    opts = {k: v for k, v in _VARIANTS[variant].items() if k in ("center", "weight", "offset", "grid",
+                                                                 "schedule")}
+    check_backward(kernels, case, dtype, path="block", items=items, **opts)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_block_param_stride(kernels, dtype):
+    case = group_norm_nchw(2, 4, 9, 37, 2)  # rows of 666, p = (e / 333) % 4
+    items = _block_items(dtype, case.reduced)
+    check_forward(kernels, case, dtype, path="block", items=items)
+    check_backward(kernels, case, dtype, path="block", items=items)
+
+
+# ---- rows, split into chunks (long rows) -----------------------------------------------------------
+
+# (dtype, count, chunk): several chunks per row, chunk starts off the 16-byte grid, a short tail.
+_SPLIT_ROWS = [("float32", 1500, 512), ("float32", 1025, 300), ("float32", 257, 64), ("float64", 700, 256),
+               ("float16", 1030, 512), ("float16", 333, 100), ("bfloat16", 1100, 1024), ("float32", 33, 1)]
+
+
+@pytest.mark.parametrize("dtype,count,chunk", _SPLIT_ROWS)
+def test_rows_split_forward(kernels, dtype, count, chunk):
+    check_forward(kernels, layer_norm_rows(3, count), dtype, path="rows", chunk=chunk, residual=True)
+
+
+@pytest.mark.parametrize("dtype,count,chunk", _SPLIT_ROWS)
+def test_rows_split_backward(kernels, dtype, count, chunk):
+    check_backward(kernels, layer_norm_rows(3, count), dtype, path="rows", chunk=chunk)
+
+
+@pytest.mark.parametrize("variant", ["rms", "no_params", "stats_only", "misaligned", "grid_stride",
+                                     "schedule_random"])
+def test_rows_split_variants(kernels, variant):
+    opts = _VARIANTS[variant]
+    check_forward(kernels, layer_norm_rows(2, 1200), "float32", path="rows", chunk=512, **opts)
+    opts = {k: v for k, v in opts.items() if k in ("center", "weight", "offset", "grid", "schedule")}
+    check_backward(kernels, layer_norm_rows(2, 1200), "float32", path="rows", chunk=512, **opts)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_split_param_stride(kernels, dtype):
+    case = group_norm_nchw(2, 4, 9, 37, 2)  # rows of 666, p = (e / 333) % 4
+    check_forward(kernels, case, dtype, path="rows", chunk=256)
+    check_backward(kernels, case, dtype, path="rows", chunk=256)
+
+
+# ---- columns (inner > 1) -----------------------------------------------------------------------------
+
+_COL_CASES = [
+    ("ln_cf", lambda: layer_norm_channels_first(2, 5, 3, 11), 2),  # inner 33: a second, nearly empty tile
+    ("ln_cf_long", lambda: layer_norm_channels_first(1, 70, 2, 4), 16),
+    ("in_nhwc", lambda: instance_norm_nhwc(2, 3, 5, 7), 4),
+    ("gn_nhwc", lambda: group_norm_nhwc(2, 4, 3, 12, 3), 5),  # group = 4 inner positions per statistic
+    ("gn_nhwc_wide", lambda: group_norm_nhwc(1, 3, 3, 40, 5), 9),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,chunk", _COL_CASES, ids=[c[0] for c in _COL_CASES])
+def test_cols_forward(kernels, dtype, name, make, chunk):
+    check_forward(kernels, make(), dtype, path="cols", chunk=chunk, residual=dtype != "float64")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,chunk", _COL_CASES, ids=[c[0] for c in _COL_CASES])
+def test_cols_backward(kernels, dtype, name, make, chunk):
+    check_backward(kernels, make(), dtype, path="cols", chunk=chunk)
+
+
+@pytest.mark.parametrize("variant", ["rms", "no_params", "stats_only", "misaligned", "grid_stride",
+                                     "schedule_reverse"])
+def test_cols_variants(kernels, variant):
+    case = group_norm_nhwc(3, 3, 3, 12, 4)
+    check_forward(kernels, case, "float32", path="cols", chunk=4, **_VARIANTS[variant])
+    opts = {k: v for k, v in _VARIANTS[variant].items() if k in ("center", "weight", "offset", "grid",
+                                                                 "schedule")}
+    check_backward(kernels, case, "float32", path="cols", chunk=4, **opts)
+
+
+# ---- dweight / dbias ---------------------------------------------------------------------------------
+
+_PARAM_CASES = [
+    ("ln_rows", lambda: layer_norm_rows(37, 45), 8),  # b_len == 1: param_grad_cols, 2 tiles of 32
+    ("ln_rows_one_chunk", lambda: layer_norm_rows(5, 3), 64),
+    ("in_nchw", lambda: instance_norm_nchw(3, 4, 5, 7), 2),  # b_len = 35: param_grad_rows
+    ("gn_nchw", lambda: group_norm_nchw(5, 6, 2, 3, 2), 3),
+    ("ln_cf", lambda: layer_norm_channels_first(3, 5, 3, 11), 1),
+    ("gn_nhwc", lambda: group_norm_nhwc(4, 3, 5, 12, 3), 7),  # b_len == 1, a_len = 60
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,chunk", _PARAM_CASES, ids=[c[0] for c in _PARAM_CASES])
+def test_param_grads(kernels, dtype, name, make, chunk):
+    case = make()
+    x, _, _ = _data(case, dtype, 3)
+    dy = np.random.default_rng(4).standard_normal(case.shape)
+    xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
+    _, mean, rstd = ref_forward(case, xr, None, None, 1, 1e-5)
+    mean, rstd = mean.astype(ACC[dtype]), rstd.astype(ACC[dtype])
+    dw, db = run_param_grads(kernels, case, dtype, dy, x, mean, rstd, chunk=chunk)
+    _, dw_ref, db_ref = ref_backward(case, dyr, xr, np.ones(case.p_len), 1, 1e-5)
+    n_terms = case.total // case.p_len
+    tol = STAT_TOL[dtype] * 4
+    _close(dw, dw_ref, tol, f"dweight of {case} {dtype}", scale=max(1.0, n_terms))
+    _close(db, db_ref, tol, f"dbias of {case} {dtype}", scale=max(1.0, n_terms))
+
+
+@pytest.mark.parametrize("schedule", [1, 9])
+def test_param_grads_rms_no_bias(kernels, schedule):
+    case = instance_norm_nchw(2, 3, 4, 5)
+    x, _, _ = _data(case, "float32", 5)
+    dy = np.random.default_rng(6).standard_normal(case.shape)
+    xr, dyr = _rounded(x, "float32"), _rounded(dy, "float32")
+    _, mean, rstd = ref_forward(case, xr, None, None, 0, 1e-5)
+    dw, db = run_param_grads(kernels, case, "float32", dy, x, None, rstd.astype(np.float32), center=0,
+                             with_bias=False, chunk=1, schedule=schedule)
+    _, dw_ref, _ = ref_backward(case, dyr, xr, np.ones(case.p_len), 0, 1e-5)
+    assert db is None
+    _close(dw, dw_ref, 1e-5, f"dweight of RMS {case}", scale=40.0)
+
+
+# ---- end to end: anynorm's own launch code (anynorm/_cuda/_launch.py) on the emulated kernels ----
+
+def _load_launch(kernels):
+    """A private ``_launch`` on the emulated kernels and a small device (6 blocks target)."""
+    launch = _private_cuda("_launch")
+
+    def get_kernel(kernel, dtype, items=None):
+        if items is not None:  # a size not built for this dtype: the next larger one
+            items = next(k for k in items_built(kernel, dtype) + _compile.items_of(kernel) if k >= items)
+        return kernels(kernel, dtype, items)
+
+    launch.get_kernel = get_kernel
+    launch._target_blocks = lambda: 6  # a small "device", so long extents really split
+    return launch
+
+
+@pytest.fixture(scope="module")
+def launch(kernels):
+    return _load_launch(kernels)
+
+
+def _ref_call(op, x, w, b, dy, *, axis=-1, channel_axis=1, groups=None, eps=1e-5):
+    """float64 (y, mean, rstd, dx, dweight, dbias) straight from the API's formulas."""
+    nd = x.ndim
+    if op in ("layer_norm", "rms_norm"):
+        axes = axis if isinstance(axis, tuple) else (axis,)
+        par = tuple(sorted(a % nd for a in axes))
+        view, red = x.shape, par
+    else:
+        c = channel_axis % nd
+        par = (c,)
+        if op == "instance_norm":
+            view, red = x.shape, tuple(a for a in range(1, nd) if a != c)
+        else:
+            view = x.shape[:c] + (groups, x.shape[c] // groups) + x.shape[c + 1:]
+            red = tuple(a for a in range(1, nd + 1) if a != c)
+    pshape = [x.shape[a] if a in par else 1 for a in range(nd)]
+    full = lambda p: np.broadcast_to(np.reshape(p, pshape), x.shape).reshape(view)  # noqa: E731
+    v, d = x.reshape(view), dy.reshape(view)
+    center = op != "rms_norm"
+    mean = v.mean(red, keepdims=True) if center else np.zeros(v.mean(red, keepdims=True).shape)
+    rstd = 1.0 / np.sqrt(((v - mean) ** 2).mean(red, keepdims=True) + eps)
+    xhat = (v - mean) * rstd
+    y = xhat * (full(w) if w is not None else 1.0) + (full(b) if b is not None else 0.0)
+    g = d * (full(w) if w is not None else 1.0)
+    mg = g.mean(red, keepdims=True) if center else 0.0
+    dx = rstd * (g - mg - xhat * (g * xhat).mean(red, keepdims=True))
+    other = tuple(a for a in range(nd) if a not in par)
+    dw = (d * xhat).reshape(x.shape).sum(other)
+    db = d.reshape(x.shape).sum(other)
+    return (y.reshape(x.shape), mean.reshape(-1), rstd.reshape(-1), dx.reshape(x.shape), dw.reshape(-1),
+            db.reshape(-1))
+
+
+def _plan(op, x, w, b, res=None, **kw):
+    from anynorm._plan import make_plan
+    if op == "group_norm":
+        return make_plan(op, x, w, b, res, channel_axis=kw.get("channel_axis", 1),
+                         num_groups=kw["groups"])
+    if op == "instance_norm":
+        return make_plan(op, x, w, b, res, channel_axis=kw.get("channel_axis", 1))
+    return make_plan(op, x, w, b, res, axis=kw.get("axis", -1), eps=None if op == "rms_norm" else 1e-5)
+
+
+# (op, shape, kwargs, memory order of x): covers every kernel path the executor chooses.
+_E2E = [
+    ("layer_norm", (4, 7, 33), dict(axis=-1), None),  # rows, one warp per row
+    ("layer_norm", (3, 1100), dict(axis=-1), None),  # rows, split into chunks
+    ("layer_norm", (2, 5, 3, 4), dict(axis=1), None),  # channels-first: columns
+    ("layer_norm", (4, 5, 3), dict(axis=(-2, -1)), None),
+    ("layer_norm", (6, 40), dict(axis=0), None),  # columns over the leading axis
+    ("layer_norm", (5, 12), dict(axis=-1), (1, 0)),  # transposed memory: copied to rows
+    ("rms_norm", (5, 40), dict(axis=-1), None),
+    ("rms_norm", (3, 6, 7), dict(axis=1), None),
+    ("instance_norm", (2, 3, 4, 5), dict(channel_axis=1), None),  # NCHW: rows with p_div = HW
+    ("instance_norm", (2, 4, 5, 6), dict(channel_axis=-1), None),  # NHWC: columns
+    ("instance_norm", (2, 6, 4, 5), dict(channel_axis=1), (0, 2, 3, 1)),  # NCHW logical, NHWC memory
+    ("group_norm", (2, 6, 3, 3), dict(channel_axis=1, groups=3), None),
+    ("group_norm", (2, 3, 3, 12), dict(channel_axis=-1, groups=4), None),  # columns with group = 3
+    ("group_norm", (3, 8, 5, 7), dict(channel_axis=1, groups=2), (0, 2, 3, 1)),
+]
+
+
+def _in_order(a, order):
+    """``a`` with the same values, its memory laid out in ``order`` (shared memory)."""
+    if order is None:
+        out = emu.shared_empty(a.shape, a.dtype)
+        out[...] = a
+        return out
+    mem = emu.shared_empty(tuple(a.shape[k] for k in order), a.dtype)
+    mem[...] = np.transpose(a, order)
+    return np.transpose(mem, np.argsort(order))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("op,shape,kw,order", _E2E, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in _E2E])
+def test_executor_end_to_end(launch, op, shape, kw, order, dtype):
+    """forward then backward through ``_launch`` exactly as the CUDA executor calls it."""
+    rng = np.random.default_rng(len(shape) * 7 + shape[-1])
+    A = ACC[dtype]
+    x = _in_order((rng.standard_normal(shape) * 1.5 + 2).astype(dtype), order)
+    dy = _in_order(rng.standard_normal(shape).astype(dtype), order)
+    plan = _plan(op, x, None, None, **kw)
+    pshape = plan.param_shape
+    w = (1 + 0.3 * rng.standard_normal(pshape)).astype(A)
+    b = (0.2 * rng.standard_normal(pshape)).astype(A) if op != "rms_norm" else None
+    plan = _plan(op, x, w, b, **kw)
+    eps = plan.eps
+    y = _in_order(np.zeros(shape, dtype), order)
+    mean = None if op == "rms_norm" else emu.shared_empty(plan.stats_shape, A)
+    rstd = emu.shared_empty(plan.stats_shape, A)
+    launch.forward(plan, dtype, x, w, b, None, y, None, mean, rstd)
+    y_ref, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref = _ref_call(
+        op, x.astype(np.float64), w.astype(np.float64), None if b is None else b.astype(np.float64),
+        dy.astype(np.float64), eps=eps, **kw)
+    _close(rstd.reshape(-1), rstd_ref, STAT_TOL[dtype] * 3, f"{op} rstd", scale=rstd_ref)
+    if mean is not None:
+        _close(mean.reshape(-1), mean_ref, STAT_TOL[dtype] * 3, f"{op} mean")
+    _close(y, y_ref, TOL[dtype], f"{op} y")
+    for given in (True, False):  # statistics passed in, then recomputed by the executor
+        dx = _in_order(np.zeros(shape, dtype), order)
+        dw = emu.shared_empty(pshape, A)
+        db = None if b is None else emu.shared_empty(pshape, A)
+        launch.backward(plan, dtype, dy, x, w, mean if given else None, rstd if given else None, dx, dw, db)
+        scale = max(1.0, float(np.abs(dx_ref).max()))
+        _close(dx, dx_ref, TOL[dtype] * 4, f"{op} dx (stats given: {given})", scale=scale)
+        n_terms = x.size // w.size
+        _close(dw.reshape(-1), dw_ref, STAT_TOL[dtype] * 4, f"{op} dweight", scale=max(1.0, n_terms))
+        if db is not None:
+            _close(db.reshape(-1), db_ref, STAT_TOL[dtype] * 4, f"{op} dbias", scale=max(1.0, n_terms))
+
+
+def test_executor_end_to_end_residual(launch):
+    """layer_norm(x, residual=r): h = x + r written once, y normalizes h."""
+    rng = np.random.default_rng(11)
+    x, r = (emu.shared_empty((6, 70), np.float16) for _ in range(2))
+    x[...], r[...] = rng.standard_normal((6, 70)), rng.standard_normal((6, 70))
+    w, b = np.ones(70, np.float32), np.zeros(70, np.float32)
+    plan = _plan("layer_norm", x, w, b, r, axis=-1)
+    y, h = emu.shared_empty(x.shape, np.float16), emu.shared_empty(x.shape, np.float16)
+    mean, rstd = emu.shared_empty(plan.stats_shape, np.float32), emu.shared_empty(plan.stats_shape, np.float32)
+    launch.forward(plan, "float16", x, w, b, r, y, h, mean, rstd)
+    np.testing.assert_array_equal(h, x + r)
+    y_ref = _ref_call("layer_norm", h.astype(np.float64), None, None, np.zeros(h.shape))[0]
+    _close(y, y_ref, TOL["float16"], "residual y")

@@ -215,6 +215,17 @@ def empty(shape, dtype: str, offset: int = 0) -> DeviceArray:
     return DeviceArray(shape, dtype, offset)
 
 
+def shared_empty(shape, dtype) -> np.ndarray:
+    """A plain NumPy array in memory the forked launcher shares (0xFF-filled, no canaries):
+    the stand-in for a device array when driving code written for CuPy."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    mem = mmap.mmap(-1, max(n, 1) + _ALIGN)
+    raw = np.frombuffer(mem, dtype=np.uint8)
+    raw[:] = 0xFF
+    return raw[:n].view(dtype).reshape(shape)
+
+
 # ---- modules and launches -------------------------------------------------------------------
 
 _SCALARS = {"i1": ctypes.c_int8, "i2": ctypes.c_int16, "i4": ctypes.c_int32, "i8": ctypes.c_int64,
@@ -265,6 +276,13 @@ class Kernel:
                                         f"to {code[1:]}")
                     values.append(ctypes.c_void_p(a.ptr))
                     arrays.append((k, a))
+                elif isinstance(a, np.ndarray):  # a shared_empty array, or read-only input
+                    want = _POINTEE.get(code[1:])
+                    name = "bfloat16" if a.dtype == np.int16 else a.dtype.name
+                    if want is not None and name not in want:
+                        raise TypeError(f"{self.name} argument {k}: a {a.dtype} array for a pointer "
+                                        f"to {code[1:]}")
+                    values.append(ctypes.c_void_p(a.ctypes.data))
                 elif a is None or (isinstance(a, (int, np.integer)) and int(a) == 0):
                     values.append(ctypes.c_void_p(0))
                 else:
