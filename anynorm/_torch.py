@@ -4,12 +4,14 @@
 formula (biased variance, eps inside the square root) and return the statistics, with
 autograd; they serve float32/float64 layer/RMS norm over trailing axes (what
 ``F.layer_norm`` runs).  ``torch.native_group_norm`` serves group norm with channels on
-axis 1 of a contiguous tensor, or channels last (NHWC memory), as ``F.group_norm`` does.
+axis 1 of a contiguous tensor, or channels last (NHWC memory), as ``F.group_norm`` does;
+``torch.native_batch_norm`` over the (1, N*C, spatial) view serves instance norm, as
+``F.instance_norm`` does.
 
 When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
 (``Tensor.numpy()``, zero-copy) wherever it is the faster or the more accurate: layer/RMS
-rows longer than ``NATIVE_MAX_ROW``, instance norm (torch's group-norm route is less
-accurate on offset rows), channels-first layer norm over long runs, float16.  With autograd
+rows longer than ``NATIVE_MAX_ROW``, instance norm, channels-first layer norm over long
+runs, float16.  With autograd
 on, layouts without a torch routine take the array-API core, whose torch operations
 autograd differentiates.  bfloat16 (no NumPy dtype) and torch.compile tracing also do.
 """
@@ -66,9 +68,11 @@ def native_forward(plan, src, weight, bias):
         return (y, None if mean is None else mean.reshape(plan.stats_shape),
                 rstd.reshape(plan.stats_shape))
     n, c = plan.shape[0], plan.shape[plan.channel_axis]
-    groups = plan.num_groups if plan.op == "group_norm" else c
     spatial = math.prod(plan.shape) // (n * c)
     order = _channels_first(plan)
+    if plan.op == "instance_norm":
+        return _instance_norm(plan, src, weight, bias, n, c, order)
+    groups = plan.num_groups
     if order is None:
         if not src.is_contiguous():
             return None
@@ -81,6 +85,20 @@ def native_forward(plan, src, weight, bias):
                                             plan.eps)
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return y.permute(inverse), mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
+
+
+def _instance_norm(plan, src, weight, bias, n, c, order):
+    """Instance norm as ``F.instance_norm`` runs it: batch norm's training-mode kernel over the
+    (1, N*C, spatial) view, weight and bias repeated per sample.  torch's group-norm kernel
+    with C groups gives the same formula but loses more digits on rows far from zero."""
+    nchw = src if order is None else src.permute(order)
+    repeat = (lambda p: None if p is None else p.repeat(n))
+    y, mean, rstd = torch.native_batch_norm(nchw.reshape(1, n * c, -1), repeat(weight), repeat(bias),
+                                            None, None, True, 0.0, plan.eps)
+    y = y.reshape(nchw.shape)
+    if order is not None:
+        y = y.permute(sorted(range(len(order)), key=order.__getitem__))
+    return y, mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
 
 
 def _channels_first(plan):
