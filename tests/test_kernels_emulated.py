@@ -153,6 +153,7 @@ def _conversion_inputs():
     return f.astype(np.float32), d
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # values past 65504
 def test_selftest_half_bfloat16_rounding_is_bit_exact(selftest):
     f, d = _conversion_inputs()
     n = f.size

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -328,7 +329,11 @@ def _run_forked(call, timeout, where) -> str:
     log = tempfile.TemporaryFile()
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # The child runs only the compiled kernel (no Python threads, no JAX) and leaves with
+        # os._exit; glibc makes malloc usable after fork. JAX's warning does not apply.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        pid = os.fork()
     if pid == 0:  # child: run, report through shared memory, never return into pytest
         code = 3
         try:
