@@ -8,15 +8,16 @@ over ``reduce_axes`` of that view, and scale/shift by parameters laid along
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import array_api_compat
 import numpy as np
 
-__all__ = ["Plan", "make_plan", "namespace_of"]
+__all__ = ["Plan", "make_plan", "plan_for", "namespace_of"]
 
 _OPS = ("layer_norm", "rms_norm", "instance_norm", "group_norm")
 
@@ -48,6 +49,9 @@ class Plan:
     has_residual: bool
     channel_axis: int | None = None  # canonical, for instance/group norm
     num_groups: int | None = None
+    # what executors derive from the plan alone (kernel layouts per strides, ...); plans are
+    # shared between calls with the same arguments, so this is worked out once
+    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def nonparam_axes(self) -> tuple:
@@ -118,14 +122,24 @@ def _check_float(xp, name, arr):
         raise TypeError(f"{name} must have a real floating-point dtype, got {arr.dtype}")
 
 
+# Array types whose ``.device`` attribute is what array_api_compat.device returns (torch,
+# CuPy): reading it directly saves most of the per-call cost of the device check.
+_DEVICE_ATTRIBUTE = {}
+
+
+def _device(arr):
+    direct = _DEVICE_ATTRIBUTE.get(type(arr))
+    if direct is None:
+        direct = _DEVICE_ATTRIBUTE[type(arr)] = bool(
+            array_api_compat.is_torch_array(arr) or array_api_compat.is_cupy_array(arr))
+    return arr.device if direct else array_api_compat.device(arr)
+
+
 def _check_device(name, arr, x):
     if arr is None or type(arr) is type(x) is np.ndarray:  # NumPy has one device
         return
-    if array_api_compat.device(arr) != array_api_compat.device(x):
-        raise ValueError(
-            f"{name} must be on the same device as x ({array_api_compat.device(x)}), "
-            f"got {array_api_compat.device(arr)}"
-        )
+    if _device(arr) != _device(x):
+        raise ValueError(f"{name} must be on the same device as x ({_device(x)}), got {_device(arr)}")
 
 
 def _as_int(name, value) -> int:
@@ -165,14 +179,13 @@ def check_eps(eps) -> float:
     return value
 
 
-def _check_param(name, arr, expected):
-    if arr is not None and tuple(arr.shape) != expected:
-        raise ValueError(f"{name} must have shape {expected}, got shape {tuple(arr.shape)}")
-
-
 def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_axis=1,
               num_groups=None, eps=1e-5) -> Plan:
-    """Validate the arguments of ``op`` and canonicalize its axes into a :class:`Plan`."""
+    """Validate the arguments of ``op`` and canonicalize its axes into a :class:`Plan`.
+
+    The arrays are checked on every call; the rest depends on shapes and arguments only
+    and is planned once per distinct call (:func:`plan_for`).
+    """
     assert op in _OPS
     xp = namespace_of(x, weight=weight, bias=bias, residual=residual)
     _check_float(xp, "x", x)
@@ -184,20 +197,43 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
         raise ValueError(f"x must have a known shape, got {tuple(x.shape)}: for a Dask array, "
                          "call x.compute_chunk_sizes() first")
     shape = tuple(int(s) for s in x.shape)
-    ndim = len(shape)
-    if ndim == 0:
-        raise ValueError("x must have at least one dimension, got a 0-d array")
     if residual is not None and (tuple(residual.shape) != shape or residual.dtype != x.dtype):
         raise ValueError(f"residual must have x's shape {shape} and dtype {x.dtype}, "
                          f"got shape {tuple(residual.shape)} and dtype {residual.dtype}")
     if eps is None:  # rms_norm's default, as in PyTorch
         eps = float(xp.finfo(x.dtype).eps)
     eps = check_eps(eps)
+    args = (op, xp, shape, x.dtype, axis, channel_axis, num_groups, eps,
+            None if weight is None else tuple(weight.shape),
+            None if bias is None else tuple(bias.shape), residual is not None)
+    return plan_for(*args) if _cacheable(axis, channel_axis, num_groups, x.dtype) else _build_plan(*args)
 
+
+def _cacheable(axis, channel_axis, num_groups, dtype) -> bool:
+    """True when the arguments can key the plan cache: exact ints (``True == 1`` must not
+    hit a cached ``1``), a hashable dtype."""
+    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+    if not all(type(a) is int for a in axes) or type(channel_axis) is not int:
+        return False
+    if num_groups is not None and type(num_groups) is not int:
+        return False
+    try:
+        hash(dtype)
+    except TypeError:
+        return False
+    return not isinstance(axis, list)
+
+
+def _build_plan(op, xp, shape, dtype, axis=-1, channel_axis=1, num_groups=None, eps=1e-5,
+                weight_shape=None, bias_shape=None, has_residual=False) -> Plan:
+    """The :class:`Plan` of a call whose arrays are already checked (``shape``: ints)."""
+    ndim = len(shape)
+    if ndim == 0:
+        raise ValueError("x must have at least one dimension, got a 0-d array")
     # By width, not by name: float16 is no array-API dtype, so namespaces such as
     # array_api_compat.dask.array do not export it, yet their arrays can hold it.
-    half = _float_bits(xp, x.dtype) < 32
-    acc_dtype = xp.float32 if half else x.dtype
+    half = _float_bits(xp, dtype) < 32
+    acc_dtype = xp.float32 if half else dtype
     center = op != "rms_norm"
     canon_channel = groups = None
 
@@ -241,11 +277,17 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
         raise ValueError(f"the normalized extent of x is empty: x.shape={shape}, "
                          f"normalized axes {reduce_axes if op in ('layer_norm', 'rms_norm') else 'of each slice'} "
                          f"hold 0 elements")
-    _check_param("weight", weight, param_shape)
-    _check_param("bias", bias, param_shape)
-    return Plan(op=op, xp=xp, shape=shape, dtype=x.dtype, acc_dtype=acc_dtype, center=center,
+    for name, got in (("weight", weight_shape), ("bias", bias_shape)):
+        if got is not None and got != param_shape:
+            raise ValueError(f"{name} must have shape {param_shape}, got shape {got}")
+    return Plan(op=op, xp=xp, shape=shape, dtype=dtype, acc_dtype=acc_dtype, center=center,
                 eps=eps, view_shape=view_shape, reduce_axes=reduce_axes, param_axes=param_axes,
                 param_shape=param_shape, param_view_shape=param_view_shape,
                 stats_view_shape=stats_view_shape, stats_shape=stats_shape, count=count,
-                has_weight=weight is not None, has_bias=bias is not None,
-                has_residual=residual is not None, channel_axis=canon_channel, num_groups=groups)
+                has_weight=weight_shape is not None, has_bias=bias_shape is not None,
+                has_residual=has_residual, channel_axis=canon_channel, num_groups=groups)
+
+
+# The plan of a call whose arrays are already checked, shared by every call with the same
+# (hashable, exact-int) arguments.
+plan_for = functools.lru_cache(maxsize=1024)(_build_plan)

@@ -143,3 +143,16 @@ def test_jax_jit_and_grad(op, kw):
     assert_close(jb.to_numpy(y), reference.forward(op, x64, eps=eps, **kw)[0], "float64")
     grad = jax.grad(lambda x: (f(x) * jb.asarray(dy64)).sum())(jb.asarray(x64))
     assert_close(jb.to_numpy(grad), reference.backward(op, dy64, x64, eps=eps, **kw)[0], "float64", scale=10)
+
+
+def test_calls_with_the_same_arguments_share_one_plan():
+    """Planning runs once per distinct call (per-call overhead is what a GPU launch waits on);
+    the arrays are still checked every time."""
+    from anynorm._plan import make_plan
+
+    x = np.ones((3, 5), np.float32)
+    first = make_plan("layer_norm", x, np.ones(5, np.float32), axis=-1)
+    assert make_plan("layer_norm", x.copy(), np.zeros(5, np.float32), axis=-1) is first
+    assert make_plan("layer_norm", x, axis=-1) is not first  # no weight: another plan
+    with pytest.raises(TypeError, match="weight"):
+        make_plan("layer_norm", x, np.ones(5, np.int32), axis=-1)

@@ -181,3 +181,25 @@ def test_backward_checks_like_forward(backend, op):
     x = arr(backend, X64)
     with pytest.raises(ValueError):
         call_backward(op, x, x, arr(backend, np.ones(7)), **kw)
+
+
+@pytest.mark.parametrize("bad, error", [(True, TypeError), ((True,), TypeError), (1.0, TypeError),
+                                        (np.int64(5), ValueError)], ids=repr)
+def test_plan_cache_never_skips_validation(bad, error):
+    """Plans are cached per arguments; ``True == 1`` and ``1.0 == 1`` must not hit the entry a
+    valid ``axis=1`` call left there, and a rejected call leaves nothing behind."""
+    x = np.ones((2, 3, 4), np.float32)
+    anynorm.layer_norm(x, axis=1)
+    with pytest.raises(error, match="axis"):
+        anynorm.layer_norm(x, axis=bad)
+    with pytest.raises(error, match="axis"):
+        anynorm.layer_norm(x, axis=bad)
+
+
+def test_plan_cache_keys_on_parameter_shapes():
+    """A cached plan for ``weight`` of shape (4,) does not accept a (3,) weight later."""
+    x = np.ones((2, 3, 4), np.float32)
+    anynorm.layer_norm(x, np.ones(4, np.float32))
+    with pytest.raises(ValueError, match=r"weight must have shape \(4,\)"):
+        anynorm.layer_norm(x, np.ones(3, np.float32))
+    assert anynorm.layer_norm(x, axis=[1, 2]).shape == (2, 3, 4)  # a list axis: uncached, fine
