@@ -30,7 +30,6 @@ __all__ = ["forward", "backward"]
 
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
                  torch.float64: np.dtype(np.float64)}
-_numpy_namespace = None
 NATIVE_MAX_ROW = 2048
 SHORT_RUN = 1024
 
@@ -65,8 +64,7 @@ def native_forward(plan, src, weight, bias):
         if moved:
             y, rstd = y.permute(inverse), rstd.permute(inverse)
             mean = None if mean is None else mean.permute(inverse)
-        return (y, None if mean is None else mean.reshape(plan.stats_shape),
-                rstd.reshape(plan.stats_shape))
+        return y, _stats(plan, mean), _stats(plan, rstd)
     n, c = plan.shape[0], plan.shape[plan.channel_axis]
     spatial = math.prod(plan.shape) // (n * c)
     order = _channels_first(plan)
@@ -77,14 +75,14 @@ def native_forward(plan, src, weight, bias):
         if not src.is_contiguous():
             return None
         y, mean, rstd = torch.native_group_norm(src, weight, bias, n, c, spatial, groups, plan.eps)
-        return y, mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
+        return y, _stats(plan, mean), _stats(plan, rstd)
     if plan.op != "group_norm" or not _channels_last_memory(src.permute(order)):
         return None
     # channels last (NHWC): torch's channels-last kernel on the NCHW view, as F.group_norm runs
     y, mean, rstd = torch.native_group_norm(src.permute(order), weight, bias, n, c, spatial, groups,
                                             plan.eps)
     inverse = sorted(range(len(order)), key=order.__getitem__)
-    return y.permute(inverse), mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
+    return y.permute(inverse), _stats(plan, mean), _stats(plan, rstd)
 
 
 def _instance_norm(plan, src, weight, bias, n, c, order):
@@ -98,7 +96,14 @@ def _instance_norm(plan, src, weight, bias, n, c, order):
     y = y.reshape(nchw.shape)
     if order is not None:
         y = y.permute(sorted(range(len(order)), key=order.__getitem__))
-    return y, mean.reshape(plan.stats_shape), rstd.reshape(plan.stats_shape)
+    return y, _stats(plan, mean), _stats(plan, rstd)
+
+
+def _stats(plan, t):
+    """A statistic in the public shape (torch's row kernels already give it: no reshape)."""
+    if t is None or t.shape == plan.stats_shape:
+        return t
+    return t.reshape(plan.stats_shape)
 
 
 def _channels_first(plan):
@@ -119,14 +124,14 @@ def _channels_last_memory(view):
 
 
 def _numpy_plan(plan):
-    """The same plan, described in NumPy's terms."""
-    global _numpy_namespace
-    if _numpy_namespace is None:
-        import array_api_compat.numpy as _numpy_namespace_module
+    """The same plan, described in NumPy's terms (made once per plan)."""
+    numpy_plan = plan.memo.get("numpy")
+    if numpy_plan is None:
+        import array_api_compat.numpy as xp
 
-        _numpy_namespace = _numpy_namespace_module
-    acc = _NUMPY_DTYPES[plan.acc_dtype]
-    return dataclasses.replace(plan, xp=_numpy_namespace, dtype=_NUMPY_DTYPES[plan.dtype], acc_dtype=acc)
+        numpy_plan = plan.memo["numpy"] = dataclasses.replace(
+            plan, xp=xp, dtype=_NUMPY_DTYPES[plan.dtype], acc_dtype=_NUMPY_DTYPES[plan.acc_dtype])
+    return numpy_plan
 
 
 def _numpy_eligible(plan, *tensors):
