@@ -93,6 +93,36 @@ def emulated(monkeypatch):
         output_buffer=lambda p, l, a: a, store=lambda p, l, b, o: None))
 
 
+@pytest.fixture
+def emulated_torch(monkeypatch):
+    """As ``emulated``, with the real ``_buffers``: arrays arrive as ``_interop.TensorRef`` of
+    torch CPU tensors over emulated memory, as CUDA tensors arrive from the custom ops."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(_launch, "cupy", types.SimpleNamespace(empty=_empty))
+    monkeypatch.setattr(_launch, "get_kernel",
+                        lambda k, dtype, items=None: _module(dtype).get_function(
+                            _compile.name_expression(k, dtype, items)))
+    monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
+    from anynorm._cuda import _interop
+
+    def as_ref(d, shape=None, order=None):
+        """A TensorRef of a torch tensor over ``d``'s memory, logical ``shape``, memory ``order``."""
+        if d is None:
+            return None
+        flat = torch.from_numpy(d.array.reshape(-1).view(np.int16) if d.dtype == "bfloat16"
+                                else d.array.reshape(-1))
+        if d.dtype == "bfloat16":
+            flat = flat.view(torch.bfloat16)
+        if shape is not None:
+            order = order or tuple(range(len(shape)))
+            flat = flat.reshape([shape[a] for a in order]).permute(*np.argsort(order).tolist())
+        ref = _interop.ref(flat)
+        assert int(ref.kernel_arg) == d.ptr
+        return ref
+
+    return as_ref
+
+
 def _rounded(a, dtype):
     if dtype == "bfloat16":
         return emu.bf16_to_float(emu.bf16_bits(a)).astype(np.float64)
@@ -117,7 +147,11 @@ def _assert_scaled(got, want, rtol, what):
     assert err <= rtol * max(1.0, float(np.abs(want).max(initial=0))), (what, err)
 
 
-def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True):
+def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True, as_ref=None):
+    """Run forward and backward through ``_launch`` against the reference; with ``as_ref``,
+    every buffer is handed over as a torch TensorRef (``emulated_torch``)."""
+    big = (lambda d: d) if as_ref is None else (lambda d: as_ref(d, shape, order))
+    small = (lambda d: d) if as_ref is None else as_ref
     rng = np.random.default_rng(abs(hash((op, shape, dtype, residual))) % 2**32)
     order = order or tuple(range(len(shape)))
     acc = "float64" if dtype == "float64" else "float32"
@@ -137,7 +171,8 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     sd = emu.empty(nstats, acc)
     wd = None if w is None else emu.to_device(w.reshape(-1), acc)
     bd = None if b is None else emu.to_device(b.reshape(-1), acc)
-    _launch.forward(plan, dtype, xd, wd, bd, rd, yd, hd, md, sd)
+    _launch.forward(plan, dtype, big(xd), small(wd), small(bd), big(rd), big(yd), big(hd), small(md),
+                    small(sd))
 
     h = _rounded(x + res, dtype) if residual else x
     ry, _, rmean, rrstd = _reference.forward(make_plan(op, h, w, b, **kw), h, w, b)
@@ -159,7 +194,8 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
         dwd = emu.empty(plen, acc) if w is not None else None
         dbd = emu.empty(plen, acc) if w is not None else None
         mean, rstd = ((md if plan.center else None), sd) if given_stats else (None, None)
-        _launch.backward(bplan, dtype, dydev, hdev, wd, mean, rstd, dxd, dwd, dbd)
+        _launch.backward(bplan, dtype, big(dydev), big(hdev), small(wd), small(mean), small(rstd),
+                         big(dxd), small(dwd), small(dbd))
         _assert_scaled(_host(dxd, shape, order), rdx, 3 * TOL[dtype], "dx")
         if w is not None:
             grad_tol = 1e-10 if acc == "float64" else 1e-4
@@ -215,3 +251,15 @@ def test_launch_without_parameters(emulated, dtype):
 def test_launch_fused_residual(emulated, dtype, shape, offset):
     _check("layer_norm", shape, {}, dtype, residual=True, offset=offset)
     _check("rms_norm", shape, {"axis": -1, "eps": 1e-6}, dtype, residual=True, offset=offset)
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (1, 3, 5, 7, 13, 14, 16)],
+                         ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launch_with_torch_tensor_refs(emulated_torch, case, dtype):
+    """The custom ops' route: tensors as TensorRefs (strides and data pointers, no DLPack),
+    the real buffer logic, every kernel family, channels-last memory included."""
+    op, shape, kw, order = case
+    _check(op, shape, kw, dtype, order, offset=1 if dtype == "float32" else 0, as_ref=emulated_torch)
+    if op in ("layer_norm", "rms_norm"):
+        _check(op, shape, kw, dtype, order, residual=True, as_ref=emulated_torch)

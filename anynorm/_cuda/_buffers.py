@@ -2,8 +2,9 @@
 
 An array whose memory already is the buffer (same element strides on every non-trivial
 view axis) is used in place; anything else is copied once, in the layout's order, on the
-current stream. All arrays here are CuPy arrays (torch tensors arrive through DLPack;
-bfloat16 may arrive as int16 bits, which copies treat the same).
+current stream. Arrays here are CuPy arrays or torch tensors as ``_interop.TensorRef``
+(strides and a data pointer; they become CuPy arrays through DLPack only to be copied;
+bfloat16 then arrives as int16 bits, which copies treat the same).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import cupy
 from cupy.lib.stride_tricks import as_strided
 
+from ._interop import as_cupy
 from ._layout import buffer_strides, view_strides
 
 __all__ = ["element_strides", "is_buffer", "input_buffer", "output_buffer", "store"]
@@ -41,7 +43,7 @@ def input_buffer(plan, layout, arr):
     """``arr`` itself when it is laid out as the buffer, else a dense copy in layout order."""
     if is_buffer(plan, layout, arr):
         return arr
-    return cupy.ascontiguousarray(_ordered(plan, layout, arr))
+    return cupy.ascontiguousarray(_ordered(plan, layout, as_cupy(arr)))
 
 
 def output_buffer(plan, layout, out):
@@ -55,5 +57,5 @@ def store(plan, layout, buf, out) -> None:
     """Copy a scratch buffer back into ``out`` (no-op when the kernels wrote ``out``)."""
     if buf is out:
         return
-    ordered = _ordered(plan, layout, out)
+    ordered = _ordered(plan, layout, as_cupy(out))
     ordered[...] = buf.reshape(ordered.shape)

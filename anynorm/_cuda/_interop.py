@@ -1,8 +1,11 @@
-"""Hand torch CUDA tensors to CuPy without copies, on torch's current stream.
+"""Hand torch CUDA tensors to the launcher without copies, on torch's current stream.
 
-Tensors cross through DLPack (``cupy.from_dlpack``); bfloat16 crosses as int16 bits so that
-no CuPy bfloat16 support is needed (the kernels get the dtype separately). Work runs on
-torch's current stream of the tensor's device, wrapped by ``cupy.cuda.Stream.from_external``.
+A tensor reaches the kernels as a :class:`TensorRef`: its strides for the layout and its
+data pointer as the kernel argument, no conversion per call. Where a layout needs a copy,
+the tensor crosses to CuPy through DLPack (``cupy.from_dlpack``); bfloat16 crosses as int16
+bits so that no CuPy bfloat16 support is needed (the kernels get the dtype separately).
+Work runs on torch's current stream of the tensor's device, wrapped by
+``cupy.cuda.Stream.from_external``.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import contextlib
 
 import cupy
+import numpy as np
 
-__all__ = ["to_cupy", "on_torch_stream", "dtype_key"]
+__all__ = ["TensorRef", "ref", "as_cupy", "kernel_arg", "to_cupy", "on_torch_stream", "dtype_key"]
 
 _KEYS = ("float16", "bfloat16", "float32", "float64")
 
@@ -33,6 +37,43 @@ def to_cupy(tensor):
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     return cupy.from_dlpack(tensor)
+
+
+class TensorRef:
+    """A CUDA torch tensor as the launcher reads it (what a CuPy array would give).
+
+    ``strides`` in bytes and ``itemsize`` decide the layout; ``dtype`` is the NumPy dtype
+    of a CuPy view (int16 for bfloat16); ``kernel_arg`` is the data pointer, which RawKernel
+    takes like an array (a DLPack round trip per tensor costs microseconds per call).
+    """
+
+    __slots__ = ("tensor", "itemsize", "strides", "dtype", "kernel_arg")
+
+    def __init__(self, tensor):
+        self.tensor = tensor  # keeps the memory alive for the launch
+        self.itemsize = tensor.element_size()
+        self.strides = tuple(s * self.itemsize for s in tensor.stride())
+        self.dtype = _NUMPY_DTYPE[str(tensor.dtype)]
+        self.kernel_arg = np.uint64(tensor.data_ptr())
+
+
+_NUMPY_DTYPE = {"torch.float16": np.dtype(np.float16), "torch.bfloat16": np.dtype(np.int16),
+                "torch.float32": np.dtype(np.float32), "torch.float64": np.dtype(np.float64)}
+
+
+def ref(tensor):
+    """A :class:`TensorRef` of a CUDA tensor; None stays None."""
+    return None if tensor is None else TensorRef(tensor)
+
+
+def as_cupy(arr):
+    """A CuPy array of the same memory (a TensorRef crosses by DLPack); CuPy arrays as they are."""
+    return to_cupy(arr.tensor) if type(arr) is TensorRef else arr
+
+
+def kernel_arg(arg):
+    """What RawKernel receives for one launch argument."""
+    return arg.kernel_arg if type(arg) is TensorRef else arg
 
 
 class _StreamHandle:

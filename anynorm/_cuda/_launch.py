@@ -1,6 +1,7 @@
 """Launch the kernels of one forward or backward call on CuPy's current stream.
 
-Inputs and outputs are CuPy arrays, outputs preallocated by the caller: ``y``/``h``/``dx``
+Inputs and outputs are CuPy arrays (or torch tensors as ``_interop.TensorRef``), outputs
+preallocated by the caller: ``y``/``h``/``dx``
 with ``x``'s shape and dtype (any strides), statistics contiguous in the public statistics
 shape and the accumulation dtype, ``dweight``/``dbias`` contiguous ``(p_len,)`` in the
 accumulation dtype. ``weight``/``bias`` arrive contiguous and already in the accumulation
@@ -17,6 +18,7 @@ import numpy as np
 
 from . import _buffers
 from ._compile import BLOCK_ITEMS, WARP_ITEMS, get_kernel
+from ._interop import kernel_arg
 from ._layout import plan_layout
 
 __all__ = ["forward", "backward", "acc_dtype"]
@@ -77,7 +79,7 @@ def _split(length, parallel, target, min_chunk, align=1):
 
 
 def _launch(kernel, dtype, grid, block, args, items=None):
-    get_kernel(kernel, dtype, items)(grid, block, args)
+    get_kernel(kernel, dtype, items)(grid, block, tuple(kernel_arg(a) for a in args))
 
 
 # ---- statistics --------------------------------------------------------------------------

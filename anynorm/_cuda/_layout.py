@@ -165,6 +165,14 @@ def plan_layout(plan, strides, need_params=None) -> Layout:
     """
     if need_params is None:
         need_params = plan.has_weight or plan.has_bias
+    key = ("layout", tuple(strides), need_params)  # worked out once per plan and strides
+    layout = plan.memo.get(key)
+    if layout is None:
+        layout = plan.memo[key] = _choose_layout(plan, key[1], need_params)
+    return layout
+
+
+def _choose_layout(plan, strides, need_params) -> Layout:
     order = _memory_order(plan.view_shape, view_strides(plan, strides))
     layout = _factor(plan, order, need_params) if order is not None else None
     if layout is not None:

@@ -286,6 +286,8 @@ class Kernel:
                     values.append(ctypes.c_void_p(a.ctypes.data))
                 elif a is None or (isinstance(a, (int, np.integer)) and int(a) == 0):
                     values.append(ctypes.c_void_p(0))
+                elif isinstance(a, np.uint64):  # a raw address (a tensor's data_ptr), unchecked
+                    values.append(ctypes.c_void_p(int(a)))
                 else:
                     raise TypeError(f"{self.name} argument {k}: expected a DeviceArray or 0, got {a!r}")
             elif code in ("h2", "b2"):
