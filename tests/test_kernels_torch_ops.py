@@ -143,3 +143,29 @@ def test_import_without_cupy_raises_import_error():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=str(__import__("pathlib").Path(anynorm.__file__).parents[1]))
     assert run.stdout.startswith("ImportError"), run.stdout + run.stderr
+
+
+def test_direct_calls_only_where_the_dispatcher_adds_nothing():
+    """Inference calls skip the dispatcher; anything autograd, a mode or torch.compile must
+    see goes through the registered op (and CPU tensors always do: the entry points check
+    ``x.is_cuda`` first, which test_backward_entry_point_shapes relies on)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Subclass(torch.Tensor):
+        pass
+
+    x = torch.ones(2, 3)
+    weight = torch.nn.Parameter(torch.ones(3))
+    assert ops._direct(x, None)
+    assert not ops._direct(x, weight)  # a parameter that requires grad, grad mode on
+    with torch.no_grad():
+        assert ops._direct(x, weight)  # inference with a module's parameters
+    with torch.inference_mode():
+        assert ops._direct(x, weight)
+    with Passthrough():
+        assert not ops._direct(x)
+    assert not ops._direct(x.as_subclass(Subclass))

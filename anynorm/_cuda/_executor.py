@@ -61,11 +61,23 @@ def unsupported(plan, x):
 
 def _is_fake(x) -> bool:
     """A FakeTensor under torch.compile tracing: no device needed to trace it."""
+    return type(x) is not _plain_tensor() and _fake_test()(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_tensor():
+    import torch
+
+    return torch.Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _fake_test():
     try:
         from torch._subclasses.fake_tensor import is_fake
     except ImportError:
-        return False
-    return is_fake(x)
+        return lambda x: False
+    return is_fake
 
 
 def forward(plan, x, weight=None, bias=None, residual=None):
