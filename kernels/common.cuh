@@ -7,6 +7,14 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+// Full unrolling of the per-thread item loops keeps register-cached rows in registers
+// (an array indexed by a run-time loop counter would live in local memory).
+#ifdef ANYNORM_CUDA_EMU
+#define ANYNORM_UNROLL
+#else
+#define ANYNORM_UNROLL _Pragma("unroll")
+#endif
+
 namespace anynorm {
 
 // ---- types and conversions -------------------------------------------------------------

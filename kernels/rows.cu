@@ -1,191 +1,278 @@
 // Rows family (inner == 1): every normalized slice is `count` contiguous elements.
 //
-// Short rows (count <= 32 * ITEMS): one warp per row, the row held in registers, exact
-// two-pass statistics. Medium rows (count <= 256 * ITEMS): the same with one 256-thread
-// block per row. Long rows: rows_*_partial reduce chunks of a row per block; the chunks are
+// Short rows (count <= 32 * ITEMS): one warp per row; medium rows (count <= 256 * ITEMS):
+// one 256-thread block per row. Either way a "team" of threads holds the row in registers
+// (ITEMS values per thread) and takes exact two-pass statistics from them: x is read once,
+// y written once. Long rows: rows_*_partial reduce chunks of a row per block; the chunks are
 // merged by finish.cu (stats_finalize / grad_finalize) and applied by apply_fwd / apply_bwd.
 // Launch configurations: README.md.
 #include "common.cuh"
 
 using namespace anynorm;
 
-// Element of the row owned by (lane, item k). Vector mode: lanes own runs of V contiguous
-// elements (one 16-byte access per run); scalar mode: lane + 32 * k.
-template <int V>
-__device__ __forceinline__ long long warp_item(int k, int lane, bool vec) {
-    return vec ? (long long)(k / V) * 32 * V + (long long)lane * V + (k % V) : (long long)k * 32 + lane;
+#define ROW_BLOCK 256
+
+// The threads that share one row: a warp, or the whole block of ROW_BLOCK threads.
+struct WarpTeam {
+    static const int SIZE = 32;
+    __device__ __forceinline__ static int rank() { return threadIdx.x & 31; }
+    template <typename A> __device__ __forceinline__ static A allsum(A v, A*) { return warp_sum(v); }
+    template <typename A> __device__ __forceinline__ static void allsum2(A& a, A& b, A*) {
+        a = warp_sum(a);
+        b = warp_sum(b);
+    }
+};
+
+struct BlockTeam {
+    static const int SIZE = ROW_BLOCK;
+    __device__ __forceinline__ static int rank() { return threadIdx.x; }
+    template <typename A> __device__ __forceinline__ static A allsum(A v, A* smem) {
+        A unused = A(0);
+        block_allsum2(v, unused, smem);
+        return v;
+    }
+    template <typename A> __device__ __forceinline__ static void allsum2(A& a, A& b, A* smem) {
+        block_allsum2(a, b, smem);
+    }
+};
+
+// Offset in the row of (thread `rank`, item k); 32-bit (rows here hold <= 256 * 32 elements).
+// Vector mode: each thread owns runs of V contiguous elements (one 16-byte access per run);
+// scalar mode: rank + SIZE * k, coalesced across the team.
+template <int V, int SIZE>
+__device__ __forceinline__ int team_item(int k, int rank, bool vec) {
+    return vec ? (k / V) * SIZE * V + rank * V + (k % V) : k * SIZE + rank;
 }
 
-// y = (v - mean) * rstd * w + b for one row; v = x, or h = x + res (h written).
-template <typename T, int ITEMS>
-__global__ void rows_fwd_warp(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,
-                              T* __restrict__ y, const acc_t<T>* __restrict__ w,
-                              const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
-                              acc_t<T>* __restrict__ rstd, long long rows, long long count,
-                              long long p_div, long long p_len, int center, double eps) {
+// Parameter index of offset `idx` in the row starting at element `base`.
+__device__ __forceinline__ long long row_param(long long base, int idx, bool plain, long long p_div,
+                                               long long p_len) {
+    return plain ? (long long)idx : param_of(base + idx, p_div, p_len);
+}
+
+// Read the row into v (x, or h = x + res with h written); zeros past the end.
+template <typename T, int ITEMS, int SIZE>
+__device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restrict__ x,
+                                         const T* __restrict__ res, T* __restrict__ h, int count,
+                                         int rank, bool vec) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
-    const int lane = threadIdx.x & 31;
-    const long long warps_per_block = blockDim.x >> 5;
-    const long long nwarps = (long long)gridDim.x * warps_per_block;
-    const A n = A(count);
-    for (long long row = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5); row < rows;
-         row += nwarps) {
-        const long long base = row * count;
-        const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x + base) &&
-                         (res == 0 || (aligned16(res + base) && aligned16(h + base))) &&
-                         (y == 0 || aligned16(y + base));
-        A v[ITEMS];
-        if (vec) {
-            for (int k = 0; k < ITEMS; k += V) {
-                const long long idx = warp_item<V>(k, lane, true);
-                if (idx < count) {
-                    Vec16<T> xv = load16(x + base + idx);
-                    if (res) {
-                        Vec16<T> rv = load16(res + base + idx);
-                        for (int j = 0; j < V; ++j) xv.v[j] = add_in_dtype(xv.v[j], rv.v[j]);
-                        store16(h + base + idx, xv);
-                    }
-                    for (int j = 0; j < V; ++j) v[k + j] = to_acc(xv.v[j]);
-                } else {
-                    for (int j = 0; j < V; ++j) v[k + j] = A(0);
-                }
-            }
-        } else {
-            for (int k = 0; k < ITEMS; ++k) {
-                const long long idx = warp_item<V>(k, lane, false);
-                if (idx < count) {
-                    T xv = x[base + idx];
-                    if (res) {
-                        xv = add_in_dtype(xv, res[base + idx]);
-                        h[base + idx] = xv;
-                    }
-                    v[k] = to_acc(xv);
-                } else {
-                    v[k] = A(0);
-                }
-            }
-        }
-        // Two passes over the registers: mean, then the centred sum of squares.
-        A mu = A(0);
-        if (center) {
-            A s = A(0);
-            for (int k = 0; k < ITEMS; ++k) s += v[k];
-            mu = warp_sum(s) / n;
-        }
-        A ss = A(0);
-        for (int k = 0; k < ITEMS; ++k) {
-            if (warp_item<V>(k, lane, vec) < count) {
-                const A d = v[k] - mu;
-                ss += d * d;
-            }
-        }
-        const A r = inv_sqrt(warp_sum(ss) / n + A(eps));
-        if (lane == 0) {
-            rstd[row] = r;
-            if (mean) mean[row] = mu;
-        }
-        if (y == 0) continue;
-        const bool plain_params = (p_div == 1 && p_len == count);
-        for (int k = 0; k < ITEMS; ++k) {
-            const long long idx = warp_item<V>(k, lane, vec);
+    if (vec) {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; k += V) {
+            const int idx = team_item<V, SIZE>(k, rank, true);
             if (idx < count) {
-                const long long p = plain_params ? idx : param_of(base + idx, p_div, p_len);
-                v[k] = (v[k] - mu) * r * weight_at(w, p) + bias_at(b, p);
+                Vec16<T> xv = load16(x + idx);
+                if (res) {
+                    const Vec16<T> rv = load16(res + idx);
+                    ANYNORM_UNROLL
+                    for (int j = 0; j < V; ++j) xv.v[j] = add_in_dtype(xv.v[j], rv.v[j]);
+                    store16(h + idx, xv);
+                }
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) v[k + j] = to_acc(xv.v[j]);
+            } else {
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) v[k + j] = A(0);
             }
         }
-        if (vec) {
-            for (int k = 0; k < ITEMS; k += V) {
-                const long long idx = warp_item<V>(k, lane, true);
-                if (idx < count) {
-                    Vec16<T> yv;
-                    for (int j = 0; j < V; ++j) yv.v[j] = from_acc<T>(v[k + j]);
-                    store16(y + base + idx, yv);
+    } else {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) {
+            const int idx = team_item<V, SIZE>(k, rank, false);
+            if (idx < count) {
+                T xv = x[idx];
+                if (res) {
+                    xv = add_in_dtype(xv, res[idx]);
+                    h[idx] = xv;
                 }
-            }
-        } else {
-            for (int k = 0; k < ITEMS; ++k) {
-                const long long idx = warp_item<V>(k, lane, false);
-                if (idx < count) y[base + idx] = from_acc<T>(v[k]);
+                v[k] = to_acc(xv);
+            } else {
+                v[k] = A(0);
             }
         }
     }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w, for one row per warp.
-template <typename T, int ITEMS>
-__global__ void rows_bwd_warp(const T* __restrict__ dy, const T* __restrict__ x,
-                              const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ mean,
-                              const acc_t<T>* __restrict__ rstd, T* __restrict__ dx, long long rows,
-                              long long count, long long p_div, long long p_len, int center) {
-    typedef acc_t<T> A;
+// Write v (in the accumulation type) to the row of y.
+template <typename T, int ITEMS, int SIZE>
+__device__ __forceinline__ void store_row(T* __restrict__ y, const acc_t<T> (&v)[ITEMS], int count,
+                                          int rank, bool vec) {
     const int V = VecLen<T>::value;
-    const int lane = threadIdx.x & 31;
-    const long long warps_per_block = blockDim.x >> 5;
-    const long long nwarps = (long long)gridDim.x * warps_per_block;
-    const A n = A(count);
-    const bool plain_params = (p_div == 1 && p_len == count);
-    for (long long row = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5); row < rows;
-         row += nwarps) {
-        const long long base = row * count;
-        const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x + base) &&
-                         aligned16(dy + base) && aligned16(dx + base);
-        const A mu = center ? mean[row] : A(0);
-        const A r = rstd[row];
-        A g[ITEMS], xh[ITEMS];
-        if (vec) {
-            for (int k = 0; k < ITEMS; k += V) {
-                const long long idx = warp_item<V>(k, lane, true);
-                if (idx < count) {
-                    const Vec16<T> xv = load16(x + base + idx);
-                    const Vec16<T> dv = load16(dy + base + idx);
-                    for (int j = 0; j < V; ++j) {
-                        xh[k + j] = to_acc(xv.v[j]);
-                        g[k + j] = to_acc(dv.v[j]);
-                    }
-                } else {
-                    for (int j = 0; j < V; ++j) xh[k + j] = g[k + j] = A(0);
-                }
-            }
-        } else {
-            for (int k = 0; k < ITEMS; ++k) {
-                const long long idx = warp_item<V>(k, lane, false);
-                xh[k] = idx < count ? to_acc(x[base + idx]) : A(0);
-                g[k] = idx < count ? to_acc(dy[base + idx]) : A(0);
-            }
-        }
-        A sg = A(0), sgx = A(0);
-        for (int k = 0; k < ITEMS; ++k) {
-            const long long idx = warp_item<V>(k, lane, vec);
+    if (vec) {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; k += V) {
+            const int idx = team_item<V, SIZE>(k, rank, true);
             if (idx < count) {
-                const long long p = plain_params ? idx : param_of(base + idx, p_div, p_len);
-                xh[k] = (xh[k] - mu) * r;
-                g[k] *= weight_at(w, p);
-                sg += g[k];
-                sgx += g[k] * xh[k];
+                Vec16<T> out;
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) out.v[j] = from_acc<T>(v[k + j]);
+                store16(y + idx, out);
             }
         }
-        const A mg = center ? warp_sum(sg) / n : A(0);
-        const A mgx = warp_sum(sgx) / n;
-        for (int k = 0; k < ITEMS; ++k) g[k] = r * (g[k] - mg - xh[k] * mgx);
-        if (vec) {
-            for (int k = 0; k < ITEMS; k += V) {
-                const long long idx = warp_item<V>(k, lane, true);
-                if (idx < count) {
-                    Vec16<T> out;
-                    for (int j = 0; j < V; ++j) out.v[j] = from_acc<T>(g[k + j]);
-                    store16(dx + base + idx, out);
-                }
-            }
-        } else {
-            for (int k = 0; k < ITEMS; ++k) {
-                const long long idx = warp_item<V>(k, lane, false);
-                if (idx < count) dx[base + idx] = from_acc<T>(g[k]);
-            }
+    } else {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) {
+            const int idx = team_item<V, SIZE>(k, rank, false);
+            if (idx < count) y[idx] = from_acc<T>(v[k]);
         }
     }
 }
 
+// One row of the forward: y = (v - mean) * rstd * w + b, v = x (or h = x + res, written).
+template <typename T, int ITEMS, typename Team>
+__device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __restrict__ res,
+                                            T* __restrict__ h, T* __restrict__ y,
+                                            const acc_t<T>* __restrict__ w,
+                                            const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
+                                            acc_t<T>* __restrict__ rstd, long long row, int count,
+                                            long long p_div, long long p_len, int center, acc_t<T> eps,
+                                            acc_t<T>* smem) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const int rank = Team::rank();
+    const long long base = row * count;
+    x += base;
+    if (res) {
+        res += base;
+        h += base;
+    }
+    if (y) y += base;
+    const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x) &&
+                     (res == 0 || (aligned16(res) && aligned16(h))) && (y == 0 || aligned16(y));
+    A v[ITEMS];
+    load_row<T, ITEMS, Team::SIZE>(v, x, res, h, count, rank, vec);
+    const A n = A(count);
+    // Two passes over the registers: the mean, then the centred sum of squares.
+    A mu = A(0);
+    if (center) {
+        A s = A(0);
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) s += v[k];
+        mu = Team::allsum(s, smem) / n;
+    }
+    A ss = A(0);
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS; ++k) {
+        if (team_item<V, Team::SIZE>(k, rank, vec) < count) {
+            const A d = v[k] - mu;
+            ss += d * d;
+        }
+    }
+    const A r = inv_sqrt(Team::allsum(ss, smem) / n + eps);
+    if (rank == 0) {
+        rstd[row] = r;
+        if (mean) mean[row] = mu;
+    }
+    if (y == 0) return;
+    const bool plain = (p_div == 1 && p_len == count);
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS; ++k) {
+        const int idx = team_item<V, Team::SIZE>(k, rank, vec);
+        if (idx < count) {
+            const long long p = row_param(base, idx, plain, p_div, p_len);
+            v[k] = (v[k] - mu) * r * weight_at(w, p) + bias_at(b, p);
+        }
+    }
+    store_row<T, ITEMS, Team::SIZE>(y, v, count, rank, vec);
+}
+
+// One row of the backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w.
+template <typename T, int ITEMS, typename Team>
+__device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* __restrict__ x,
+                                             const acc_t<T>* __restrict__ w,
+                                             const acc_t<T>* __restrict__ mean,
+                                             const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+                                             long long row, int count, long long p_div,
+                                             long long p_len, int center, acc_t<T>* smem) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const int rank = Team::rank();
+    const long long base = row * count;
+    x += base;
+    dy += base;
+    dx += base;
+    const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x) && aligned16(dy) &&
+                     aligned16(dx);
+    const A mu = center ? mean[row] : A(0);
+    const A r = rstd[row];
+    A g[ITEMS], xh[ITEMS];
+    load_row<T, ITEMS, Team::SIZE>(xh, x, (const T*)0, (T*)0, count, rank, vec);
+    load_row<T, ITEMS, Team::SIZE>(g, dy, (const T*)0, (T*)0, count, rank, vec);
+    const bool plain = (p_div == 1 && p_len == count);
+    A sg = A(0), sgx = A(0);
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS; ++k) {
+        const int idx = team_item<V, Team::SIZE>(k, rank, vec);
+        if (idx < count) {
+            xh[k] = (xh[k] - mu) * r;
+            g[k] *= weight_at(w, row_param(base, idx, plain, p_div, p_len));
+            sg += g[k];
+            sgx += g[k] * xh[k];
+        }
+    }
+    Team::allsum2(sg, sgx, smem);
+    const A n = A(count);
+    const A mg = center ? sg / n : A(0);
+    const A mgx = sgx / n;
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS; ++k) g[k] = r * (g[k] - mg - xh[k] * mgx);
+    store_row<T, ITEMS, Team::SIZE>(dx, g, count, rank, vec);
+}
+
+// Short rows: one warp per row, several warps per block, grid-stride over rows.
+template <typename T, int ITEMS>
+__global__ void rows_fwd_warp(
+        const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
+        const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
+        acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
+        long long p_len, int center, double eps) {
+    const long long warps_per_block = blockDim.x >> 5;
+    const long long nwarps = (long long)gridDim.x * warps_per_block;
+    for (long long row = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5); row < rows;
+         row += nwarps)
+        forward_row<T, ITEMS, WarpTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, p_div, p_len,
+                                        center, acc_t<T>(eps), (acc_t<T>*)0);
+}
+
+template <typename T, int ITEMS>
+__global__ void rows_bwd_warp(
+        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        long long rows, long long count, long long p_div, long long p_len, int center) {
+    const long long warps_per_block = blockDim.x >> 5;
+    const long long nwarps = (long long)gridDim.x * warps_per_block;
+    for (long long row = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5); row < rows;
+         row += nwarps)
+        backward_row<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, row, (int)count, p_div, p_len,
+                                         center, (acc_t<T>*)0);
+}
+
+// Medium rows: one block of ROW_BLOCK threads per row, grid-stride over rows. The launch
+// bound lets ptxas keep the forward's registers low (ITEMS=16: 48 instead of 117 on sm_90);
+// on the backward it made ptxas spill, so that one goes without.
+template <typename T, int ITEMS>
+__global__ void __launch_bounds__(ROW_BLOCK) rows_fwd_block(
+        const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
+        const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
+        acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
+        long long p_len, int center, double eps) {
+    __shared__ acc_t<T> smem[64];
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x)
+        forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, p_div, p_len,
+                                         center, acc_t<T>(eps), smem);
+}
+
+template <typename T, int ITEMS>
+__global__ void rows_bwd_block(
+        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        long long rows, long long count, long long p_div, long long p_len, int center) {
+    __shared__ acc_t<T> smem[64];
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x)
+        backward_row<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, row, (int)count, p_div, p_len,
+                                          center, smem);
+}
 // Welford state of row[c*chunk : (c+1)*chunk] for block (c, row); h = x + res written once.
 template <typename T>
 __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,
@@ -276,178 +363,3 @@ __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict_
     }
 }
 
-#define ROW_BLOCK 256
-
-// Element of the row owned by (thread t of ROW_BLOCK, item k); as warp_item, 256 wide.
-template <int V>
-__device__ __forceinline__ long long block_item(int k, int t, bool vec) {
-    return vec ? (long long)(k / V) * ROW_BLOCK * V + (long long)t * V + (k % V)
-               : (long long)k * ROW_BLOCK + t;
-}
-
-// rows_fwd_warp for medium rows: one block of ROW_BLOCK threads per row, row in registers.
-template <typename T, int ITEMS>
-__global__ void rows_fwd_block(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,
-                               T* __restrict__ y, const acc_t<T>* __restrict__ w,
-                               const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
-                               acc_t<T>* __restrict__ rstd, long long rows, long long count,
-                               long long p_div, long long p_len, int center, double eps) {
-    typedef acc_t<T> A;
-    __shared__ A smem[64];
-    const int V = VecLen<T>::value;
-    const int t = threadIdx.x;
-    const A n = A(count);
-    const bool plain_params = (p_div == 1 && p_len == count);
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const long long base = row * count;
-        const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x + base) &&
-                         (res == 0 || (aligned16(res + base) && aligned16(h + base))) &&
-                         (y == 0 || aligned16(y + base));
-        A v[ITEMS];
-        if (vec) {
-            for (int k = 0; k < ITEMS; k += V) {
-                const long long idx = block_item<V>(k, t, true);
-                if (idx < count) {
-                    Vec16<T> xv = load16(x + base + idx);
-                    if (res) {
-                        const Vec16<T> rv = load16(res + base + idx);
-                        for (int j = 0; j < V; ++j) xv.v[j] = add_in_dtype(xv.v[j], rv.v[j]);
-                        store16(h + base + idx, xv);
-                    }
-                    for (int j = 0; j < V; ++j) v[k + j] = to_acc(xv.v[j]);
-                } else {
-                    for (int j = 0; j < V; ++j) v[k + j] = A(0);
-                }
-            }
-        } else {
-            for (int k = 0; k < ITEMS; ++k) {
-                const long long idx = block_item<V>(k, t, false);
-                if (idx < count) {
-                    T xv = x[base + idx];
-                    if (res) {
-                        xv = add_in_dtype(xv, res[base + idx]);
-                        h[base + idx] = xv;
-                    }
-                    v[k] = to_acc(xv);
-                } else {
-                    v[k] = A(0);
-                }
-            }
-        }
-        A s = A(0), unused = A(0);
-        if (center) {
-            for (int k = 0; k < ITEMS; ++k) s += v[k];
-        }
-        block_allsum2(s, unused, smem);
-        const A mu = center ? s / n : A(0);
-        A ss = A(0);
-        for (int k = 0; k < ITEMS; ++k) {
-            if (block_item<V>(k, t, vec) < count) {
-                const A d = v[k] - mu;
-                ss += d * d;
-            }
-        }
-        block_allsum2(ss, unused, smem);
-        const A r = inv_sqrt(ss / n + A(eps));
-        if (t == 0) {
-            rstd[row] = r;
-            if (mean) mean[row] = mu;
-        }
-        if (y == 0) continue;
-        for (int k = 0; k < ITEMS; ++k) {
-            const long long idx = block_item<V>(k, t, vec);
-            if (idx < count) {
-                const long long p = plain_params ? idx : param_of(base + idx, p_div, p_len);
-                v[k] = (v[k] - mu) * r * weight_at(w, p) + bias_at(b, p);
-            }
-        }
-        if (vec) {
-            for (int k = 0; k < ITEMS; k += V) {
-                const long long idx = block_item<V>(k, t, true);
-                if (idx < count) {
-                    Vec16<T> yv;
-                    for (int j = 0; j < V; ++j) yv.v[j] = from_acc<T>(v[k + j]);
-                    store16(y + base + idx, yv);
-                }
-            }
-        } else {
-            for (int k = 0; k < ITEMS; ++k) {
-                const long long idx = block_item<V>(k, t, false);
-                if (idx < count) y[base + idx] = from_acc<T>(v[k]);
-            }
-        }
-    }
-}
-
-// rows_bwd_warp for medium rows: one block of ROW_BLOCK threads per row.
-template <typename T, int ITEMS>
-__global__ void rows_bwd_block(const T* __restrict__ dy, const T* __restrict__ x,
-                               const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ mean,
-                               const acc_t<T>* __restrict__ rstd, T* __restrict__ dx, long long rows,
-                               long long count, long long p_div, long long p_len, int center) {
-    typedef acc_t<T> A;
-    __shared__ A smem[64];
-    const int V = VecLen<T>::value;
-    const int t = threadIdx.x;
-    const A n = A(count);
-    const bool plain_params = (p_div == 1 && p_len == count);
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const long long base = row * count;
-        const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x + base) &&
-                         aligned16(dy + base) && aligned16(dx + base);
-        const A mu = center ? mean[row] : A(0);
-        const A r = rstd[row];
-        A g[ITEMS], xh[ITEMS];
-        if (vec) {
-            for (int k = 0; k < ITEMS; k += V) {
-                const long long idx = block_item<V>(k, t, true);
-                if (idx < count) {
-                    const Vec16<T> xv = load16(x + base + idx);
-                    const Vec16<T> dv = load16(dy + base + idx);
-                    for (int j = 0; j < V; ++j) {
-                        xh[k + j] = to_acc(xv.v[j]);
-                        g[k + j] = to_acc(dv.v[j]);
-                    }
-                } else {
-                    for (int j = 0; j < V; ++j) xh[k + j] = g[k + j] = A(0);
-                }
-            }
-        } else {
-            for (int k = 0; k < ITEMS; ++k) {
-                const long long idx = block_item<V>(k, t, false);
-                xh[k] = idx < count ? to_acc(x[base + idx]) : A(0);
-                g[k] = idx < count ? to_acc(dy[base + idx]) : A(0);
-            }
-        }
-        A sg = A(0), sgx = A(0);
-        for (int k = 0; k < ITEMS; ++k) {
-            const long long idx = block_item<V>(k, t, vec);
-            if (idx < count) {
-                const long long p = plain_params ? idx : param_of(base + idx, p_div, p_len);
-                xh[k] = (xh[k] - mu) * r;
-                g[k] *= weight_at(w, p);
-                sg += g[k];
-                sgx += g[k] * xh[k];
-            }
-        }
-        block_allsum2(sg, sgx, smem);
-        const A mg = center ? sg / n : A(0);
-        const A mgx = sgx / n;
-        for (int k = 0; k < ITEMS; ++k) g[k] = r * (g[k] - mg - xh[k] * mgx);
-        if (vec) {
-            for (int k = 0; k < ITEMS; k += V) {
-                const long long idx = block_item<V>(k, t, true);
-                if (idx < count) {
-                    Vec16<T> out;
-                    for (int j = 0; j < V; ++j) out.v[j] = from_acc<T>(g[k + j]);
-                    store16(dx + base + idx, out);
-                }
-            }
-        } else {
-            for (int k = 0; k < ITEMS; ++k) {
-                const long long idx = block_item<V>(k, t, false);
-                if (idx < count) dx[base + idx] = from_acc<T>(g[k]);
-            }
-        }
-    }
-}

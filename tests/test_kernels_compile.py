@@ -42,7 +42,8 @@ def _compile_job(job):
 
     file, kernel, dtype, arch = job
     try:
-        return True, compile_module.nvrtc_check(file, dtype, arch, kernels=(kernel,))
+        return True, compile_module.nvrtc_check(file, dtype, arch, extra_options=("--ptxas-options=-v",),
+                                                kernels=(kernel,))
     except CompileException as exc:
         return False, str(exc)
 
@@ -68,6 +69,26 @@ def test_compiles_without_warnings(results, job):
     assert not warnings, f"{kernel} ({file}) for {dtype} on sm_{arch}:\n{text}"
 
 
+_ENTRY = re.compile(r"Compiling entry function '(\S+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+@pytest.mark.parametrize("job", JOBS, ids=[f"{k}-{d}-sm{a}" for _, k, d, a in JOBS])
+def test_keeps_everything_in_registers(results, job):
+    """ptxas's resource report: no instantiation spills registers or needs a stack frame (a
+    register-cached row that spills is read from local memory: the single pass is lost)."""
+    ok, text = results[job]
+    if not ok:
+        pytest.skip("does not compile (test_compiles_without_warnings reports it)")
+    entries = _ENTRY.findall(text)
+    frames = [tuple(map(int, m)) for m in _FRAME.findall(text)]
+    registers = [int(r) for r in _REGISTERS.findall(text)]
+    assert entries and len(entries) == len(frames) == len(registers), text
+    for name, frame, regs in zip(entries, frames, registers):
+        assert frame == (0, 0, 0), f"{name} on sm_{job[3]}: {regs} registers, stack/spill bytes {frame}"
+
+
 def test_instantiation_list_is_complete():
     """Every kernel the launcher names, at every ITEMS it may pick, is in the compiled list."""
     listed = {expr for _, _, expr in _compile.instantiations()}
@@ -81,7 +102,7 @@ def test_instantiation_list_is_complete():
             exprs = [_compile.name_expression(kernel, dtype, k) for k in items]
             assert set(exprs) <= listed
     per_dtype = sum(len(_compile.items_of(k)) or 1 for ks in _compile.KERNELS.values() for k in ks)
-    assert len(listed) == 4 * per_dtype == 116
+    assert len(listed) == 4 * per_dtype == 120
 
 
 def test_every_kernel_is_defined_in_its_file():
@@ -90,4 +111,5 @@ def test_every_kernel_is_defined_in_its_file():
     for file, kernels in _compile.KERNELS.items():
         text = read_source(file)
         for kernel in kernels:
-            assert re.search(rf"__global__\s+void\s+{kernel}\s*\(", text), (file, kernel)
+            assert re.search(rf"__global__\s+void\s+(__launch_bounds__\([^)]*\)\s+)?{kernel}\s*\(",
+                             text), (file, kernel)

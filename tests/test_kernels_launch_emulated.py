@@ -209,11 +209,12 @@ CASES = [
     ("layer_norm", (6, 1000), {}, None),  # warp, ITEMS=32
     ("layer_norm", (3, 1025), {}, None),  # block per row, ITEMS=8
     ("layer_norm", (2, 8192), {}, None),  # block per row, ITEMS=32
-    ("layer_norm", (2, 9000), {}, None),  # chunked rows, several chunks
+    ("layer_norm", (2, 9000), {}, None),  # block per row, ITEMS=64
+    ("layer_norm", (2, 17000), {}, None),  # chunked rows, several chunks
     ("layer_norm", (2, 3, 4, 5), {"axis": 1}, None),  # columns (channels-first)
     ("layer_norm", (3, 70, 33), {"axis": 1}, None),  # columns, several chunks, 2 tiles
     ("rms_norm", (2, 3000), {"axis": -1, "eps": 1e-6}, None),
-    ("rms_norm", (2, 9000), {"axis": -1, "eps": 1e-6}, None),
+    ("rms_norm", (2, 17000), {"axis": -1, "eps": 1e-6}, None),
     ("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, None),
     ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, None),  # block per row, p per row
     ("instance_norm", (2, 3, 90, 100), {"channel_axis": 1}, None),  # chunked rows, p per row
@@ -246,7 +247,7 @@ def test_launch_without_parameters(emulated, dtype):
 
 
 @pytest.mark.parametrize("offset", [0, 1])
-@pytest.mark.parametrize("shape", [(5, 40), (3, 2000), (2, 9000)])
+@pytest.mark.parametrize("shape", [(5, 40), (3, 2000), (2, 9000), (2, 17000)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_launch_fused_residual(emulated, dtype, shape, offset):
     _check("layer_norm", shape, {}, dtype, residual=True, offset=offset)

@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 from . import _buffers
-from ._compile import BLOCK_ITEMS, WARP_ITEMS, get_kernel
+from ._compile import BLOCK_ITEMS, BLOCK_ITEMS_BACKWARD, WARP_ITEMS, get_kernel, items_of
 from ._interop import kernel_arg
 from ._layout import plan_layout
 
@@ -25,7 +25,8 @@ __all__ = ["forward", "backward", "acc_dtype"]
 
 _NULL = np.uint64(0)
 _ROWS_BLOCK, _ROW_BLOCK, _BLOCK = 128, 256, 256  # warp-per-row block, block-per-row, others
-_REGISTER_MAX = _ROW_BLOCK * BLOCK_ITEMS[-1]  # longest row held in registers
+# longest rows held in registers (forward, backward)
+_REGISTER_MAX = {"rows_fwd": _ROW_BLOCK * BLOCK_ITEMS[-1], "rows_bwd": _ROW_BLOCK * BLOCK_ITEMS_BACKWARD[-1]}
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
 _MAX_X = 2**31 - 1
 
@@ -66,7 +67,7 @@ def _row_kernel(prefix, rows, count):
     for items in WARP_ITEMS:
         if 32 * items >= count:
             return f"{prefix}_warp", (_grid_1d(rows, _ROWS_BLOCK // 32),), (_ROWS_BLOCK,), items
-    items = next(k for k in BLOCK_ITEMS if _ROW_BLOCK * k >= count)
+    items = next(k for k in items_of(f"{prefix}_block") if _ROW_BLOCK * k >= count)
     return f"{prefix}_block", (_grid_1d(rows, 1),), (_ROW_BLOCK,), items
 
 
@@ -89,7 +90,7 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
     acc = acc_dtype(dtype)
     center, eps = np.int32(plan.center), np.float64(plan.eps)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
-    if layout.rows and reduced <= _REGISTER_MAX:
+    if layout.rows and reduced <= _REGISTER_MAX["rows_fwd"]:
         kernel, grid, block, items = _row_kernel("rows_fwd", outer, reduced)
         _launch(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, _i64(outer),
@@ -138,7 +139,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb):
     acc = acc_dtype(dtype)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
     pdiv, plen = _i64(layout.p_div), _i64(layout.p_len)
-    if layout.rows and reduced <= _REGISTER_MAX:
+    if layout.rows and reduced <= _REGISTER_MAX["rows_bwd"]:
         kernel, grid, block, items = _row_kernel("rows_bwd", outer, reduced)
         _launch(kernel, dtype, grid, block,
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), pdiv, plen,

@@ -20,11 +20,13 @@ CASES = [
     ("layer_norm", (64, 1), {}),  # warp, ITEMS=1
     ("layer_norm", (64, 3), {}),
     ("layer_norm", (33, 1000), {}),  # warp, ITEMS=32
-    ("layer_norm", (16, 4096), {}),  # chunked rows
+    ("layer_norm", (16, 4096), {}),  # block per row, ITEMS=16
+    ("layer_norm", (8, 12000), {}),  # forward block ITEMS=64, backward chunked
+    ("layer_norm", (4, 16385), {}),  # chunked rows
     ("layer_norm", (4, 65536), {}),
     ("layer_norm", (2, 2**20), {}),
     ("layer_norm", (70001, 8), {}),  # > 65535 rows, warp
-    ("layer_norm", (70001, 1500), {}),  # > 65535 rows, chunked (gridDim.y loop)
+    ("layer_norm", (70001, 1500), {}),  # > 65535 rows, block per row (grid-stride)
     ("layer_norm", (3, 5, 7), {"axis": (-2, -1)}),
     ("layer_norm", (4, 6, 8, 9), {"axis": 1}),  # channels-first (ConvNeXt): columns
     ("layer_norm", (2, 70000, 3), {"axis": 1}),  # columns, long reduced axis
@@ -142,7 +144,7 @@ def test_fused_residual(cp, op, shape, axis, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("length", [3, 8, 1000, 1024, 4096, 8192])
+@pytest.mark.parametrize("length", [3, 8, 1000, 1024, 4096, 8192, 16384])
 def test_misaligned_views(cp, length, dtype):
     """Views starting one element past a 16-byte boundary take the scalar paths."""
     rows = 37
