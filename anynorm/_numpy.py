@@ -41,6 +41,7 @@ NUM_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffin
 PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, handing boxes to threads costs more than it saves
 # below this, the blocking's bookkeeping costs more than the array-API core's extra passes
 SMALL_ELEMENTS = 4096
+SHORT_TAIL = 1024  # elements after the reduced run below which boxes take several samples
 
 
 class _Layout:
@@ -95,8 +96,13 @@ class _Layout:
                 and self._unit(leading[-1]) <= large):
             j = leading[-1]
             chunk = max(1, min(self.shape[j], budget // self._unit(j)))
-        if j < self.reduce[0] and self.kept[-1] > self.reduce[0]:
-            chunk = 1  # channels-last: one sample per box keeps it a (rows, channels) matrix
+        # kept axes after the reduced ones (channels-last, channels-first): one sample per box
+        # keeps it a (rows, columns) matrix for BLAS column sums, unless a single reduced
+        # run is followed by a short tail (ConvNeXt's late stages, NHWC instance norm): then
+        # several samples per box and NumPy's own reductions cost fewer calls (2-3x faster)
+        short_tail = len(self.reduce) == 1 and math.prod(self.shape[self.reduce[0] + 1:]) < SHORT_TAIL
+        if j < self.reduce[0] and self.kept[-1] > self.reduce[0] and not short_tail:
+            chunk = 1
         unit = self._unit(j)
         outer = [range(self.shape[a]) for a in self.kept if a < j]
         boxes = []

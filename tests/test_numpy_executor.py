@@ -35,13 +35,17 @@ DTYPES = [np.float32, np.float64, np.float16]
 TOL = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-12}
 
 
-@pytest.fixture(params=["one box", "many boxes", "threads"])
+@pytest.fixture(params=["one box", "many boxes", "one sample per box", "threads"])
 def blocking(request, monkeypatch):
-    """Run each case as one box, as many tiny boxes, and split across threads."""
+    """Run each case as one box (short tails after the reduced axes take several samples per
+    box), as one sample per box (what longer tails get), as many tiny boxes, and split
+    across threads."""
     monkeypatch.setattr(_numpy, "SMALL_ELEMENTS", 1)  # the test shapes are small
-    if request.param != "one box":
+    if request.param in ("many boxes", "threads"):
         monkeypatch.setattr(_numpy, "BLOCK_BYTES", 64)
         monkeypatch.setattr(_numpy, "LARGE_BOX_BYTES", 256)
+    if request.param == "one sample per box":
+        monkeypatch.setattr(_numpy, "SHORT_TAIL", 1)
     if request.param == "threads":
         monkeypatch.setattr(_numpy, "NUM_THREADS", 2)
         monkeypatch.setattr(_numpy, "PARALLEL_MIN_ELEMENTS", 1)
