@@ -58,18 +58,18 @@ def _param(t, acc):
 
 
 def _forward_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                residual: Optional[torch.Tensor], op: str, axes: List[int], channel_axis: int,
-                num_groups: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  residual: Optional[torch.Tensor], op: str, axes: List[int], channel_axis: int,
+                  num_groups: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _plan(x, weight, bias, residual, op, axes, channel_axis, num_groups, eps)
     y, h, mean, rstd = _forward_outputs(x, residual, op, axes, channel_axis, num_groups)
     if x.numel():
         acc = _acc(x.dtype)
-        cp = _interop.ref
+        ref = _interop.ref
         with _interop.on_torch_stream(x.device):
-            _launch.forward(plan, _interop.dtype_key(x.dtype), cp(x), cp(_param(weight, acc)),
-                            cp(_param(bias, acc)), cp(residual), cp(y),
-                            cp(h) if residual is not None else None,
-                            cp(mean) if plan.center else None, cp(rstd))
+            _launch.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(_param(weight, acc)),
+                            ref(_param(bias, acc)), ref(residual), ref(y),
+                            ref(h) if residual is not None else None,
+                            ref(mean) if plan.center else None, ref(rstd))
     return y, h, mean, rstd
 
 
@@ -89,9 +89,9 @@ def _param_shape(x, op, axes, channel_axis):
 
 
 def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
-                 mean: Optional[torch.Tensor], rstd: Optional[torch.Tensor], op: str,
-                 axes: List[int], channel_axis: int, num_groups: int, eps: float,
-                 param_grads: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   mean: Optional[torch.Tensor], rstd: Optional[torch.Tensor], op: str,
+                   axes: List[int], channel_axis: int, num_groups: int, eps: float,
+                   param_grads: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx, and with ``param_grads`` dweight/dbias in the accumulation dtype (else empty)."""
     plan = _plan(x, weight, None, None, op, axes, channel_axis, num_groups, eps)
     acc = _acc(x.dtype)
@@ -105,11 +105,11 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
         else:
             rstd = rstd.detach().to(acc).contiguous()
             mean = mean.detach().to(acc).contiguous() if plan.center else None
-        cp = _interop.ref
+        ref = _interop.ref
         with _interop.on_torch_stream(x.device):
-            _launch.backward(plan, _interop.dtype_key(x.dtype), cp(dy.detach().to(x.dtype)), cp(x),
-                             cp(_param(weight, acc)), cp(mean), cp(rstd), cp(dx),
-                             cp(dw) if param_grads else None, cp(db) if param_grads else None)
+            _launch.backward(plan, _interop.dtype_key(x.dtype), ref(dy.detach().to(x.dtype)), ref(x),
+                             ref(_param(weight, acc)), ref(mean), ref(rstd), ref(dx),
+                             ref(dw) if param_grads else None, ref(db) if param_grads else None)
     return dx, dw, db
 
 
