@@ -69,6 +69,7 @@ __global__ void cols_grad_partial(const T* __restrict__ dy, const T* __restrict_
                                   long long p_len, int center) {
     typedef acc_t<T> A;
     __shared__ A sg_s[COLS_Y][COLS_X], sgx_s[COLS_Y][COLS_X];
+    const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
     const int tx = threadIdx.x, ty = threadIdx.y;
     const long long i = (long long)blockIdx.x * COLS_X + tx;
     const long long nchunk = gridDim.y;
@@ -82,7 +83,7 @@ __global__ void cols_grad_partial(const T* __restrict__ dy, const T* __restrict_
             const A r = rstd[s];
             for (long long rr = start + ty; rr < end; rr += COLS_Y) {
                 const long long e = (o * reduced + rr) * inner + i;
-                const A g = to_acc(dy[e]) * weight_at(w, param_of(e, p_div, p_len));
+                const A g = to_acc(dy[e]) * weight_at(w, param_at(map, e));
                 sg += g;
                 sgx += g * (to_acc(x[e]) - mu) * r;
             }

@@ -195,19 +195,70 @@ template <typename A> __device__ __forceinline__ void block_allsum2(A& a, A& b, 
 
 // ---- layout maps --------------------------------------------------------------------------
 
-// Statistics slice of element e in the (outer, reduced, inner) buffer; stats are per
-// (o, i / group). Rows (inner == 1): e / reduced.
-__device__ __forceinline__ long long slice_of(long long e, long long reduced, long long inner,
-                                              long long group) {
-    if (inner == 1) return e / reduced;
-    long long o = e / (reduced * inner);
-    long long i = e % inner;
-    return o * (inner / group) + i / group;
+// Division by a divisor fixed for a whole launch. The GPU has no integer divider: a 64-bit
+// `/` or `%` costs tens of instructions, more than an element's share of memory time. A
+// Divider pays one division when made; each use is a multiply-high and one correction
+// (m = floor((2^64 - 1) / d) gives n / d or one less for every n < 2^64).
+struct Divider {
+    unsigned long long d, m;
+};
+
+__device__ __forceinline__ Divider make_divider(long long d) {
+    Divider v;
+    v.d = (unsigned long long)d;
+    v.m = ~0ull / v.d;
+    return v;
 }
 
-// Parameter index of element e: (e / p_div) % p_len.
-__device__ __forceinline__ long long param_of(long long e, long long p_div, long long p_len) {
-    return p_div == 1 ? e % p_len : (e / p_div) % p_len;
+__device__ __forceinline__ long long div_by(long long n, const Divider& v) {
+    unsigned long long q = __umul64hi((unsigned long long)n, v.m);
+    if ((unsigned long long)n - q * v.d >= v.d) ++q;
+    return (long long)q;
+}
+
+__device__ __forceinline__ long long mod_by(long long n, const Divider& v) {
+    return n - div_by(n, v) * (long long)v.d;
+}
+
+// The index maps of one launch over the (outer, reduced, inner) buffer:
+// slice s = (e / (reduced*inner)) * (inner/group) + (e % inner) / group (rows: e / reduced),
+// parameter index p = (e / p_div) % p_len.
+struct IndexMap {
+    Divider block, inner, group, p_div, p_len;
+    long long per_outer;
+};
+
+__device__ __forceinline__ IndexMap make_index_map(long long reduced, long long inner, long long group,
+                                                   long long p_div, long long p_len) {
+    IndexMap map;
+    map.block = make_divider(reduced * inner);
+    map.inner = make_divider(inner);
+    map.group = make_divider(group);
+    map.p_div = make_divider(p_div);
+    map.p_len = make_divider(p_len);
+    map.per_outer = inner / group;
+    return map;
+}
+
+// The block's IndexMap in shared memory, made once by its first thread and read by all (every
+// thread of the block must call it, before any divergence). Kernels short of registers keep
+// the reference; the others copy it.
+__device__ __forceinline__ const IndexMap& block_index_map(long long reduced, long long inner,
+                                                           long long group, long long p_div,
+                                                           long long p_len) {
+    __shared__ IndexMap map;
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0)
+        map = make_index_map(reduced, inner, group, p_div, p_len);
+    __syncthreads();
+    return map;
+}
+
+__device__ __forceinline__ long long slice_at(const IndexMap& map, long long e) {
+    return div_by(e, map.block) * map.per_outer + div_by(mod_by(e, map.inner), map.group);
+}
+
+__device__ __forceinline__ long long param_at(const IndexMap& map, long long e) {
+    return mod_by(div_by(e, map.p_div), map.p_len);
 }
 
 // Optional weight/bias (null pointer = identity).

@@ -68,10 +68,11 @@ __global__ void apply_fwd(const T* __restrict__ src, T* __restrict__ y, const ac
                           long long inner, long long group, long long p_div, long long p_len,
                           int center) {
     typedef acc_t<T> A;
+    const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {
-        const long long s = slice_of(e, reduced, inner, group);
-        const long long p = param_of(e, p_div, p_len);
+        const long long s = slice_at(map, e);
+        const long long p = param_at(map, e);
         const A mu = center ? mean[s] : A(0);
         y[e] = from_acc<T>((to_acc(src[e]) - mu) * rstd[s] * weight_at(w, p) + bias_at(b, p));
     }
@@ -85,10 +86,11 @@ __global__ void apply_bwd(const T* __restrict__ dy, const T* __restrict__ x, con
                           T* __restrict__ dx, long long total, long long reduced, long long inner,
                           long long group, long long p_div, long long p_len, int center) {
     typedef acc_t<T> A;
+    const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
          e += (long long)gridDim.x * blockDim.x) {
-        const long long s = slice_of(e, reduced, inner, group);
-        const long long p = param_of(e, p_div, p_len);
+        const long long s = slice_at(map, e);
+        const long long p = param_at(map, e);
         const A r = rstd[s];
         const A xhat = (to_acc(x[e]) - (center ? mean[s] : A(0))) * r;
         const A g = to_acc(dy[e]) * weight_at(w, p);

@@ -1,7 +1,7 @@
 // dweight[p] = sum(dy * xhat), dbias[p] = sum(dy) over every element with parameter index p.
 //
 // The (outer, reduced, inner) buffer is viewed as (a_len, p_len, b_len), element
-// e = (a * p_len + p) * b_len + b; xhat = (x - mean[s]) * rstd[s] with s = slice_of(e).
+// e = (a * p_len + p) * b_len + b; xhat = (x - mean[s]) * rstd[s] with s = slice_at(e).
 // Stage 1 writes per-chunk partials part[c * p_len + p] (chunks of the a axis); stage 2
 // (param_grad_finish) sums the chunks.
 #include "common.cuh"
@@ -26,6 +26,7 @@ __global__ void param_grad_cols(const T* __restrict__ dy, const T* __restrict__ 
     typedef acc_t<T> A;
     __shared__ A sw[PG_Y][PG_X], sb[PG_Y][PG_X];
     const int tx = threadIdx.x, ty = threadIdx.y;
+    const IndexMap map = block_index_map(reduced, inner, group, 1, 1);
     const long long p = (long long)blockIdx.x * PG_X + tx;
     const long long start = (long long)blockIdx.y * chunk;
     const long long end = start + chunk < a_len ? start + chunk : a_len;
@@ -34,7 +35,7 @@ __global__ void param_grad_cols(const T* __restrict__ dy, const T* __restrict__ 
         for (long long a = start + ty; a < end; a += PG_Y) {
             const long long e = a * p_len + p;
             const A d = to_acc(dy[e]);
-            dw += d * xhat_at(to_acc(x[e]), mean, rstd, slice_of(e, reduced, inner, group), center);
+            dw += d * xhat_at(to_acc(x[e]), mean, rstd, slice_at(map, e), center);
             db += d;
         }
     }
@@ -60,16 +61,19 @@ __global__ void param_grad_rows(const T* __restrict__ dy, const T* __restrict__ 
                                 long long inner, long long group, long long chunk, int center) {
     typedef acc_t<T> A;
     __shared__ A smem[64];
+    // b_len rides in the map's p_div slot: (a, b) of the chunk's q-th element by one Divider
+    const IndexMap map = block_index_map(reduced, inner, group, b_len, 1);
     const long long p = blockIdx.x;
     const long long start = (long long)blockIdx.y * chunk;
     const long long end = start + chunk < a_len ? start + chunk : a_len;
     const long long len = (end - start) * b_len;
     A dw = A(0), db = A(0);
     for (long long q = threadIdx.x; q < len; q += blockDim.x) {
-        const long long a = start + q / b_len, bb = q % b_len;
+        const long long qa = div_by(q, map.p_div);
+        const long long a = start + qa, bb = q - qa * b_len;
         const long long e = (a * p_len + p) * b_len + bb;
         const A d = to_acc(dy[e]);
-        dw += d * xhat_at(to_acc(x[e]), mean, rstd, slice_of(e, reduced, inner, group), center);
+        dw += d * xhat_at(to_acc(x[e]), mean, rstd, slice_at(map, e), center);
         db += d;
     }
     block_sum2(dw, db, smem);

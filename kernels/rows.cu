@@ -45,9 +45,8 @@ __device__ __forceinline__ int team_item(int k, int rank, bool vec) {
 }
 
 // Parameter index of offset `idx` in the row starting at element `base`.
-__device__ __forceinline__ long long row_param(long long base, int idx, bool plain, long long p_div,
-                                               long long p_len) {
-    return plain ? (long long)idx : param_of(base + idx, p_div, p_len);
+__device__ __forceinline__ long long row_param(long long base, int idx, bool plain, const IndexMap& map) {
+    return plain ? (long long)idx : param_at(map, base + idx);
 }
 
 // Read the row into v (x, or h = x + res with h written); zeros past the end.
@@ -126,7 +125,7 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
                                             const acc_t<T>* __restrict__ w,
                                             const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
                                             acc_t<T>* __restrict__ rstd, long long row, int count,
-                                            long long p_div, long long p_len, int center, acc_t<T> eps,
+                                            const IndexMap& map, bool plain, int center, acc_t<T> eps,
                                             acc_t<T>* smem) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
@@ -165,12 +164,11 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
         if (mean) mean[row] = mu;
     }
     if (y == 0) return;
-    const bool plain = (p_div == 1 && p_len == count);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) {
         const int idx = team_item<V, Team::SIZE>(k, rank, vec);
         if (idx < count) {
-            const long long p = row_param(base, idx, plain, p_div, p_len);
+            const long long p = row_param(base, idx, plain, map);
             v[k] = (v[k] - mu) * r * weight_at(w, p) + bias_at(b, p);
         }
     }
@@ -183,8 +181,8 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
                                              const acc_t<T>* __restrict__ w,
                                              const acc_t<T>* __restrict__ mean,
                                              const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-                                             long long row, int count, long long p_div,
-                                             long long p_len, int center, acc_t<T>* smem) {
+                                             long long row, int count, const IndexMap& map,
+                                             bool plain, int center, acc_t<T>* smem) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const int rank = Team::rank();
@@ -199,14 +197,13 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     A g[ITEMS], xh[ITEMS];
     load_row<T, ITEMS, Team::SIZE>(xh, x, (const T*)0, (T*)0, count, rank, vec);
     load_row<T, ITEMS, Team::SIZE>(g, dy, (const T*)0, (T*)0, count, rank, vec);
-    const bool plain = (p_div == 1 && p_len == count);
     A sg = A(0), sgx = A(0);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) {
         const int idx = team_item<V, Team::SIZE>(k, rank, vec);
         if (idx < count) {
             xh[k] = (xh[k] - mu) * r;
-            g[k] *= weight_at(w, row_param(base, idx, plain, p_div, p_len));
+            g[k] *= weight_at(w, row_param(base, idx, plain, map));
             sg += g[k];
             sgx += g[k] * xh[k];
         }
@@ -227,11 +224,13 @@ __global__ void rows_fwd_warp(
         const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
         acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
         long long p_len, int center, double eps) {
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    const bool plain = (p_div == 1 && p_len == count);
     const long long warps_per_block = blockDim.x >> 5;
     const long long nwarps = (long long)gridDim.x * warps_per_block;
     for (long long row = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5); row < rows;
          row += nwarps)
-        forward_row<T, ITEMS, WarpTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, p_div, p_len,
+        forward_row<T, ITEMS, WarpTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, map, plain,
                                         center, acc_t<T>(eps), (acc_t<T>*)0);
 }
 
@@ -240,11 +239,13 @@ __global__ void rows_bwd_warp(
         const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         long long rows, long long count, long long p_div, long long p_len, int center) {
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    const bool plain = (p_div == 1 && p_len == count);
     const long long warps_per_block = blockDim.x >> 5;
     const long long nwarps = (long long)gridDim.x * warps_per_block;
     for (long long row = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5); row < rows;
          row += nwarps)
-        backward_row<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, row, (int)count, p_div, p_len,
+        backward_row<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, row, (int)count, map, plain,
                                          center, (acc_t<T>*)0);
 }
 
@@ -258,8 +259,10 @@ __global__ void __launch_bounds__(ROW_BLOCK) rows_fwd_block(
         acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
         long long p_len, int center, double eps) {
     __shared__ acc_t<T> smem[64];
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    const bool plain = (p_div == 1 && p_len == count);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x)
-        forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, p_div, p_len,
+        forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, map, plain,
                                          center, acc_t<T>(eps), smem);
 }
 
@@ -269,8 +272,10 @@ __global__ void rows_bwd_block(
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         long long rows, long long count, long long p_div, long long p_len, int center) {
     __shared__ acc_t<T> smem[64];
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    const bool plain = (p_div == 1 && p_len == count);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x)
-        backward_row<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, row, (int)count, p_div, p_len,
+        backward_row<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, row, (int)count, map, plain,
                                           center, smem);
 }
 // Welford state of row[c*chunk : (c+1)*chunk] for block (c, row); h = x + res written once.
@@ -328,6 +333,7 @@ __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict_
                                   long long chunk, long long p_div, long long p_len, int center) {
     typedef acc_t<T> A;
     __shared__ A smem[64];
+    const IndexMap map = block_index_map(count, 1, 1, p_div, p_len);
     const int V = VecLen<T>::value;
     const long long nchunk = gridDim.x;
     const long long start = (long long)blockIdx.x * chunk;
@@ -344,13 +350,13 @@ __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict_
             const Vec16<T> xv = load16(x + base + j);
             const Vec16<T> dv = load16(dy + base + j);
             for (int q = 0; q < V; ++q) {
-                const A g = to_acc(dv.v[q]) * weight_at(w, param_of(base + j + q, p_div, p_len));
+                const A g = to_acc(dv.v[q]) * weight_at(w, param_at(map, base + j + q));
                 sg += g;
                 sgx += g * (to_acc(xv.v[q]) - mu) * r;
             }
         }
         for (long long j = vlen + threadIdx.x; j < len; j += blockDim.x) {
-            const A g = to_acc(dy[base + j]) * weight_at(w, param_of(base + j, p_div, p_len));
+            const A g = to_acc(dy[base + j]) * weight_at(w, param_at(map, base + j));
             sg += g;
             sgx += g * (to_acc(x[base + j]) - mu) * r;
         }

@@ -516,6 +516,10 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
     emu::rt.warp_op(emu::WarpKind::Sync, "__syncwarp", mask, 0, 0, 0, 0);
 }
 inline unsigned __activemask() { return emu::rt.active_mask(); }
+// Integer intrinsics.
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+    return (unsigned long long)(((unsigned __int128)a * b) >> 64);
+}
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 inline void __threadfence_system() {}
