@@ -60,41 +60,82 @@ __global__ void grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>*
     }
 }
 
-// y = (v - mean) * rstd * w + b elementwise (v = x, or h when a residual was added).
+// One element of the forward: (v - mean) * rstd * w + b for element e.
+template <typename T>
+__device__ __forceinline__ T forward_element(T v, long long e, const IndexMap& map,
+                                             const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ b,
+                                             const acc_t<T>* __restrict__ mean,
+                                             const acc_t<T>* __restrict__ rstd, int center) {
+    typedef acc_t<T> A;
+    const long long s = slice_at(map, e);
+    const long long p = param_at(map, e);
+    const A mu = center ? mean[s] : A(0);
+    return from_acc<T>((to_acc(v) - mu) * rstd[s] * weight_at(w, p) + bias_at(b, p));
+}
+
+// One element of the backward: rstd * (g - mean_g - xhat * mean_gx), g = dy * w.
+template <typename T>
+__device__ __forceinline__ T backward_element(T dyv, T xv, long long e, const IndexMap& map,
+                                              const acc_t<T>* __restrict__ w,
+                                              const acc_t<T>* __restrict__ mean,
+                                              const acc_t<T>* __restrict__ rstd,
+                                              const acc_t<T>* __restrict__ mean_g,
+                                              const acc_t<T>* __restrict__ mean_gx, int center) {
+    typedef acc_t<T> A;
+    const long long s = slice_at(map, e);
+    const A r = rstd[s];
+    const A xhat = (to_acc(xv) - (center ? mean[s] : A(0))) * r;
+    const A g = to_acc(dyv) * weight_at(w, param_at(map, e));
+    const A mg = center ? mean_g[s] : A(0);
+    return from_acc<T>(r * (g - mg - xhat * mean_gx[s]));
+}
+
+// y = (v - mean) * rstd * w + b elementwise (v = x, or h when a residual was added): 16-byte
+// accesses where both buffers start aligned, the last total % V elements one by one.
 template <typename T>
 __global__ void apply_fwd(const T* __restrict__ src, T* __restrict__ y, const acc_t<T>* __restrict__ w,
                           const acc_t<T>* __restrict__ b, const acc_t<T>* __restrict__ mean,
                           const acc_t<T>* __restrict__ rstd, long long total, long long reduced,
                           long long inner, long long group, long long p_div, long long p_len,
                           int center) {
-    typedef acc_t<T> A;
     const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
-         e += (long long)gridDim.x * blockDim.x) {
-        const long long s = slice_at(map, e);
-        const long long p = param_at(map, e);
-        const A mu = center ? mean[s] : A(0);
-        y[e] = from_acc<T>((to_acc(src[e]) - mu) * rstd[s] * weight_at(w, p) + bias_at(b, p));
+    const int V = VecLen<T>::value;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long nvec = aligned16(src) && aligned16(y) ? total / V : 0;
+    for (long long v = first; v < nvec; v += stride) {
+        const Vec16<T> in = load16(src + v * V);
+        Vec16<T> out;
+        ANYNORM_UNROLL
+        for (int j = 0; j < V; ++j) out.v[j] = forward_element(in.v[j], v * V + j, map, w, b, mean, rstd, center);
+        store16(y + v * V, out);
     }
+    for (long long e = nvec * V + first; e < total; e += stride)
+        y[e] = forward_element(src[e], e, map, w, b, mean, rstd, center);
 }
 
-// dx = rstd * (g - mean_g - xhat * mean_gx), g = dy * w (RMS: no mean_g term).
+// dx = rstd * (g - mean_g - xhat * mean_gx), g = dy * w (RMS: no mean_g term); vectors as
+// apply_fwd.
 template <typename T>
 __global__ void apply_bwd(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
                           const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
                           const acc_t<T>* __restrict__ mean_g, const acc_t<T>* __restrict__ mean_gx,
                           T* __restrict__ dx, long long total, long long reduced, long long inner,
                           long long group, long long p_div, long long p_len, int center) {
-    typedef acc_t<T> A;
     const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
-         e += (long long)gridDim.x * blockDim.x) {
-        const long long s = slice_at(map, e);
-        const long long p = param_at(map, e);
-        const A r = rstd[s];
-        const A xhat = (to_acc(x[e]) - (center ? mean[s] : A(0))) * r;
-        const A g = to_acc(dy[e]) * weight_at(w, p);
-        const A mg = center ? mean_g[s] : A(0);
-        dx[e] = from_acc<T>(r * (g - mg - xhat * mean_gx[s]));
+    const int V = VecLen<T>::value;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long nvec = aligned16(dy) && aligned16(x) && aligned16(dx) ? total / V : 0;
+    for (long long v = first; v < nvec; v += stride) {
+        const Vec16<T> dyv = load16(dy + v * V), xv = load16(x + v * V);
+        Vec16<T> out;
+        ANYNORM_UNROLL
+        for (int j = 0; j < V; ++j)
+            out.v[j] = backward_element(dyv.v[j], xv.v[j], v * V + j, map, w, mean, rstd, mean_g,
+                                        mean_gx, center);
+        store16(dx + v * V, out);
     }
+    for (long long e = nvec * V + first; e < total; e += stride)
+        dx[e] = backward_element(dy[e], x[e], e, map, w, mean, rstd, mean_g, mean_gx, center);
 }

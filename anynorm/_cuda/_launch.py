@@ -28,6 +28,7 @@ _ROWS_BLOCK, _ROW_BLOCK, _BLOCK = 128, 256, 256  # warp-per-row block, block-per
 # longest rows held in registers (forward, backward)
 _REGISTER_MAX = {"rows_fwd": _ROW_BLOCK * BLOCK_ITEMS[-1], "rows_bwd": _ROW_BLOCK * BLOCK_ITEMS_BACKWARD[-1]}
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
+_VECTOR = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}  # elements per 16 bytes
 _MAX_X = 2**31 - 1
 
 
@@ -113,7 +114,7 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
             (ws[0], ws[1], ws[2], _ptr(mean), rstd, _i64(outer), _i64(nchunk), _i64(inner),
              _i64(group), center, eps))
     if y is not None:
-        _launch("apply_fwd", dtype, (_grid_1d(layout.total, _BLOCK),), (_BLOCK,),
+        _launch("apply_fwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
                 (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), rstd,
                  _i64(layout.total), _i64(reduced), _i64(inner), _i64(group), _i64(layout.p_div),
                  _i64(layout.p_len), center))
@@ -163,7 +164,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb):
     _launch("grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], means[0], means[1], _i64(outer), _i64(nchunk), _i64(inner), _i64(group),
              np.float64(plan.count)))
-    _launch("apply_bwd", dtype, (_grid_1d(layout.total, _BLOCK),), (_BLOCK,),
+    _launch("apply_bwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
             (dyb, xb, _ptr(w), _ptr(mean), rstd, means[0], means[1], dxb, _i64(layout.total),
              _i64(reduced), _i64(inner), _i64(group), pdiv, plen, center))
 
