@@ -16,6 +16,13 @@ using namespace anynorm;
 struct WarpTeam {
     static const int SIZE = 32;
     __device__ __forceinline__ static int rank() { return threadIdx.x & 31; }
+    // rows are dealt out warp by warp over the grid
+    __device__ __forceinline__ static long long first_row() {
+        return (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    }
+    __device__ __forceinline__ static long long row_stride() {
+        return (long long)gridDim.x * (blockDim.x >> 5);
+    }
     template <typename A> __device__ __forceinline__ static A allsum(A v, A*) { return warp_sum(v); }
     template <typename A> __device__ __forceinline__ static void allsum2(A& a, A& b, A*) {
         a = warp_sum(a);
@@ -26,6 +33,8 @@ struct WarpTeam {
 struct BlockTeam {
     static const int SIZE = ROW_BLOCK;
     __device__ __forceinline__ static int rank() { return threadIdx.x; }
+    __device__ __forceinline__ static long long first_row() { return blockIdx.x; }
+    __device__ __forceinline__ static long long row_stride() { return gridDim.x; }
     template <typename A> __device__ __forceinline__ static A allsum(A v, A* smem) {
         A unused = A(0);
         block_allsum2(v, unused, smem);
@@ -226,10 +235,7 @@ __global__ void rows_fwd_warp(
         long long p_len, int center, double eps) {
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
-    const long long warps_per_block = blockDim.x >> 5;
-    const long long nwarps = (long long)gridDim.x * warps_per_block;
-    for (long long row = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5); row < rows;
-         row += nwarps)
+    for (long long row = WarpTeam::first_row(); row < rows; row += WarpTeam::row_stride())
         forward_row<T, ITEMS, WarpTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, map, plain,
                                         center, acc_t<T>(eps), (acc_t<T>*)0);
 }
@@ -241,10 +247,7 @@ __global__ void rows_bwd_warp(
         long long rows, long long count, long long p_div, long long p_len, int center) {
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
-    const long long warps_per_block = blockDim.x >> 5;
-    const long long nwarps = (long long)gridDim.x * warps_per_block;
-    for (long long row = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5); row < rows;
-         row += nwarps)
+    for (long long row = WarpTeam::first_row(); row < rows; row += WarpTeam::row_stride())
         backward_row<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, row, (int)count, map, plain,
                                          center, (acc_t<T>*)0);
 }
@@ -261,7 +264,7 @@ __global__ void __launch_bounds__(ROW_BLOCK) rows_fwd_block(
     __shared__ acc_t<T> smem[64];
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x)
+    for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
         forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, map, plain,
                                          center, acc_t<T>(eps), smem);
 }
@@ -274,7 +277,7 @@ __global__ void rows_bwd_block(
     __shared__ acc_t<T> smem[64];
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x)
+    for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
         backward_row<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, row, (int)count, map, plain,
                                           center, smem);
 }
