@@ -153,26 +153,6 @@ template <typename A> __device__ __forceinline__ Welford<A> block_welford(Welfor
     return s;
 }
 
-// Block-wide sums of two values (1-D block, as block_welford); valid in thread 0.
-// smem: 2 * 32 values of A.
-template <typename A> __device__ __forceinline__ void block_sum2(A& a, A& b, A* smem) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    a = warp_sum(a);
-    b = warp_sum(b);
-    if (lane == 0) {
-        smem[warp] = a;
-        smem[32 + warp] = b;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int k = 1; k < nwarps; ++k) {
-            a += smem[k];
-            b += smem[32 + k];
-        }
-    }
-    __syncthreads();
-}
-
 // Block-wide sums of two values, returned to every thread (1-D block, as block_welford).
 // smem: 2 * 32 values of A. Ends with a barrier so smem may be reused.
 template <typename A> __device__ __forceinline__ void block_allsum2(A& a, A& b, A* smem) {

@@ -76,7 +76,7 @@ __global__ void param_grad_rows(const T* __restrict__ dy, const T* __restrict__ 
         dw += d * xhat_at(to_acc(x[e]), mean, rstd, slice_at(map, e), center);
         db += d;
     }
-    block_sum2(dw, db, smem);
+    block_allsum2(dw, db, smem);
     if (threadIdx.x == 0) {
         part_w[blockIdx.y * p_len + p] = dw;
         if (part_b) part_b[blockIdx.y * p_len + p] = db;

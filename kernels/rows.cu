@@ -363,7 +363,7 @@ __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict_
             sg += g;
             sgx += g * (to_acc(x[base + j]) - mu) * r;
         }
-        block_sum2(sg, sgx, smem);
+        block_allsum2(sg, sgx, smem);
         if (threadIdx.x == 0) {
             const long long k = row * nchunk + blockIdx.x;
             ws_g[k] = sg;
