@@ -62,7 +62,22 @@ def _event_ms(start_event, stop_event, record, fn, repeat):
     return best
 
 
-class CupyForward:
+class _EventTracks:
+    """CUDA-event timings of ``ours`` and of ``copy`` (the class's ``_ms``), shared by the
+    forward classes."""
+
+    def track_anynorm_ms(self, name, dtype):
+        return self._ms(self.ours)
+
+    track_anynorm_ms.unit = "ms (CUDA events)"
+
+    def track_copy_fraction(self, name, dtype):
+        return self._ms(self.copy) / self._ms(self.ours)
+
+    track_copy_fraction.unit = "fraction of copy bandwidth"
+
+
+class CupyForward(_EventTracks):
     """anynorm on CuPy arrays, and a device-to-device copy of the same bytes."""
 
     timeout = 300
@@ -98,16 +113,6 @@ class CupyForward:
         self.copy()
         self.cp.cuda.Device().synchronize()
 
-    def track_anynorm_ms(self, name, dtype):
-        return self._ms(self.ours)
-
-    track_anynorm_ms.unit = "ms (CUDA events)"
-
-    def track_copy_fraction(self, name, dtype):
-        return self._ms(self.copy) / self._ms(self.ours)
-
-    track_copy_fraction.unit = "fraction of copy bandwidth"
-
 
 class _TorchCudaMixin:
     device = "cuda"
@@ -130,15 +135,10 @@ class _TorchCudaMixin:
         return _event_ms(start, stop, lambda e: e.record(), fn, 1 if TINY else 20)
 
 
-class TorchCudaForward(_TorchCudaMixin, torch_cpu.TorchCPUForward):
+class TorchCudaForward(_TorchCudaMixin, _EventTracks, torch_cpu.TorchCPUForward):
     """anynorm on CUDA torch tensors vs torch.nn.functional (no autograd)."""
 
     params = [CASE_NAMES, DTYPES]
-
-    def track_anynorm_ms(self, name, dtype):
-        return self._ms(self.ours)
-
-    track_anynorm_ms.unit = "ms (CUDA events)"
 
     def track_torch_functional_ms(self, name, dtype):
         return self._ms(self.peer)
@@ -149,11 +149,6 @@ class TorchCudaForward(_TorchCudaMixin, torch_cpu.TorchCPUForward):
         return self._ms(self.ours) / self._ms(self.peer)
 
     track_peer_ratio.unit = "anynorm time / torch time"
-
-    def track_copy_fraction(self, name, dtype):
-        return self._ms(self.copy) / self._ms(self.ours)
-
-    track_copy_fraction.unit = "fraction of copy bandwidth"
 
 
 class TorchCudaBackward(_TorchCudaMixin, torch_cpu.TorchCPUBackward):
