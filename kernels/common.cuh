@@ -67,6 +67,18 @@ template <typename T> __device__ __forceinline__ void store16(T* p, const Vec16<
     *reinterpret_cast<Vec16<T>*>(p) = v;
 }
 
+// ---- dynamic shared memory -------------------------------------------------------------
+
+// The block's dynamic shared memory (the launch's shared_mem bytes, 16-byte aligned) as T[].
+#ifdef ANYNORM_CUDA_EMU
+template <typename T> __device__ __forceinline__ T* dynamic_shared() { return EMU_DYNAMIC_SHARED(T); }
+#else
+template <typename T> __device__ __forceinline__ T* dynamic_shared() {
+    extern __shared__ __align__(16) unsigned char anynorm_dynamic_smem[];
+    return reinterpret_cast<T*>(anynorm_dynamic_smem);
+}
+#endif
+
 // ---- Welford / Chan -------------------------------------------------------------------
 
 // Running (count, mean, sum of squared deviations); var = m2 / n. Never E[x^2] - E[x]^2.

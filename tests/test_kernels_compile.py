@@ -102,7 +102,7 @@ def test_instantiation_list_is_complete():
             exprs = [_compile.name_expression(kernel, dtype, k) for k in items]
             assert set(exprs) <= listed
     per_dtype = sum(len(_compile.items_of(k)) or 1 for ks in _compile.KERNELS.values() for k in ks)
-    assert len(listed) == 4 * per_dtype == 120
+    assert len(listed) == 4 * per_dtype == 128
 
 
 def test_every_kernel_is_defined_in_its_file():

@@ -420,6 +420,11 @@ def _opt(flag, make):
     return make() if flag else None
 
 
+def _tile_bytes(case, dtype, width, copies):
+    """Dynamic shared memory of the tile kernels: ``copies`` (reduced, width) tiles of dtype."""
+    return copies * case.reduced * width * (2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize)
+
+
 def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, want_y=True,
                 path="warp", items=None, chunk=None, offset=0, grid=None, schedule=None):
     """Launch the forward kernels; returns float64 (y, h, mean, rstd) (None where not produced).
@@ -437,7 +442,13 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
     rstd = emu.empty(case.slices, A)
     outer, reduced, inner, group = case.outer, case.reduced, case.inner, case.group
     launch = dict(schedule=schedule)
-    if path in ("warp", "block"):  # rows held in registers: a warp or a 256-thread block per row
+    if path == "tile":  # columns, one (reduced, width) tile per block in shared memory
+        width = items
+        kernels("cols_fwd_tile", dtype)((_ceil(inner, width), grid or min(outer, 65535)), (BLOCK,),
+                                        (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, inner, group,
+                                         width, case.p_div, case.p_len, center, eps),
+                                        shared_mem=_tile_bytes(case, dtype, width, 1), **launch)
+    elif path in ("warp", "block"):  # rows held in registers: a warp or a 256-thread block per row
         per_row = 32 if path == "warp" else ROW_BLOCK
         assert inner == 1 and reduced <= per_row * items
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
@@ -477,6 +488,13 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     rd = emu.to_device(rstd, A)
     outer, reduced, inner, group = case.outer, case.reduced, case.inner, case.group
     launch = dict(schedule=schedule)
+    if path == "tile":
+        width = items
+        kernels("cols_bwd_tile", dtype)((_ceil(inner, width), grid or min(outer, 65535)), (BLOCK,),
+                                        (dyd, xd, wd, md, rd, dxd, outer, reduced, inner, group, width,
+                                         case.p_div, case.p_len, center),
+                                        shared_mem=_tile_bytes(case, dtype, width, 2), **launch)
+        return dxd.get_float()
     if path in ("warp", "block"):
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
         kernels(f"rows_bwd_{path}", dtype, items)(
@@ -736,6 +754,44 @@ def test_cols_variants(kernels, variant):
     check_backward(kernels, case, "float32", path="cols", chunk=4, **opts)
 
 
+# ---- columns, one shared-memory tile per block (tiles.cu) ---------------------------------------------
+
+# (name, case, tile width): widths that are multiples of group, leave a partial last tile, cover
+# all of inner in one tile, or give one thread per column (width 256 in a 256-thread block).
+_TILE_CASES = [
+    ("ln_cf", lambda: layer_norm_channels_first(2, 5, 3, 11), 8),  # inner 33: 5 tiles, the last 1 wide
+    ("ln_cf_whole", lambda: layer_norm_channels_first(3, 7, 2, 5), 10),  # one tile holds all of inner
+    ("ln_cf_long", lambda: layer_norm_channels_first(1, 70, 2, 4), 3),  # 85 lanes per column, 1 idle thread
+    ("ln_cf_wide", lambda: layer_norm_channels_first(2, 3, 1, 300), 256),  # one thread per column;
+    # std/mean about 0.02 over 3 channels: needs the corrected two-pass mean
+    ("in_nhwc", lambda: instance_norm_nhwc(2, 3, 5, 7), 4),
+    ("gn_nhwc", lambda: group_norm_nhwc(2, 4, 3, 12, 3), 8),  # group 4: two statistics per tile
+    ("gn_nhwc_odd", lambda: group_norm_nhwc(1, 3, 3, 30, 5), 18),  # group 6, width 18: last tile 12 wide
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,width", _TILE_CASES, ids=[c[0] for c in _TILE_CASES])
+def test_tile_forward(kernels, dtype, name, make, width):
+    check_forward(kernels, make(), dtype, path="tile", items=width, residual=dtype != "float64")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,width", _TILE_CASES, ids=[c[0] for c in _TILE_CASES])
+def test_tile_backward(kernels, dtype, name, make, width):
+    check_backward(kernels, make(), dtype, path="tile", items=width)
+
+
+@pytest.mark.parametrize("variant", ["rms", "no_params", "stats_only", "misaligned", "grid_stride",
+                                     "schedule_reverse", "schedule_random"])
+def test_tile_variants(kernels, variant):
+    case = group_norm_nhwc(3, 3, 3, 12, 4)
+    check_forward(kernels, case, "float32", path="tile", items=6, **_VARIANTS[variant])
+    opts = {k: v for k, v in _VARIANTS[variant].items() if k in ("center", "weight", "offset", "grid",
+                                                                 "schedule")}
+    check_backward(kernels, case, "float32", path="tile", items=6, **opts)
+
+
 # ---- dweight / dbias ---------------------------------------------------------------------------------
 
 _PARAM_CASES = [
@@ -792,6 +848,7 @@ def _load_launch(kernels):
 
     launch.get_kernel = get_kernel
     launch._target_blocks = lambda: 6  # a small "device", so long extents really split
+    launch._tile_budget = lambda dtype: 8 * 1024  # columns take tiles of a few columns
     return launch
 
 

@@ -42,6 +42,9 @@ pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"
                                 reason="the CUDA emulation needs g++ and fork()")
 
 SOURCES = [str(_HERE.parent / "kernels" / f) for f in _compile.KERNELS]
+# Shared memory for a tile of the columns kernels: small, so that the columns cases below
+# take tiles narrower than inner (several per row of tiles) and some fall back to the split path.
+TILE_BUDGET = 6 * 1024
 TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 1e-2, "bfloat16": 3e-2}
 _modules: dict = {}
 
@@ -88,6 +91,7 @@ def emulated(monkeypatch):
                         lambda k, dtype, items=None: _module(dtype).get_function(
                             _compile.name_expression(k, dtype, items)))
     monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
+    monkeypatch.setattr(_launch, "_tile_budget", lambda dtype: TILE_BUDGET)
     monkeypatch.setattr(_launch, "_buffers", types.SimpleNamespace(
         element_strides=lambda a: a.elem_strides, input_buffer=lambda p, l, a: a,
         output_buffer=lambda p, l, a: a, store=lambda p, l, b, o: None))
@@ -103,6 +107,7 @@ def emulated_torch(monkeypatch):
                         lambda k, dtype, items=None: _module(dtype).get_function(
                             _compile.name_expression(k, dtype, items)))
     monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
+    monkeypatch.setattr(_launch, "_tile_budget", lambda dtype: TILE_BUDGET)
     from anynorm._cuda import _interop
 
     def as_ref(d, shape=None, order=None):
@@ -211,8 +216,9 @@ CASES = [
     ("layer_norm", (2, 8192), {}, None),  # block per row, ITEMS=32
     ("layer_norm", (2, 9000), {}, None),  # block per row, ITEMS=64
     ("layer_norm", (2, 17000), {}, None),  # chunked rows, several chunks
-    ("layer_norm", (2, 3, 4, 5), {"axis": 1}, None),  # columns (channels-first)
-    ("layer_norm", (3, 70, 33), {"axis": 1}, None),  # columns, several chunks, 2 tiles
+    ("layer_norm", (2, 3, 4, 5), {"axis": 1}, None),  # columns (channels-first), one tile per o
+    ("layer_norm", (3, 70, 33), {"axis": 1}, None),  # columns, tiles 16 wide (8 backward)
+    ("layer_norm", (2, 400, 9), {"axis": 1}, None),  # no tile fits: columns split path
     ("rms_norm", (2, 3000), {"axis": -1, "eps": 1e-6}, None),
     ("rms_norm", (2, 17000), {"axis": -1, "eps": 1e-6}, None),
     ("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, None),
@@ -228,7 +234,7 @@ CASES = [
 
 
 # Every case in float32 and float16; one per kernel path in bfloat16 and float64.
-_SHORT = [CASES[i] for i in (1, 3, 5, 7, 12, 16)]
+_SHORT = [CASES[i] for i in (1, 3, 5, 7, 9, 13, 17)]
 MATRIX = ([(c, d) for d in ("float32", "float16") for c in CASES]
           + [(c, d) for d in ("bfloat16", "float64") for c in _SHORT])
 
@@ -254,7 +260,38 @@ def test_launch_fused_residual(emulated, dtype, shape, offset):
     _check("rms_norm", shape, {"axis": -1, "eps": 1e-6}, dtype, residual=True, offset=offset)
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (1, 3, 5, 7, 13, 14, 16)],
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launch_columns_split_path(emulated, monkeypatch, dtype):
+    """Columns through cols.cu + finish.cu, as when no tile fits in shared memory."""
+    monkeypatch.setattr(_launch, "_tile_budget", lambda dtype: 0)
+    names = _record_launches(monkeypatch)
+    _check("layer_norm", (3, 70, 33), {"axis": 1}, dtype)
+    _check("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}, dtype, residual=False)
+    _check("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, dtype, residual=True)
+    assert {"cols_stats_partial", "cols_grad_partial"} <= names
+    assert not {"cols_fwd_tile", "cols_bwd_tile"} & names
+
+
+def test_launch_tile_past_default_shared_memory(emulated, monkeypatch):
+    """A 62.5 KiB tile: the kernel is opted in before the launch (the emulator, like a GPU,
+    refuses more than 48 KiB of dynamic shared memory otherwise)."""
+    monkeypatch.setattr(_launch, "_tile_budget", lambda dtype: 64 * 1024)
+    monkeypatch.setattr(_launch, "_smem_allowed", {})
+    names = _record_launches(monkeypatch)
+    _check("layer_norm", (2, 1000, 4, 4), {"axis": 1}, "float32")
+    assert {"cols_fwd_tile", "cols_bwd_tile"} <= names
+    assert not {"cols_stats_partial", "cols_grad_partial"} & names
+    assert max(_launch._smem_allowed.values()) == 1000 * 16 * 4
+
+
+def _record_launches(monkeypatch):
+    """The set of kernel names the launcher fetches from now on."""
+    names, fetch = set(), _launch.get_kernel
+    monkeypatch.setattr(_launch, "get_kernel", lambda k, dtype, items=None: names.add(k) or fetch(k, dtype, items))
+    return names
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (1, 3, 5, 7, 9, 14, 15, 17)],
                          ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_launch_with_torch_tensor_refs(emulated_torch, case, dtype):

@@ -180,3 +180,41 @@ def test_canonical_order_is_always_rows():
         layout = _layout._factor(plan, _layout.canonical_order(plan), True)
         assert layout is not None and layout.rows, (op, shape, kwargs)
         assert layout.outer * layout.reduced == math.prod(shape)
+
+
+# ---- tile widths of the shared-memory columns kernels (tiles.cu) ------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_launch = pytest.importorskip("anynorm._cuda._launch", exc_type=ImportError)
+
+
+@settings(max_examples=300, deadline=None)
+@given(outer=st.integers(1, 5000), reduced=st.integers(1, 5000), per_group=st.integers(1, 300),
+       group=st.integers(1, 40), itemsize=st.sampled_from([2, 4, 8]), copies=st.sampled_from([1, 2]),
+       budget=st.integers(0, 256 * 1024), target=st.integers(1, 2000))
+def test_tile_width_fits_and_covers_whole_statistics(outer, reduced, per_group, group, itemsize, copies,
+                                                       budget, target):
+    inner = per_group * group
+    width = _launch.tile_width(outer, reduced, inner, group, itemsize, copies, budget, target)
+    if width is None:  # nothing fits: not even one sector-wide tile, nor all of inner
+        fit = budget // (copies * reduced * itemsize)
+        assert min(fit, 256) < group or (min(inner, fit, 256) * itemsize < 32 and inner > min(fit, 256))
+        return
+    assert 1 <= width <= min(inner, 256) and width % group == 0
+    assert copies * reduced * width * itemsize <= budget
+    assert width == inner or width * itemsize >= 32
+
+
+@pytest.mark.parametrize("shape, dtype_size, copies, want", [
+    ((64, 96, 56 * 56), 2, 1, 256),  # ConvNeXt stage 1, bfloat16 forward: the widest tile, 48 KiB
+    ((64, 768, 49), 2, 1, 16),  # stage 4: 128 blocks at width 32 are too few for 528; 16 gives 256
+    ((64, 768, 49), 4, 2, 8),  # float32 backward: 8 columns, one sector, two 24 KiB tiles
+    ((64, 96, 56 * 56), 8, 2, 40),  # float64 backward: 42 columns fit, 40 in whole sectors
+    ((64, 70000, 3), 4, 1, None),  # a long reduced axis: the split path
+])
+def test_tile_width_examples(shape, dtype_size, copies, want):
+    outer, reduced, inner = shape
+    got = _launch.tile_width(outer, reduced, inner, 1, dtype_size, copies, 64 * 1024, 4 * 132)
+    assert got == want

@@ -12,6 +12,7 @@ Which kernels run for which layout: kernels/README.md.
 from __future__ import annotations
 
 import functools
+import math
 
 import cupy
 import numpy as np
@@ -30,6 +31,10 @@ _REGISTER_MAX = {"rows_fwd": _ROW_BLOCK * BLOCK_ITEMS[-1], "rows_bwd": _ROW_BLOC
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
 _VECTOR = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}  # elements per 16 bytes
 _MAX_X = 2**31 - 1
+_TILE_THREADS = 256  # tiles.cu's block
+_TILE_SMEM_CAP = 64 * 1024  # dynamic shared memory per tile block: 3 blocks per H100 SM
+_DEFAULT_SMEM = 48 * 1024  # static + dynamic shared memory a block gets without opting in
+_SECTOR = 32  # bytes: a tile row narrower than one DRAM sector wastes bandwidth
 
 
 def acc_dtype(dtype: str):
@@ -80,8 +85,68 @@ def _split(length, parallel, target, min_chunk, align=1):
     return chunk, _ceil(length, chunk)
 
 
-def _launch(kernel, dtype, grid, block, args, items=None):
-    get_kernel(kernel, dtype, items)(grid, block, tuple(kernel_arg(a) for a in args))
+_smem_allowed: dict = {}
+
+
+def _launch(kernel, dtype, grid, block, args, items=None, smem=0):
+    function = get_kernel(kernel, dtype, items)
+    if smem > _DEFAULT_SMEM - _MAX_STATIC_SMEM and _smem_allowed.get(id(function), 0) < smem:
+        # near or past the default limit: opt the kernel in (cuFuncSetAttribute)
+        function.max_dynamic_shared_size_bytes = smem
+        _smem_allowed[id(function)] = smem
+    function(grid, block, tuple(kernel_arg(a) for a in args), shared_mem=smem)
+
+
+# ---- shared-memory tiles of the columns family (tiles.cu) ---------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _smem_optin(device_id: int) -> int:
+    runtime = cupy.cuda.runtime
+    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
+
+
+def _tile_static_smem(dtype) -> int:
+    """tiles.cu's static shared memory: two (2, 256) arrays of A and the IndexMap."""
+    return 4 * _TILE_THREADS * np.dtype(acc_dtype(dtype)).itemsize + 128
+
+
+_MAX_STATIC_SMEM = _tile_static_smem("float64")
+
+
+def _tile_budget(dtype) -> int:
+    """Dynamic shared memory one tile block may take on the current device."""
+    return min(_TILE_SMEM_CAP, _smem_optin(cupy.cuda.Device().id) - _tile_static_smem(dtype))
+
+
+def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
+    """Inner positions per block of tiles.cu (a multiple of ``group``), or None: the tile
+    (``copies`` arrays of ``reduced x width`` elements) must fit ``budget`` bytes with rows
+    of at least one sector (or all of ``inner``). Of the widths that fit, the widest that
+    still makes ``target`` blocks, else the narrowest (small grids wait on load latency)."""
+    fit = min(budget // (copies * reduced * itemsize), _TILE_THREADS)
+    sector = max(1, _SECTOR // itemsize)
+    step = math.lcm(group, sector)
+    step = step if step <= fit else group
+    widths = [w for w in range(fit - fit % step, 0, -step) if w < inner and w * itemsize >= _SECTOR]
+    if inner <= fit:
+        widths.insert(0, inner)
+    for width in widths:
+        if outer * _ceil(inner, width) >= target:
+            return width
+    return widths[-1] if widths else None
+
+
+def _tile(layout, dtype, copies):
+    """(width, grid, dynamic smem bytes) of the tile kernels, or None when no tile fits."""
+    if layout.rows:
+        return None
+    itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
+    width = tile_width(layout.outer, layout.reduced, layout.inner, layout.group, itemsize, copies,
+                       _tile_budget(dtype), _target_blocks())
+    if width is None:
+        return None
+    grid = (_ceil(layout.inner, width), min(layout.outer, _MAX_Y))
+    return width, grid, copies * layout.reduced * width * itemsize
 
 
 # ---- statistics --------------------------------------------------------------------------
@@ -96,6 +161,14 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
         _launch(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, _i64(outer),
                  _i64(reduced), _i64(layout.p_div), _i64(layout.p_len), center, eps), items=items)
+        return
+    tile = _tile(layout, dtype, 1)
+    if tile is not None:
+        width, grid, smem = tile
+        _launch("cols_fwd_tile", dtype, grid, (_TILE_THREADS,),
+                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, _i64(outer),
+                 _i64(reduced), _i64(inner), _i64(group), _i64(width), _i64(layout.p_div),
+                 _i64(layout.p_len), center, eps), smem=smem)
         return
     if layout.rows:
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
@@ -145,6 +218,13 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb):
         _launch(kernel, dtype, grid, block,
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), pdiv, plen,
                  center), items=items)
+        return
+    tile = _tile(layout, dtype, 2)
+    if tile is not None:
+        width, grid, smem = tile
+        _launch("cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
+                (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), _i64(inner),
+                 _i64(group), _i64(width), pdiv, plen, center), smem=smem)
         return
     if layout.rows:
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)

@@ -248,9 +248,13 @@ class Module:
             *[v for off, size in regions for v in (base + off, size)])
         self.lib.emu_set_shared_regions(flat, len(regions))
         self.shared_bytes = sum(size for _, size in regions)
+        self.max_dynamic_smem = 48 * 1024  # as emu::Runtime starts
+        self._functions = {}
 
     def get_function(self, name: str) -> "Kernel":
-        return Kernel(self, name, self.names.index(name))
+        if name not in self._functions:
+            self._functions[name] = Kernel(self, name, self.names.index(name))
+        return self._functions[name]
 
 
 class Kernel:
@@ -302,6 +306,16 @@ class Kernel:
             else:
                 raise TypeError(f"{self.name} argument {k}: unsupported parameter kind {code}")
         return values, arrays
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self.module.max_dynamic_smem
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, n):
+        """As CuPy's RawKernel attribute: launches may then take up to ``n`` bytes."""
+        self.module.lib.emu_set_max_dynamic_smem(ctypes.c_ulonglong(int(n)))
+        self.module.max_dynamic_smem = int(n)
 
     def __call__(self, grid, block, args, shared_mem=0, schedule=None, timeout=60.0):
         grid = tuple(grid) + (1,) * (3 - len(grid))

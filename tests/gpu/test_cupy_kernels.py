@@ -3,6 +3,7 @@
 Every op and shape class (rows: warp-per-row and chunked; columns; copied layouts), row
 lengths 1 .. 2^20, more than 65535 rows and columns, misaligned and non-dense views,
 fused residual, a tensor of more than 2^31 elements; outputs, statistics and gradients.
+Columns layouts run through both of their paths (shared-memory tiles and the split path).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ CASES = [
     ("layer_norm", (70001, 8), {}),  # > 65535 rows, warp
     ("layer_norm", (70001, 1500), {}),  # > 65535 rows, block per row (grid-stride)
     ("layer_norm", (3, 5, 7), {"axis": (-2, -1)}),
-    ("layer_norm", (4, 6, 8, 9), {"axis": 1}),  # channels-first (ConvNeXt): columns
-    ("layer_norm", (2, 70000, 3), {"axis": 1}),  # columns, long reduced axis
-    ("layer_norm", (70001, 4, 2), {"axis": 1}),  # columns, > 65535 outer (gridDim.z loop)
+    ("layer_norm", (4, 6, 8, 9), {"axis": 1}),  # channels-first (ConvNeXt): columns, one tile
+    ("layer_norm", (2, 70000, 3), {"axis": 1}),  # columns, long reduced axis: split path
+    ("layer_norm", (70001, 4, 2), {"axis": 1}),  # columns tile, > 65535 outer (gridDim.y loop)
     ("layer_norm", (4, 6, 8, 9), {"axis": (1, 3)}),  # copied to canonical rows
     ("rms_norm", (33, 1000), {}),
     ("rms_norm", (4, 65536), {}),
@@ -119,6 +120,35 @@ def test_backward_matches_reference(cp, case, dtype, with_stats):
     w, _ = _params(cp, op, shape, kw, dtype)
     _check_backward(op, dy, x, w, with_stats, **kw)
     _check_backward(op, dy, x, None, with_stats, **kw)
+
+
+# Columns layouts small enough for a shared-memory tile (tiles.cu), run again with the tile
+# budget set to nothing (cols.cu + finish.cu) and to the device's opt-in maximum with the
+# widest tiles (past the default 48 KiB: 2 x 768 x 7 x 7 in float32 puts all 49 columns,
+# 147 KiB, in one tile).
+TILE_CASES = [
+    ("layer_norm", (2, 768, 7, 7), {"axis": 1}),  # ConvNeXt's last stage, channels-first
+    ("layer_norm", (3, 96, 20, 20), {"axis": 1}),
+    ("rms_norm", (4, 6, 8, 9), {"axis": 1}),
+    ("instance_norm", (4, 8, 9, 6), {"channel_axis": -1}),
+    ("group_norm", (2, 7, 7, 96), {"channel_axis": -1, "num_groups": 32}),  # group 3
+]
+
+
+@pytest.mark.parametrize("cap", [0, 2**30], ids=["split", "largest-tiles"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", TILE_CASES, ids=_ids)
+def test_columns_paths(cp, monkeypatch, case, dtype, cap):
+    from anynorm._cuda import _launch
+
+    monkeypatch.setattr(_launch, "_TILE_SMEM_CAP", cap)
+    monkeypatch.setattr(_launch, "_target_blocks", lambda: 1)  # widest tile that fits
+    op, shape, kw = case
+    x = _data(cp, shape, dtype)
+    w, b = _params(cp, op, shape, kw, dtype)
+    _check_forward(op, x, w, b, **kw)
+    dy = _data(cp, shape, dtype, seed=5, loc=0.0, scale=1.0)
+    _check_backward(op, dy, x, w, False, **kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
