@@ -2,7 +2,8 @@
 // positions of one `o` and the whole reduced extent, keeps that (reduced, width) tile in
 // dynamic shared memory, and works out the statistics and the output from there. x is read
 // once and y written once (the split path of cols.cu + finish.cu reads x twice); the
-// backward reads dy and x once and writes dx once (five transfers on the split path).
+// backward reads dy and x once, writes dx once and sums dweight/dbias on the way (the split
+// path and params.cu read dy and x three times: seven transfers where this takes three).
 // The launcher takes this path whenever the tile fits its shared-memory budget.
 //
 // Block of 256 threads: thread t owns tile column c = t % width and walks the rows
@@ -164,13 +165,20 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
 
 // Backward: g = dy * w, xhat = (x - mean) * rstd,
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (RMS: no mean(g) term).
-// Launch as cols_fwd_tile; dynamic smem 2 * reduced * width * sizeof(T) (dy, then x).
+// With part_w (nullable; part_b nullable too), also the parameter gradients' partial sums
+// sum(dy * xhat) and sum(dy) of the tile, for param_grad_finish, where the parameter index
+// is the tile's column or row:
+//   param_rows == 0: p = i (p_div == 1, p_len == inner), part[o * inner + i] (chunk = o);
+//   param_rows == 1: p = r (p_div == inner, p_len == reduced),
+//                    part[(o * gridDim.x + tile) * reduced + r] (chunk = (o, tile)).
+// Launch as cols_fwd_tile; dynamic smem 2 * reduced * width * sizeof(T) (dy tile, then x tile).
 template <typename T>
-__global__ void __launch_bounds__(TILE_THREADS, 3)
+__global__ void __launch_bounds__(TILE_THREADS, sizeof(T) == 8 ? 2 : 3)  // float64: 3 would spill
 cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
               const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-              long long outer, long long reduced, long long inner, long long group, long long width,
-              long long p_div, long long p_len, int center) {
+              acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long outer,
+              long long reduced, long long inner, long long group, long long width, long long p_div,
+              long long p_len, int param_rows, int center) {
     typedef acc_t<T> A;
     __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
     T* dy_tile = dynamic_shared<T>();
@@ -192,13 +200,17 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>*
             mu = center ? mean[s] : A(0);
             rs = rstd[s];
         }
-        A sg = A(0), sgx = A(0);
+        A sg = A(0), sgx = A(0), sdx = A(0), sd = A(0);
         if (valid)
             for (int r = t.k; r < nrows; r += t.lanes) {
                 const int j = r * ncols + t.c;
-                const A g = to_acc(dy_tile[j]) * weight_at(w, param_at(map, base + (long long)r * inner));
+                const A d = to_acc(dy_tile[j]);
+                const A xhat = (to_acc(x_tile[j]) - mu) * rs;
+                const A g = d * weight_at(w, param_at(map, base + (long long)r * inner));
                 sg += g;
-                sgx += g * (to_acc(x_tile[j]) - mu) * rs;
+                sgx += g * xhat;
+                sdx += d * xhat;
+                sd += d;
             }
         tile_sum2(sg, sgx, t, ncols, ngroup, part, column);
         const A mg = center ? sg / n : A(0);
@@ -211,6 +223,39 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>*
                 const A xhat = (to_acc(x_tile[j]) - mu) * rs;
                 dx[e] = from_acc<T>(rs * (g - mg - xhat * mgx));
             }
+        if (part_w && !param_rows) {  // per column: the column's lanes add up (no group merge)
+            TileThread own = t;
+            own.first = t.c;
+            tile_sum2(sdx, sd, own, ncols, 1, part, column);
+            if (valid && t.k == 0) {
+                part_w[o * inner + i] = sdx;
+                if (part_b) part_b[o * inner + i] = sd;
+            }
+        } else if (part_w) {  // per row: warp by warp over the rows, lanes across the columns
+            if (t.k == 0) {  // the column's statistics, for every warp
+                column[t.c] = mu;
+                column[TILE_THREADS + t.c] = rs;
+            }
+            __syncthreads();
+            const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+            const long long first = (long long)blockIdx.x * width;
+            const int valid_cols = inner - first < width ? (int)(inner - first) : ncols;
+            for (int r = warp; r < nrows; r += TILE_THREADS / 32) {
+                A rw = A(0), rb = A(0);
+                for (int c = lane; c < valid_cols; c += 32) {
+                    const A d = to_acc(dy_tile[r * ncols + c]);
+                    rw += d * (to_acc(x_tile[r * ncols + c]) - column[c]) * column[TILE_THREADS + c];
+                    rb += d;
+                }
+                rw = warp_sum(rw);
+                rb = warp_sum(rb);
+                if (lane == 0) {
+                    const long long k = (o * gridDim.x + blockIdx.x) * reduced + r;
+                    part_w[k] = rw;
+                    if (part_b) part_b[k] = rb;
+                }
+            }
+        }
         __syncthreads();
     }
 }

@@ -111,5 +111,5 @@ def test_every_kernel_is_defined_in_its_file():
     for file, kernels in _compile.KERNELS.items():
         text = read_source(file)
         for kernel in kernels:
-            assert re.search(rf"__global__\s+void\s+(__launch_bounds__\([^)]*\)\s+)?{kernel}\s*\(",
+            assert re.search(rf"__global__\s+void\s+(__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+(//[^\n]*\s+)?)?{kernel}\s*\(",
                              text), (file, kernel)

@@ -491,8 +491,8 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     if path == "tile":
         width = items
         kernels("cols_bwd_tile", dtype)((_ceil(inner, width), grid or min(outer, 65535)), (BLOCK,),
-                                        (dyd, xd, wd, md, rd, dxd, outer, reduced, inner, group, width,
-                                         case.p_div, case.p_len, center),
+                                        (dyd, xd, wd, md, rd, dxd, None, None, outer, reduced, inner, group,
+                                         width, case.p_div, case.p_len, 0, center),
                                         shared_mem=_tile_bytes(case, dtype, width, 2), **launch)
         return dxd.get_float()
     if path in ("warp", "block"):
@@ -780,6 +780,42 @@ def test_tile_forward(kernels, dtype, name, make, width):
 @pytest.mark.parametrize("name,make,width", _TILE_CASES, ids=[c[0] for c in _TILE_CASES])
 def test_tile_backward(kernels, dtype, name, make, width):
     check_backward(kernels, make(), dtype, path="tile", items=width)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,width", _TILE_CASES, ids=[c[0] for c in _TILE_CASES])
+def test_tile_param_grads(kernels, dtype, name, make, width, with_bias):
+    """cols_bwd_tile's dweight/dbias partial sums (then param_grad_finish) and its dx in the
+    same launch; p is the tile's row (channels-first layer norm) or column (NHWC norms)."""
+    case = make()
+    param_rows = int(case.p_div == case.inner)
+    assert param_rows or (case.p_div == 1 and case.p_len == case.inner)
+    A = ACC[dtype]
+    x, w, _ = _data(case, dtype, 3)
+    dy = np.random.default_rng(4).standard_normal(case.shape)
+    xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
+    _, mean, rstd = ref_forward(case, xr, None, None, 1, 1e-5)
+    tiles = _ceil(case.inner, width)
+    nchunk = case.outer * tiles if param_rows else case.outer
+    parts = [_acc_buf(nchunk * case.p_len, dtype) for _ in range(2)]
+    part_b = parts[1] if with_bias else None
+    dyd, xd = emu.to_device(dy.reshape(-1), dtype), emu.to_device(x.reshape(-1), dtype)
+    dxd = emu.empty(case.total, dtype)
+    kernels("cols_bwd_tile", dtype)((tiles, min(case.outer, 65535)), (BLOCK,),
+                                    (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A),
+                                     emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer,
+                                     case.reduced, case.inner, case.group, width, case.p_div, case.p_len,
+                                     param_rows, 1), shared_mem=_tile_bytes(case, dtype, width, 2))
+    dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
+    kernels("param_grad_finish", dtype)((1,), (BLOCK,), (parts[0], part_b, dw, db, case.p_len, nchunk))
+    dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, w, 1, 1e-5)
+    _close(dxd.get_float().reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
+           scale=max(1.0, float(np.abs(dx_ref).max())))
+    n_terms = case.total // case.p_len  # as test_param_grads
+    _close(dw.get_float(), dw_ref, STAT_TOL[dtype] * 4, f"dweight of {case} {dtype}", scale=max(1.0, n_terms))
+    if with_bias:
+        _close(db.get_float(), db_ref, STAT_TOL[dtype] * 4, f"dbias of {case} {dtype}", scale=max(1.0, n_terms))
 
 
 @pytest.mark.parametrize("variant", ["rms", "no_params", "stats_only", "misaligned", "grid_stride",

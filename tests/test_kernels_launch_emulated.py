@@ -268,7 +268,7 @@ def test_launch_columns_split_path(emulated, monkeypatch, dtype):
     _check("layer_norm", (3, 70, 33), {"axis": 1}, dtype)
     _check("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}, dtype, residual=False)
     _check("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, dtype, residual=True)
-    assert {"cols_stats_partial", "cols_grad_partial"} <= names
+    assert {"cols_stats_partial", "cols_grad_partial", "param_grad_rows", "param_grad_cols"} <= names
     assert not {"cols_fwd_tile", "cols_bwd_tile"} & names
 
 
@@ -279,8 +279,8 @@ def test_launch_tile_past_default_shared_memory(emulated, monkeypatch):
     monkeypatch.setattr(_launch, "_smem_allowed", {})
     names = _record_launches(monkeypatch)
     _check("layer_norm", (2, 1000, 4, 4), {"axis": 1}, "float32")
-    assert {"cols_fwd_tile", "cols_bwd_tile"} <= names
-    assert not {"cols_stats_partial", "cols_grad_partial"} & names
+    assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names
+    assert not {"cols_stats_partial", "cols_grad_partial", "param_grad_rows", "param_grad_cols"} & names
     assert max(_launch._smem_allowed.values()) == 1000 * 16 * 4
 
 

@@ -208,7 +208,19 @@ def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd):
 
 # ---- gradients -------------------------------------------------------------------------
 
-def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb):
+def _tile_param_mode(layout):
+    """tiles.cu's ``param_rows`` when its backward can sum dweight/dbias in the same pass:
+    0 when the parameter index is the column (p = i), 1 when it is the row (p = r), else None."""
+    if layout.p_div == 1 and layout.p_len == layout.inner:
+        return 0
+    if layout.p_div == layout.inner and layout.p_len == layout.reduced:
+        return 1
+    return None
+
+
+def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
+    """dx into ``dxb``. ``param_grads`` (bool: with dbias) asks the tile kernel to add up the
+    parameter gradients' partial sums too: returns (part, nchunk) when it did, else None."""
     center = np.int32(plan.center)
     acc = acc_dtype(dtype)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
@@ -218,14 +230,21 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb):
         _launch(kernel, dtype, grid, block,
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), pdiv, plen,
                  center), items=items)
-        return
+        return None
     tile = _tile(layout, dtype, 2)
     if tile is not None:
         width, grid, smem = tile
+        mode = None if param_grads is None else _tile_param_mode(layout)
+        part, part_w, part_b, nchunk = None, None, None, 0
+        if mode is not None:  # partial sums per o (p = i) or per (o, tile) (p = r)
+            nchunk = outer if mode == 0 else outer * grid[0]
+            part = cupy.empty((2, nchunk * layout.p_len), dtype=acc)
+            part_w, part_b = part[0], (part[1] if param_grads else None)
         _launch("cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
-                (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), _i64(inner),
-                 _i64(group), _i64(width), pdiv, plen, center), smem=smem)
-        return
+                (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(part_w), _ptr(part_b), _i64(outer),
+                 _i64(reduced), _i64(inner), _i64(group), _i64(width), pdiv, plen, np.int32(mode or 0),
+                 center), smem=smem)
+        return None if part is None else (part, nchunk)
     if layout.rows:
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
         ws = cupy.empty((2, outer * nchunk), dtype=acc)
@@ -247,6 +266,14 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb):
     _launch("apply_bwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
             (dyb, xb, _ptr(w), _ptr(mean), rstd, means[0], means[1], dxb, _i64(layout.total),
              _i64(reduced), _i64(inner), _i64(group), pdiv, plen, center))
+    return None
+
+
+def _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias):
+    """dweight/dbias from per-chunk partial sums ``part[k][c * p_len + p]``."""
+    _launch("param_grad_finish", dtype, (_grid_1d(p_len, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (part[0], _ptr(part[1] if dbias is not None else None), dweight, _ptr(dbias),
+             _i64(p_len), _i64(nchunk)))
 
 
 def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias):
@@ -268,9 +295,7 @@ def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias):
         _launch("param_grad_rows", dtype, (p_len, nchunk), (_BLOCK,),
                 (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
                  _i64(a_len), _i64(p_len), _i64(b_len)) + geometry + (_i64(chunk), center))
-    _launch("param_grad_finish", dtype, (_grid_1d(p_len, _BLOCK, _MAX_Y),), (_BLOCK,),
-            (part[0], _ptr(part[1] if dbias is not None else None), dweight, _ptr(dbias),
-             _i64(p_len), _i64(nchunk)))
+    _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias)
 
 
 def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias):
@@ -285,7 +310,10 @@ def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias):
         rstd = cupy.empty(layout.slices, dtype=acc)
         _stats(plan, layout, dtype, xb, None, None, None, None, None, mean, rstd)
     dxb = _buffers.output_buffer(plan, layout, dx)
-    _dx(plan, layout, dtype, dyb, xb, weight, mean, rstd, dxb)
+    fused = _dx(plan, layout, dtype, dyb, xb, weight, mean, rstd, dxb,
+                None if dweight is None else dbias is not None)
     _buffers.store(plan, layout, dxb, dx)
-    if dweight is not None:
+    if fused is not None:
+        _finish_param_grads(*fused, layout.p_len, dtype, dweight, dbias)
+    elif dweight is not None:
         _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias)
