@@ -14,8 +14,12 @@
 using namespace anynorm;
 
 #define TILE_THREADS 256
-// Loads one thread keeps in flight before storing them to shared memory.
+// Loads one thread keeps in flight before storing them to shared memory: scalars, 16-byte
+// vectors (4 x 16 bytes x 256 threads: 16 KiB per block).
 #define TILE_BATCH 8
+#define TILE_VEC_BATCH 4
+// Blocks per SM the register allocation must allow (float64 spills at 3).
+#define TILE_MIN_BLOCKS(T) (sizeof(T) == 8 ? 2 : 3)
 
 // The thread's place in a tile of `width` columns.
 struct TileThread {
@@ -65,16 +69,20 @@ __device__ __forceinline__ void tile_sum2(A& a, A& b, const TileThread& t, int n
     __syncthreads();  // part/column may be reused
 }
 
-// Copy rows r = t.k, t.k + lanes, ... of column i (of this o) into tile[r * width + c],
-// TILE_BATCH loads in flight per thread. With RES the tile holds h = x + res (also written).
-// Tile offsets are 32-bit: a tile fits in shared memory.
+// Copy the tile (rows 0..reduced-1, columns [first, first + ncols) of this o, the first
+// `valid` of them inside inner) into tile[r * ncols + c], a batch of loads in flight per
+// thread. With RES the tile holds h = x + res (also written). Tile offsets are 32-bit: a
+// tile fits in shared memory. `base` is the element (o, 0, first).
+//
+// Scalar: thread (c, k) loads rows k, k + lanes, ... of column c.
 template <typename T, bool RES>
 __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, const T* __restrict__ res,
                                           T* __restrict__ h, long long base, int reduced,
-                                          long long inner, const TileThread& t, int width) {
+                                          long long inner, const TileThread& t, int ncols, int valid) {
+    if (!t.active || t.c >= valid) return;
     const long long step = (long long)t.lanes * inner;  // between one thread's rows
     for (int r0 = t.k; r0 < reduced; r0 += t.lanes * TILE_BATCH) {
-        const long long e0 = base + (long long)r0 * inner;
+        const long long e0 = base + (long long)r0 * inner + t.c;
         T v[TILE_BATCH];
         ANYNORM_UNROLL
         for (int u = 0; u < TILE_BATCH; ++u)
@@ -85,8 +93,41 @@ __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, cons
         ANYNORM_UNROLL
         for (int u = 0; u < TILE_BATCH; ++u)
             if (r0 + u * t.lanes < reduced) {
-                tile[(r0 + u * t.lanes) * width + t.c] = v[u];
+                tile[(r0 + u * t.lanes) * ncols + t.c] = v[u];
                 if (RES) h[e0 + u * step] = v[u];
+            }
+    }
+}
+
+// 16-byte vectors (every row of the tile starts 16-byte aligned in memory and in shared
+// memory): thread q + per_row * k loads vector q of rows k, k + row_lanes, ...
+template <typename T, bool RES>
+__device__ __forceinline__ void load_rows_vec(T* tile, const T* __restrict__ x, const T* __restrict__ res,
+                                              T* __restrict__ h, long long base, int reduced,
+                                              long long inner, int ncols, int valid) {
+    const int V = VecLen<T>::value;
+    const int per_row = ncols / V, row_lanes = TILE_THREADS / per_row;
+    const int q = threadIdx.x % per_row, k = threadIdx.x / per_row;
+    if (k >= row_lanes || q * V >= valid) return;
+    const long long step = (long long)row_lanes * inner;
+    for (int r0 = k; r0 < reduced; r0 += row_lanes * TILE_VEC_BATCH) {
+        const long long e0 = base + (long long)r0 * inner + q * V;
+        Vec16<T> v[TILE_VEC_BATCH];
+        ANYNORM_UNROLL
+        for (int u = 0; u < TILE_VEC_BATCH; ++u)
+            if (r0 + u * row_lanes < reduced) {
+                v[u] = load16(x + e0 + u * step);
+                if (RES) {
+                    const Vec16<T> rv = load16(res + e0 + u * step);
+                    ANYNORM_UNROLL
+                    for (int j = 0; j < V; ++j) v[u].v[j] = add_in_dtype(v[u].v[j], rv.v[j]);
+                }
+            }
+        ANYNORM_UNROLL
+        for (int u = 0; u < TILE_VEC_BATCH; ++u)
+            if (r0 + u * row_lanes < reduced) {
+                store16(tile + (r0 + u * row_lanes) * ncols + q * V, v[u]);
+                if (RES) store16(h + e0 + u * step, v[u]);
             }
     }
 }
@@ -94,12 +135,18 @@ __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, cons
 template <typename T>
 __device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ x, const T* __restrict__ res,
                                           T* __restrict__ h, long long base, int reduced,
-                                          long long inner, const TileThread& t, int width, bool valid) {
-    if (!valid) return;
-    if (res)
-        load_rows<T, true>(tile, x, res, h, base, reduced, inner, t, width);
+                                          long long inner, const TileThread& t, int ncols, int valid) {
+    const int V = VecLen<T>::value;
+    const bool vec = inner % V == 0 && ncols % V == 0 && aligned16(x) && aligned16_or_null(res) &&
+                     aligned16_or_null(h);
+    if (vec && res)
+        load_rows_vec<T, true>(tile, x, res, h, base, reduced, inner, ncols, valid);
+    else if (vec)
+        load_rows_vec<T, false>(tile, x, res, h, base, reduced, inner, ncols, valid);
+    else if (res)
+        load_rows<T, true>(tile, x, res, h, base, reduced, inner, t, ncols, valid);
     else
-        load_rows<T, false>(tile, x, res, h, base, reduced, inner, t, width);
+        load_rows<T, false>(tile, x, res, h, base, reduced, inner, t, ncols, valid);
 }
 
 // Forward: mean = sum(v)/n, rstd = 1/sqrt(sum((v - mean)^2)/n + eps) over the tile's rows and
@@ -107,7 +154,7 @@ __device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ x, cons
 // y = (v - mean) * rstd * w + b. y nullable (statistics only).
 // grid (ceil(inner / width), min(outer, 65535)); dynamic smem reduced * width * sizeof(T).
 template <typename T>
-__global__ void __launch_bounds__(TILE_THREADS, 3)
+__global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS(T))
 cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
               const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
               acc_t<T>* __restrict__ rstd, long long outer, long long reduced, long long inner,
@@ -119,12 +166,15 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
     const IndexMap& map = block_index_map(reduced, inner, group, p_div, p_len);
     const int nrows = (int)reduced, ncols = (int)width, ngroup = (int)group;  // a tile fits in shared memory
     const TileThread t = tile_thread(ncols, ngroup);
-    const long long i = (long long)blockIdx.x * width + t.c;
+    const long long first = (long long)blockIdx.x * width;
+    const long long i = first + t.c;
     const bool valid = t.active && i < inner;
+    const int valid_cols = inner - first < width ? (int)(inner - first) : ncols;
     const A n = A(reduced * group);
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
-        const long long base = o * reduced * inner + i;
-        load_tile(tile, x, res, h, base, nrows, inner, t, ncols, valid);
+        const long long tile_base = o * reduced * inner + first;  // element (o, 0, first)
+        const long long base = tile_base + t.c;
+        load_tile(tile, x, res, h, tile_base, nrows, inner, t, ncols, valid_cols);
         __syncthreads();
         A mu = A(0);
         if (center) {
@@ -173,7 +223,7 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
 //                    part[(o * gridDim.x + tile) * reduced + r] (chunk = (o, tile)).
 // Launch as cols_fwd_tile; dynamic smem 2 * reduced * width * sizeof(T) (dy tile, then x tile).
 template <typename T>
-__global__ void __launch_bounds__(TILE_THREADS, sizeof(T) == 8 ? 2 : 3)  // float64: 3 would spill
+__global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS(T))
 cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
               const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
               acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long outer,
@@ -186,13 +236,16 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>*
     const IndexMap& map = block_index_map(reduced, inner, group, p_div, p_len);
     const int nrows = (int)reduced, ncols = (int)width, ngroup = (int)group;  // a tile fits in shared memory
     const TileThread t = tile_thread(ncols, ngroup);
-    const long long i = (long long)blockIdx.x * width + t.c;
+    const long long first = (long long)blockIdx.x * width;
+    const long long i = first + t.c;
     const bool valid = t.active && i < inner;
+    const int valid_cols = inner - first < width ? (int)(inner - first) : ncols;
     const A n = A(reduced * group);
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
-        const long long base = o * reduced * inner + i;
-        load_tile(dy_tile, dy, (const T*)0, (T*)0, base, nrows, inner, t, ncols, valid);
-        load_tile(x_tile, x, (const T*)0, (T*)0, base, nrows, inner, t, ncols, valid);
+        const long long tile_base = o * reduced * inner + first;  // element (o, 0, first)
+        const long long base = tile_base + t.c;
+        load_tile(dy_tile, dy, (const T*)0, (T*)0, tile_base, nrows, inner, t, ncols, valid_cols);
+        load_tile(x_tile, x, (const T*)0, (T*)0, tile_base, nrows, inner, t, ncols, valid_cols);
         __syncthreads();
         A mu = A(0), rs = A(0);
         if (valid) {
@@ -238,8 +291,6 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>*
             }
             __syncthreads();
             const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-            const long long first = (long long)blockIdx.x * width;
-            const int valid_cols = inner - first < width ? (int)(inner - first) : ncols;
             for (int r = warp; r < nrows; r += TILE_THREADS / 32) {
                 A rw = A(0), rb = A(0);
                 for (int c = lane; c < valid_cols; c += 32) {

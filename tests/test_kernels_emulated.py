@@ -767,6 +767,11 @@ _TILE_CASES = [
     ("in_nhwc", lambda: instance_norm_nhwc(2, 3, 5, 7), 4),
     ("gn_nhwc", lambda: group_norm_nhwc(2, 4, 3, 12, 3), 8),  # group 4: two statistics per tile
     ("gn_nhwc_odd", lambda: group_norm_nhwc(1, 3, 3, 30, 5), 18),  # group 6, width 18: last tile 12 wide
+    # inner and width multiples of 8: 16-byte vector loads in every dtype (the cases above
+    # take them where inner and width are multiples of 16 / itemsize, else scalar loads)
+    ("ln_cf_vec", lambda: layer_norm_channels_first(2, 9, 4, 12), 16),  # 3 tiles of 16
+    ("gn_nhwc_vec", lambda: group_norm_nhwc(2, 3, 3, 96, 32), 48),  # group 3, 2 tiles of 48
+    ("in_nhwc_vec", lambda: instance_norm_nhwc(1, 5, 5, 40), 32),  # last tile: 8 of 32 columns
 ]
 
 

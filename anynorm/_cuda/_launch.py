@@ -140,7 +140,7 @@ def _tile(layout, dtype, copies):
     """(width, grid, dynamic smem bytes) of the tile kernels, or None when no tile fits."""
     if layout.rows:
         return None
-    itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
+    itemsize = 16 // _VECTOR[dtype]
     width = tile_width(layout.outer, layout.reduced, layout.inner, layout.group, itemsize, copies,
                        _tile_budget(dtype), _target_blocks())
     if width is None:
