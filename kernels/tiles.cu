@@ -21,20 +21,31 @@ using namespace anynorm;
 // Blocks per SM the register allocation must allow (float64 spills at 3).
 #define TILE_MIN_BLOCKS(T) (sizeof(T) == 8 ? 2 : 3)
 
-// The thread's place in a tile of `width` columns.
-struct TileThread {
-    int c, k, lanes;  // column, first row, row stride
-    int first;        // first column of c's statistic (c - c % group)
-    bool active;      // t < lanes * width
+// One thread's place in its block's tile: all `nrows` rows of the columns
+// [start, start + ncols) of inner, the first `valid_cols` of them inside inner.
+struct TilePlace {
+    int nrows, ncols, ngroup, valid_cols;  // 32-bit: a tile fits in shared memory
+    long long start;                       // the tile's first inner position
+    int c, k, lanes;                       // the thread's column, first row, row stride
+    int stat_col;                          // first column of c's statistic (c - c % group)
+    bool active;                           // thread < lanes * ncols
+    bool valid;                            // active, and column c lies inside inner
 };
 
-__device__ __forceinline__ TileThread tile_thread(int width, int group) {
-    TileThread t;
-    t.lanes = TILE_THREADS / width;
-    t.c = threadIdx.x % width;
-    t.k = threadIdx.x / width;
-    t.first = t.c - t.c % group;
+__device__ __forceinline__ TilePlace tile_place(long long reduced, long long inner, long long group,
+                                                long long width) {
+    TilePlace t;
+    t.nrows = (int)reduced;
+    t.ncols = (int)width;
+    t.ngroup = (int)group;
+    t.start = (long long)blockIdx.x * width;
+    t.valid_cols = inner - t.start < width ? (int)(inner - t.start) : t.ncols;
+    t.lanes = TILE_THREADS / t.ncols;
+    t.c = threadIdx.x % t.ncols;
+    t.k = threadIdx.x / t.ncols;
+    t.stat_col = t.c - t.c % t.ngroup;
     t.active = t.k < t.lanes;
+    t.valid = t.active && t.c < t.valid_cols;
     return t;
 }
 
@@ -43,18 +54,17 @@ __device__ __forceinline__ TileThread tile_thread(int width, int group) {
 // order, so all of them see the same bits. Every thread of the block must call it.
 // part and column hold 2 * TILE_THREADS values each.
 template <typename A>
-__device__ __forceinline__ void tile_sum2(A& a, A& b, const TileThread& t, int ncols, int ngroup, A* part,
-                                          A* column) {
+__device__ __forceinline__ void tile_sum2(A& a, A& b, const TilePlace& t, A* part, A* column) {
     if (t.active) {
         part[threadIdx.x] = a;
         part[TILE_THREADS + threadIdx.x] = b;
     }
     __syncthreads();
-    if (threadIdx.x < ncols) {
+    if (threadIdx.x < t.ncols) {
         A sa = A(0), sb = A(0);
         for (int q = 0; q < t.lanes; ++q) {
-            sa += part[q * ncols + threadIdx.x];
-            sb += part[TILE_THREADS + q * ncols + threadIdx.x];
+            sa += part[q * t.ncols + threadIdx.x];
+            sb += part[TILE_THREADS + q * t.ncols + threadIdx.x];
         }
         column[threadIdx.x] = sa;
         column[TILE_THREADS + threadIdx.x] = sb;
@@ -62,37 +72,37 @@ __device__ __forceinline__ void tile_sum2(A& a, A& b, const TileThread& t, int n
     __syncthreads();
     a = A(0);
     b = A(0);
-    for (int q = 0; q < ngroup; ++q) {
-        a += column[t.first + q];
-        b += column[TILE_THREADS + t.first + q];
+    for (int q = 0; q < t.ngroup; ++q) {
+        a += column[t.stat_col + q];
+        b += column[TILE_THREADS + t.stat_col + q];
     }
     __syncthreads();  // part/column may be reused
 }
 
-// Copy the tile (rows 0..reduced-1, columns [first, first + ncols) of this o, the first
-// `valid` of them inside inner) into tile[r * ncols + c], a batch of loads in flight per
-// thread. With RES the tile holds h = x + res (also written). Tile offsets are 32-bit: a
-// tile fits in shared memory. `base` is the element (o, 0, first).
+// Copy this o's tile into tile[r * ncols + c] (columns past valid_cols untouched), a batch of
+// loads in flight per thread. With RES the tile holds h = x + res (also written). `base` is
+// the element (o, 0, start).
 //
 // Scalar: thread (c, k) loads rows k, k + lanes, ... of column c.
 template <typename T, bool RES>
 __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, const T* __restrict__ res,
-                                          T* __restrict__ h, long long base, int reduced,
-                                          long long inner, const TileThread& t, int ncols, int valid) {
-    if (!t.active || t.c >= valid) return;
+                                          T* __restrict__ h, long long base, long long inner,
+                                          const TilePlace& t) {
+    if (!t.valid) return;
+    const int nrows = t.nrows, ncols = t.ncols;
     const long long step = (long long)t.lanes * inner;  // between one thread's rows
-    for (int r0 = t.k; r0 < reduced; r0 += t.lanes * TILE_BATCH) {
+    for (int r0 = t.k; r0 < nrows; r0 += t.lanes * TILE_BATCH) {
         const long long e0 = base + (long long)r0 * inner + t.c;
         T v[TILE_BATCH];
         ANYNORM_UNROLL
         for (int u = 0; u < TILE_BATCH; ++u)
-            if (r0 + u * t.lanes < reduced) {
+            if (r0 + u * t.lanes < nrows) {
                 v[u] = x[e0 + u * step];
                 if (RES) v[u] = add_in_dtype(v[u], res[e0 + u * step]);
             }
         ANYNORM_UNROLL
         for (int u = 0; u < TILE_BATCH; ++u)
-            if (r0 + u * t.lanes < reduced) {
+            if (r0 + u * t.lanes < nrows) {
                 tile[(r0 + u * t.lanes) * ncols + t.c] = v[u];
                 if (RES) h[e0 + u * step] = v[u];
             }
@@ -103,19 +113,20 @@ __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, cons
 // memory): thread q + per_row * k loads vector q of rows k, k + row_lanes, ...
 template <typename T, bool RES>
 __device__ __forceinline__ void load_rows_vec(T* tile, const T* __restrict__ x, const T* __restrict__ res,
-                                              T* __restrict__ h, long long base, int reduced,
-                                              long long inner, int ncols, int valid) {
+                                              T* __restrict__ h, long long base, long long inner,
+                                              const TilePlace& t) {
     const int V = VecLen<T>::value;
+    const int nrows = t.nrows, ncols = t.ncols, valid = t.valid_cols;
     const int per_row = ncols / V, row_lanes = TILE_THREADS / per_row;
     const int q = threadIdx.x % per_row, k = threadIdx.x / per_row;
     if (k >= row_lanes || q * V >= valid) return;
     const long long step = (long long)row_lanes * inner;
-    for (int r0 = k; r0 < reduced; r0 += row_lanes * TILE_VEC_BATCH) {
+    for (int r0 = k; r0 < nrows; r0 += row_lanes * TILE_VEC_BATCH) {
         const long long e0 = base + (long long)r0 * inner + q * V;
         Vec16<T> v[TILE_VEC_BATCH];
         ANYNORM_UNROLL
         for (int u = 0; u < TILE_VEC_BATCH; ++u)
-            if (r0 + u * row_lanes < reduced) {
+            if (r0 + u * row_lanes < nrows) {
                 v[u] = load16(x + e0 + u * step);
                 if (RES) {
                     const Vec16<T> rv = load16(res + e0 + u * step);
@@ -125,7 +136,7 @@ __device__ __forceinline__ void load_rows_vec(T* tile, const T* __restrict__ x, 
             }
         ANYNORM_UNROLL
         for (int u = 0; u < TILE_VEC_BATCH; ++u)
-            if (r0 + u * row_lanes < reduced) {
+            if (r0 + u * row_lanes < nrows) {
                 store16(tile + (r0 + u * row_lanes) * ncols + q * V, v[u]);
                 if (RES) store16(h + e0 + u * step, v[u]);
             }
@@ -134,19 +145,19 @@ __device__ __forceinline__ void load_rows_vec(T* tile, const T* __restrict__ x, 
 
 template <typename T>
 __device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ x, const T* __restrict__ res,
-                                          T* __restrict__ h, long long base, int reduced,
-                                          long long inner, const TileThread& t, int ncols, int valid) {
+                                          T* __restrict__ h, long long base, long long inner,
+                                          const TilePlace& t) {
     const int V = VecLen<T>::value;
-    const bool vec = inner % V == 0 && ncols % V == 0 && aligned16(x) && aligned16_or_null(res) &&
+    const bool vec = inner % V == 0 && t.ncols % V == 0 && aligned16(x) && aligned16_or_null(res) &&
                      aligned16_or_null(h);
     if (vec && res)
-        load_rows_vec<T, true>(tile, x, res, h, base, reduced, inner, ncols, valid);
+        load_rows_vec<T, true>(tile, x, res, h, base, inner, t);
     else if (vec)
-        load_rows_vec<T, false>(tile, x, res, h, base, reduced, inner, ncols, valid);
+        load_rows_vec<T, false>(tile, x, res, h, base, inner, t);
     else if (res)
-        load_rows<T, true>(tile, x, res, h, base, reduced, inner, t, ncols, valid);
+        load_rows<T, true>(tile, x, res, h, base, inner, t);
     else
-        load_rows<T, false>(tile, x, res, h, base, reduced, inner, t, ncols, valid);
+        load_rows<T, false>(tile, x, res, h, base, inner, t);
 }
 
 // Forward: mean = sum(v)/n, rstd = 1/sqrt(sum((v - mean)^2)/n + eps) over the tile's rows and
@@ -164,50 +175,46 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
     __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
     T* tile = dynamic_shared<T>();
     const IndexMap& map = block_index_map(reduced, inner, group, p_div, p_len);
-    const int nrows = (int)reduced, ncols = (int)width, ngroup = (int)group;  // a tile fits in shared memory
-    const TileThread t = tile_thread(ncols, ngroup);
-    const long long first = (long long)blockIdx.x * width;
-    const long long i = first + t.c;
-    const bool valid = t.active && i < inner;
-    const int valid_cols = inner - first < width ? (int)(inner - first) : ncols;
+    const TilePlace t = tile_place(reduced, inner, group, width);
+    const long long i = t.start + t.c;
     const A n = A(reduced * group);
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
-        const long long tile_base = o * reduced * inner + first;  // element (o, 0, first)
+        const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
         const long long base = tile_base + t.c;
-        load_tile(tile, x, res, h, tile_base, nrows, inner, t, ncols, valid_cols);
+        load_tile(tile, x, res, h, tile_base, inner, t);
         __syncthreads();
         A mu = A(0);
         if (center) {
             A sum = A(0), unused = A(0);
-            if (valid)
-                for (int r = t.k; r < nrows; r += t.lanes) sum += to_acc(tile[r * ncols + t.c]);
-            tile_sum2(sum, unused, t, ncols, ngroup, part, column);
+            if (t.valid)
+                for (int r = t.k; r < t.nrows; r += t.lanes) sum += to_acc(tile[r * t.ncols + t.c]);
+            tile_sum2(sum, unused, t, part, column);
             mu = sum / n;
         }
         // Second pass over the deviations: their sum corrects the first pass's rounding of the
         // mean (corrected two-pass algorithm: var = (sum d^2 - (sum d)^2 / n) / n).
         A sd = A(0), ss = A(0);
-        if (valid)
-            for (int r = t.k; r < nrows; r += t.lanes) {
-                const A d = to_acc(tile[r * ncols + t.c]) - mu;
+        if (t.valid)
+            for (int r = t.k; r < t.nrows; r += t.lanes) {
+                const A d = to_acc(tile[r * t.ncols + t.c]) - mu;
                 sd += d;
                 ss += d * d;
             }
-        tile_sum2(sd, ss, t, ncols, ngroup, part, column);
+        tile_sum2(sd, ss, t, part, column);
         const A shift = center ? sd / n : A(0);
         mu += shift;
         const A var = ss / n - shift * shift;
         const A rs = inv_sqrt((var > A(0) ? var : A(0)) + A(eps));
-        if (valid && t.k == 0 && t.c == t.first) {
+        if (t.valid && t.k == 0 && t.c == t.stat_col) {
             const long long s = o * (inner / group) + i / group;
             rstd[s] = rs;
             if (mean) mean[s] = mu;
         }
-        if (y && valid)
-            for (int r = t.k; r < nrows; r += t.lanes) {
+        if (y && t.valid)
+            for (int r = t.k; r < t.nrows; r += t.lanes) {
                 const long long e = base + (long long)r * inner;
                 const long long p = param_at(map, e);
-                y[e] = from_acc<T>((to_acc(tile[r * ncols + t.c]) - mu) * rs * weight_at(w, p) + bias_at(b, p));
+                y[e] = from_acc<T>((to_acc(tile[r * t.ncols + t.c]) - mu) * rs * weight_at(w, p) + bias_at(b, p));
             }
         __syncthreads();  // the tile is refilled for the next o
     }
@@ -234,29 +241,25 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>*
     T* dy_tile = dynamic_shared<T>();
     T* x_tile = dy_tile + reduced * width;
     const IndexMap& map = block_index_map(reduced, inner, group, p_div, p_len);
-    const int nrows = (int)reduced, ncols = (int)width, ngroup = (int)group;  // a tile fits in shared memory
-    const TileThread t = tile_thread(ncols, ngroup);
-    const long long first = (long long)blockIdx.x * width;
-    const long long i = first + t.c;
-    const bool valid = t.active && i < inner;
-    const int valid_cols = inner - first < width ? (int)(inner - first) : ncols;
+    const TilePlace t = tile_place(reduced, inner, group, width);
+    const long long i = t.start + t.c;
     const A n = A(reduced * group);
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
-        const long long tile_base = o * reduced * inner + first;  // element (o, 0, first)
+        const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
         const long long base = tile_base + t.c;
-        load_tile(dy_tile, dy, (const T*)0, (T*)0, tile_base, nrows, inner, t, ncols, valid_cols);
-        load_tile(x_tile, x, (const T*)0, (T*)0, tile_base, nrows, inner, t, ncols, valid_cols);
+        load_tile(dy_tile, dy, (const T*)0, (T*)0, tile_base, inner, t);
+        load_tile(x_tile, x, (const T*)0, (T*)0, tile_base, inner, t);
         __syncthreads();
         A mu = A(0), rs = A(0);
-        if (valid) {
+        if (t.valid) {
             const long long s = o * (inner / group) + i / group;
             mu = center ? mean[s] : A(0);
             rs = rstd[s];
         }
         A sg = A(0), sgx = A(0), sdx = A(0), sd = A(0);
-        if (valid)
-            for (int r = t.k; r < nrows; r += t.lanes) {
-                const int j = r * ncols + t.c;
+        if (t.valid)
+            for (int r = t.k; r < t.nrows; r += t.lanes) {
+                const int j = r * t.ncols + t.c;
                 const A d = to_acc(dy_tile[j]);
                 const A xhat = (to_acc(x_tile[j]) - mu) * rs;
                 const A g = d * weight_at(w, param_at(map, base + (long long)r * inner));
@@ -265,22 +268,23 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>*
                 sdx += d * xhat;
                 sd += d;
             }
-        tile_sum2(sg, sgx, t, ncols, ngroup, part, column);
+        tile_sum2(sg, sgx, t, part, column);
         const A mg = center ? sg / n : A(0);
         const A mgx = sgx / n;
-        if (valid)
-            for (int r = t.k; r < nrows; r += t.lanes) {
-                const int j = r * ncols + t.c;
+        if (t.valid)
+            for (int r = t.k; r < t.nrows; r += t.lanes) {
+                const int j = r * t.ncols + t.c;
                 const long long e = base + (long long)r * inner;
                 const A g = to_acc(dy_tile[j]) * weight_at(w, param_at(map, e));
                 const A xhat = (to_acc(x_tile[j]) - mu) * rs;
                 dx[e] = from_acc<T>(rs * (g - mg - xhat * mgx));
             }
         if (part_w && !param_rows) {  // per column: the column's lanes add up (no group merge)
-            TileThread own = t;
-            own.first = t.c;
-            tile_sum2(sdx, sd, own, ncols, 1, part, column);
-            if (valid && t.k == 0) {
+            TilePlace own = t;
+            own.stat_col = t.c;
+            own.ngroup = 1;
+            tile_sum2(sdx, sd, own, part, column);
+            if (t.valid && t.k == 0) {
                 part_w[o * inner + i] = sdx;
                 if (part_b) part_b[o * inner + i] = sd;
             }
@@ -291,11 +295,11 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>*
             }
             __syncthreads();
             const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-            for (int r = warp; r < nrows; r += TILE_THREADS / 32) {
+            for (int r = warp; r < t.nrows; r += TILE_THREADS / 32) {
                 A rw = A(0), rb = A(0);
-                for (int c = lane; c < valid_cols; c += 32) {
-                    const A d = to_acc(dy_tile[r * ncols + c]);
-                    rw += d * (to_acc(x_tile[r * ncols + c]) - column[c]) * column[TILE_THREADS + c];
+                for (int c = lane; c < t.valid_cols; c += 32) {
+                    const A d = to_acc(dy_tile[r * t.ncols + c]);
+                    rw += d * (to_acc(x_tile[r * t.ncols + c]) - column[c]) * column[TILE_THREADS + c];
                     rb += d;
                 }
                 rw = warp_sum(rw);

@@ -732,28 +732,6 @@ _COL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name,make,chunk", _COL_CASES, ids=[c[0] for c in _COL_CASES])
-def test_cols_forward(kernels, dtype, name, make, chunk):
-    check_forward(kernels, make(), dtype, path="cols", chunk=chunk, residual=dtype != "float64")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name,make,chunk", _COL_CASES, ids=[c[0] for c in _COL_CASES])
-def test_cols_backward(kernels, dtype, name, make, chunk):
-    check_backward(kernels, make(), dtype, path="cols", chunk=chunk)
-
-
-@pytest.mark.parametrize("variant", ["rms", "no_params", "stats_only", "misaligned", "grid_stride",
-                                     "schedule_reverse"])
-def test_cols_variants(kernels, variant):
-    case = group_norm_nhwc(3, 3, 3, 12, 4)
-    check_forward(kernels, case, "float32", path="cols", chunk=4, **_VARIANTS[variant])
-    opts = {k: v for k, v in _VARIANTS[variant].items() if k in ("center", "weight", "offset", "grid",
-                                                                 "schedule")}
-    check_backward(kernels, case, "float32", path="cols", chunk=4, **opts)
-
-
 # ---- columns, one shared-memory tile per block (tiles.cu) ---------------------------------------------
 
 # (name, case, tile width): widths that are multiples of group, leave a partial last tile, cover
@@ -775,16 +753,21 @@ _TILE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name,make,width", _TILE_CASES, ids=[c[0] for c in _TILE_CASES])
-def test_tile_forward(kernels, dtype, name, make, width):
-    check_forward(kernels, make(), dtype, path="tile", items=width, residual=dtype != "float64")
+# Every columns case down both paths: (id, case, launch options).
+_COLUMN_RUNS = ([(f"split-{name}", make, dict(path="cols", chunk=chunk)) for name, make, chunk in _COL_CASES]
+                + [(f"tile-{name}", make, dict(path="tile", items=width)) for name, make, width in _TILE_CASES])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name,make,width", _TILE_CASES, ids=[c[0] for c in _TILE_CASES])
-def test_tile_backward(kernels, dtype, name, make, width):
-    check_backward(kernels, make(), dtype, path="tile", items=width)
+@pytest.mark.parametrize("name,make,path", _COLUMN_RUNS, ids=[c[0] for c in _COLUMN_RUNS])
+def test_columns_forward(kernels, dtype, name, make, path):
+    check_forward(kernels, make(), dtype, **path, residual=dtype != "float64")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,path", _COLUMN_RUNS, ids=[c[0] for c in _COLUMN_RUNS])
+def test_columns_backward(kernels, dtype, name, make, path):
+    check_backward(kernels, make(), dtype, **path)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -825,12 +808,15 @@ def test_tile_param_grads(kernels, dtype, name, make, width, with_bias):
 
 @pytest.mark.parametrize("variant", ["rms", "no_params", "stats_only", "misaligned", "grid_stride",
                                      "schedule_reverse", "schedule_random"])
-def test_tile_variants(kernels, variant):
+@pytest.mark.parametrize("path", [dict(path="cols", chunk=4), dict(path="tile", items=6)],
+                         ids=["split", "tile"])
+def test_columns_variants(kernels, path, variant):
+    """Both columns paths (cols.cu + finish.cu, tiles.cu) on group norm NHWC, group 3."""
     case = group_norm_nhwc(3, 3, 3, 12, 4)
-    check_forward(kernels, case, "float32", path="tile", items=6, **_VARIANTS[variant])
+    check_forward(kernels, case, "float32", **path, **_VARIANTS[variant])
     opts = {k: v for k, v in _VARIANTS[variant].items() if k in ("center", "weight", "offset", "grid",
                                                                  "schedule")}
-    check_backward(kernels, case, "float32", path="tile", items=6, **opts)
+    check_backward(kernels, case, "float32", **path, **opts)
 
 
 # ---- dweight / dbias ---------------------------------------------------------------------------------
