@@ -25,7 +25,9 @@ layouts) let CI smoke-test this script without a GPU (tests/test_gpu_report_smok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib
 import gc
 import json
 import math
@@ -549,6 +551,7 @@ class Case:
     dtype: str
     direction: str        # "fwd" | "bwd"
     lib: str = "torch"    # the library of anynorm's input
+    tile_caps: tuple | None = None  # anynorm's shared-memory tile budgets for this case (None: as shipped)
 
     @property
     def bytes_moved(self):
@@ -569,15 +572,16 @@ def run_timed_case(env, case):
     """Build, check against torch, time; the row for the JSON and the table."""
     row = new_row(case)
     try:
-        bench = (forward_bench(env, case.work, case.dtype, case.lib) if case.direction == "fwd"
-                 else backward_bench(env, case.work, case.dtype))
-        try:
-            row["errors"] = bench.check()
-            row["max_err"] = row["errors"]["y" if case.direction == "fwd" else "dx"]["max_abs"]
-            row["check_ok"] = check_ok(row["errors"], case.dtype)
-        except PeerError as exc:
-            row["check_error"] = f"no torch reference: {exc}"
-        row["times"], row["variant_errors"] = time_variants(env, bench.variants)
+        with tile_caps(env, case.tile_caps):
+            bench = (forward_bench(env, case.work, case.dtype, case.lib) if case.direction == "fwd"
+                     else backward_bench(env, case.work, case.dtype))
+            try:
+                row["errors"] = bench.check()
+                row["max_err"] = row["errors"]["y" if case.direction == "fwd" else "dx"]["max_abs"]
+                row["check_ok"] = check_ok(row["errors"], case.dtype)
+            except PeerError as exc:
+                row["check_error"] = f"no torch reference: {exc}"
+            row["times"], row["variant_errors"] = time_variants(env, bench.variants)
         if "ours" in row["variant_errors"]:
             row["error"] = row["variant_errors"]["ours"]
     except Exception as exc:
@@ -587,6 +591,22 @@ def run_timed_case(env, case):
     release_memory(env, failed=bool(row["error"] or row["variant_errors"]))
     add_derived(row, case)
     return row
+
+
+@contextlib.contextmanager
+def tile_caps(env, caps):
+    """anynorm's shared-memory tile budgets (``_launch._TILE_SMEM_CAPS``) set to ``caps`` for
+    the block, on CUDA; ``None`` leaves them as shipped."""
+    if caps is None or env.device != "cuda":
+        yield
+        return
+    launch = importlib.import_module("anynorm._cuda._launch")
+    shipped = launch._TILE_SMEM_CAPS
+    launch._TILE_SMEM_CAPS = caps
+    try:
+        yield
+    finally:
+        launch._TILE_SMEM_CAPS = shipped
 
 
 def add_derived(row, case):
@@ -642,6 +662,15 @@ def strided_cases(env):
         for work in workloads:
             for dtype in ("bfloat16", "float32"):
                 yield Case("strided", work, dtype, direction)
+    if env.device == "cuda":
+        # The same channels-last cases with tiles of at most 64 KiB: where the shipped launcher
+        # takes a larger tile, this row is its alternative (the split path), timed in this process.
+        capped = [dataclasses.replace(work, name=f"{work.name} [tiles <= 64 KiB]")
+                  for work in workloads if "NHWC" in work.name]
+        for direction in ("fwd", "bwd"):
+            for work in capped:
+                for dtype in ("bfloat16", "float32"):
+                    yield Case("strided", work, dtype, direction, tile_caps=(64 * 1024,))
 
 
 # --------------------------------------------------------------------------- overhead

@@ -875,7 +875,7 @@ def _load_launch(kernels):
 
     launch.get_kernel = get_kernel
     launch._target_blocks = lambda: 6  # a small "device", so long extents really split
-    launch._tile_budget = lambda dtype: 8 * 1024  # columns take tiles of a few columns
+    launch._tile_budgets = lambda dtype: (8 * 1024,)  # columns take tiles of a few columns
     return launch
 
 

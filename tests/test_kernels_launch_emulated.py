@@ -91,7 +91,7 @@ def emulated(monkeypatch):
                         lambda k, dtype, items=None: _module(dtype).get_function(
                             _compile.name_expression(k, dtype, items)))
     monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
-    monkeypatch.setattr(_launch, "_tile_budget", lambda dtype: TILE_BUDGET)
+    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
     monkeypatch.setattr(_launch, "_buffers", types.SimpleNamespace(
         element_strides=lambda a: a.elem_strides, input_buffer=lambda p, l, a: a,
         output_buffer=lambda p, l, a: a, store=lambda p, l, b, o: None))
@@ -107,7 +107,7 @@ def emulated_torch(monkeypatch):
                         lambda k, dtype, items=None: _module(dtype).get_function(
                             _compile.name_expression(k, dtype, items)))
     monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
-    monkeypatch.setattr(_launch, "_tile_budget", lambda dtype: TILE_BUDGET)
+    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
     from anynorm._cuda import _interop
 
     def as_ref(d, shape=None, order=None):
@@ -263,7 +263,7 @@ def test_launch_fused_residual(emulated, dtype, shape, offset):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_launch_columns_split_path(emulated, monkeypatch, dtype):
     """Columns through cols.cu + finish.cu, as when no tile fits in shared memory."""
-    monkeypatch.setattr(_launch, "_tile_budget", lambda dtype: 0)
+    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (0,))
     names = _record_launches(monkeypatch)
     _check("layer_norm", (3, 70, 33), {"axis": 1}, dtype)
     _check("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}, dtype, residual=False)
@@ -275,13 +275,32 @@ def test_launch_columns_split_path(emulated, monkeypatch, dtype):
 def test_launch_tile_past_default_shared_memory(emulated, monkeypatch):
     """A 62.5 KiB tile: the kernel is opted in before the launch (the emulator, like a GPU,
     refuses more than 48 KiB of dynamic shared memory otherwise)."""
-    monkeypatch.setattr(_launch, "_tile_budget", lambda dtype: 64 * 1024)
+    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (64 * 1024,))
     monkeypatch.setattr(_launch, "_smem_allowed", {})
     names = _record_launches(monkeypatch)
     _check("layer_norm", (2, 1000, 4, 4), {"axis": 1}, "float32")
     assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names
     assert not {"cols_stats_partial", "cols_grad_partial", "param_grad_rows", "param_grad_cols"} & names
     assert max(_launch._smem_allowed.values()) == 1000 * 16 * 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
+    """A reduced axis too long for the first budget takes a tile of the second (the device's
+    whole opt-in limit on a GPU) when that gives a block per SM, else the split path."""
+    # 600 rows of one 32-byte sector: 19 KiB a tile, past the first budget
+    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (6 * 1024, 80 * 1024))
+    names = _record_launches(monkeypatch)
+    _check("instance_norm", (4, 30, 20, 16), {"channel_axis": -1}, dtype)
+    assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names
+    assert not {"cols_stats_partial", "cols_grad_partial"} & names
+
+    # a "device" of 16 SMs: 4 samples x 2 tiles (1 for bfloat16) are too few blocks
+    monkeypatch.setattr(_launch, "_target_blocks", lambda: 16 * _launch._BLOCKS_PER_SM)
+    names.clear()
+    _check("instance_norm", (4, 30, 20, 16), {"channel_axis": -1}, dtype)
+    assert {"cols_stats_partial", "cols_grad_partial"} <= names
+    assert not {"cols_fwd_tile", "cols_bwd_tile"} & names
 
 
 def _record_launches(monkeypatch):

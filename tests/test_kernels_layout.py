@@ -218,3 +218,32 @@ def test_tile_width_examples(shape, dtype_size, copies, want):
     outer, reduced, inner = shape
     got = _launch.tile_width(outer, reduced, inner, 1, dtype_size, copies, 64 * 1024, 4 * 132)
     assert got == want
+
+
+@pytest.mark.parametrize("shape, dtype, copies, want", [
+    # NHWC instance norm 32 x 56 x 56 x 64: no 64 KiB tile holds 3136 rows of a sector, a
+    # 98 KiB one does (256 blocks: 2 per H100 SM); the backward's two tiles take 196 KiB
+    ((32, 3136, 64), "float32", 1, (8, 256, 3136 * 8 * 4)),
+    ((32, 3136, 64), "float32", 2, (8, 256, 2 * 3136 * 8 * 4)),
+    # bfloat16: a sector is 16 columns, 4 tiles x 32 samples = 128 blocks < 132 SMs: split
+    ((32, 3136, 64), "bfloat16", 1, None),
+    ((32, 784, 256), "float32", 1, (8, 1024, 784 * 8 * 4)),  # the first tier holds it
+    ((64, 768, 49), "float32", 2, (8, 448, 2 * 768 * 8 * 4)),  # ConvNeXt stage 4 backward
+    ((64, 70000, 3), "float32", 1, None),  # longer than any tile
+])
+def test_tile_tiers_on_h100(monkeypatch, shape, dtype, copies, want):
+    """``_tile`` with an H100's budgets: 64 KiB first, then its 227 KiB opt-in limit."""
+    optin = 232448
+    monkeypatch.setattr(_launch, "_tile_budgets", lambda d: tuple(
+        min(cap or optin, optin - _launch._tile_static_smem(d)) for cap in _launch._TILE_SMEM_CAPS))
+    monkeypatch.setattr(_launch, "_target_blocks", lambda: _launch._BLOCKS_PER_SM * 132)
+    outer, reduced, inner = shape
+    layout = _layout.Layout(order=(0, 1, 2), copy=False, outer=outer, reduced=reduced, inner=inner,
+                            group=1, p_div=1, p_len=inner)
+    got = _launch._tile(layout, dtype, copies)
+    if want is None:
+        assert got is None
+    else:
+        width, blocks, smem = want
+        assert got == (width, (-(-inner // width), min(outer, 65535)), smem)
+        assert outer * got[1][0] == blocks

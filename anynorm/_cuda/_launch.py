@@ -31,8 +31,14 @@ _REGISTER_MAX = {"rows_fwd": _ROW_BLOCK * BLOCK_ITEMS[-1], "rows_bwd": _ROW_BLOC
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
 _VECTOR = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}  # elements per 16 bytes
 _MAX_X = 2**31 - 1
+_BLOCKS_PER_SM = 4  # what a launch aims for (_target_blocks)
 _TILE_THREADS = 256  # tiles.cu's block
-_TILE_SMEM_CAP = 64 * 1024  # dynamic shared memory per tile block: 3 blocks per H100 SM
+# Dynamic shared memory per tile block, tried in turn (None: the device's opt-in limit).
+# 64 KiB keeps 3 blocks on an H100 SM. Past that a tile of up to the whole opt-in limit
+# (227 KiB on H100, 163 KiB on A100; 1-2 blocks per SM) still reads x once where the split
+# path reads it twice; it is taken when it gives at least a block per SM (with fewer, the
+# split path, which also cuts the reduced axis, spreads the work wider).
+_TILE_SMEM_CAPS = (64 * 1024, None)
 _DEFAULT_SMEM = 48 * 1024  # static + dynamic shared memory a block gets without opting in
 _SECTOR = 32  # bytes: a tile row narrower than one DRAM sector wastes bandwidth
 
@@ -56,7 +62,7 @@ def _sm_count(device_id: int) -> int:
 
 def _target_blocks() -> int:
     """Enough blocks to fill the device a few times over."""
-    return 4 * _sm_count(cupy.cuda.Device().id)
+    return _BLOCKS_PER_SM * _sm_count(cupy.cuda.Device().id)
 
 
 def _ceil(a, b):
@@ -113,9 +119,11 @@ def _tile_static_smem(dtype) -> int:
 _MAX_STATIC_SMEM = _tile_static_smem("float64")
 
 
-def _tile_budget(dtype) -> int:
-    """Dynamic shared memory one tile block may take on the current device."""
-    return min(_TILE_SMEM_CAP, _smem_optin(cupy.cuda.Device().id) - _tile_static_smem(dtype))
+def _tile_budgets(dtype) -> tuple:
+    """Dynamic shared memory one tile block may take on the current device, per tier of
+    ``_TILE_SMEM_CAPS``."""
+    limit = _smem_optin(cupy.cuda.Device().id) - _tile_static_smem(dtype)
+    return tuple(limit if cap is None else min(cap, limit) for cap in _TILE_SMEM_CAPS)
 
 
 def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
@@ -137,15 +145,24 @@ def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
 
 
 def _tile(layout, dtype, copies):
-    """(width, grid, dynamic smem bytes) of the tile kernels, or None when no tile fits."""
+    """(width, grid, dynamic smem bytes) of the tile kernels, or None when no tile fits:
+    the first budget of ``_tile_budgets`` that holds one wins, a later one only with at
+    least a block per SM."""
     if layout.rows:
         return None
     itemsize = 16 // _VECTOR[dtype]
-    width = tile_width(layout.outer, layout.reduced, layout.inner, layout.group, itemsize, copies,
-                       _tile_budget(dtype), _target_blocks())
-    if width is None:
+    target = _target_blocks()
+    for tier, budget in enumerate(_tile_budgets(dtype)):
+        width = tile_width(layout.outer, layout.reduced, layout.inner, layout.group, itemsize, copies,
+                           budget, target)
+        if width is not None:
+            break
+    else:
         return None
-    grid = (_ceil(layout.inner, width), min(layout.outer, _MAX_Y))
+    tiles = _ceil(layout.inner, width)
+    if tier and layout.outer * tiles < target // _BLOCKS_PER_SM:
+        return None
+    grid = (tiles, min(layout.outer, _MAX_Y))
     return width, grid, copies * layout.reduced * width * itemsize
 
 

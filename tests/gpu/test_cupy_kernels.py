@@ -39,6 +39,8 @@ CASES = [
     ("instance_norm", (4, 6, 8, 9), {"channel_axis": 1}),  # NCHW: rows, param per row
     ("instance_norm", (4, 8, 9, 6), {"channel_axis": -1}),  # NHWC: columns
     ("instance_norm", (2, 300, 300, 4), {"channel_axis": -1}),
+    # NHWC, 3136 positions: no 64 KiB tile; on an H100 float32/float64 take 98 KiB ones, halves split
+    ("instance_norm", (32, 56, 56, 64), {"channel_axis": -1}),
     ("instance_norm", (70001, 2, 5), {"channel_axis": 1}),
     ("instance_norm", (2, 3, 70000), {"channel_axis": 1}),
     ("group_norm", (4, 6, 8, 9), {"channel_axis": 1, "num_groups": 3}),
@@ -125,13 +127,14 @@ def test_backward_matches_reference(cp, case, dtype, with_stats):
 # Columns layouts small enough for a shared-memory tile (tiles.cu), run again with the tile
 # budget set to nothing (cols.cu + finish.cu) and to the device's opt-in maximum with the
 # widest tiles (past the default 48 KiB: 2 x 768 x 7 x 7 in float32 puts all 49 columns,
-# 147 KiB, in one tile).
+# 147 KiB, in one tile; 1600 rows of 16 columns take 100 KiB forward, 200 KiB backward).
 TILE_CASES = [
     ("layer_norm", (2, 768, 7, 7), {"axis": 1}),  # ConvNeXt's last stage, channels-first
     ("layer_norm", (3, 96, 20, 20), {"axis": 1}),
     ("rms_norm", (4, 6, 8, 9), {"axis": 1}),
     ("instance_norm", (4, 8, 9, 6), {"channel_axis": -1}),
     ("group_norm", (2, 7, 7, 96), {"channel_axis": -1, "num_groups": 32}),  # group 3
+    ("instance_norm", (2, 40, 40, 16), {"channel_axis": -1}),  # 1600 rows: tiles of 100-200 KiB
 ]
 
 
@@ -141,7 +144,7 @@ TILE_CASES = [
 def test_columns_paths(cp, monkeypatch, case, dtype, cap):
     from anynorm._cuda import _launch
 
-    monkeypatch.setattr(_launch, "_TILE_SMEM_CAP", cap)
+    monkeypatch.setattr(_launch, "_TILE_SMEM_CAPS", (cap,))
     monkeypatch.setattr(_launch, "_target_blocks", lambda: 1)  # widest tile that fits
     op, shape, kw = case
     x = _data(cp, shape, dtype)
