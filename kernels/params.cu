@@ -83,20 +83,39 @@ __global__ void param_grad_rows(const T* __restrict__ dy, const T* __restrict__ 
     }
 }
 
-// dweight[p] = sum_c part_w[c * p_len + p] (dbias likewise); one thread per p.
+// dweight[p] = sum_c part_w[c * p_len + p] (dbias likewise). Block (32, FINISH_LANES): the
+// block's 32 consecutive p, each summed by FINISH_LANES threads over every FINISH_LANES-th
+// chunk (loads of many chunks in flight), then added up in shared memory in a fixed order.
+// Grid-stride over groups of 32 p.
+#define FINISH_LANES 16
 template <typename T>
 __global__ void param_grad_finish(const acc_t<T>* __restrict__ part_w, const acc_t<T>* __restrict__ part_b,
                                   acc_t<T>* __restrict__ dweight, acc_t<T>* __restrict__ dbias,
                                   long long p_len, long long nchunk) {
     typedef acc_t<T> A;
-    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < p_len;
-         p += (long long)gridDim.x * blockDim.x) {
+    __shared__ A sw[FINISH_LANES][33], sb[FINISH_LANES][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    for (long long p0 = (long long)blockIdx.x * 32; p0 < p_len; p0 += (long long)gridDim.x * 32) {
+        const long long p = p0 + tx;
         A dw = A(0), db = A(0);
-        for (long long c = 0; c < nchunk; ++c) {
-            dw += part_w[c * p_len + p];
-            if (part_b) db += part_b[c * p_len + p];
+        if (p < p_len) {
+#pragma unroll 4
+            for (long long c = ty; c < nchunk; c += FINISH_LANES) {
+                dw += part_w[c * p_len + p];
+                if (part_b) db += part_b[c * p_len + p];
+            }
         }
-        dweight[p] = dw;
-        if (dbias) dbias[p] = db;
+        sw[ty][tx] = dw;
+        sb[ty][tx] = db;
+        __syncthreads();
+        if (ty == 0 && p < p_len) {
+            for (int q = 1; q < FINISH_LANES; ++q) {
+                dw += sw[q][tx];
+                db += sb[q][tx];
+            }
+            dweight[p] = dw;
+            if (dbias) dbias[p] = db;
+        }
+        __syncthreads();
     }
 }

@@ -185,13 +185,17 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
 }
 
 // One row of the backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w.
-template <typename T, int ITEMS, typename Team>
+// With PARAMS (plain rows only: p = position in the row), also adds dy * xhat and dy at the
+// thread's items to pw/pb: a thread meets the same positions in every row its team runs.
+// `vec`: the row runs on 16-byte vectors (the same for every row of a launch).
+template <typename T, int ITEMS, typename Team, bool PARAMS>
 __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* __restrict__ x,
                                              const acc_t<T>* __restrict__ w,
                                              const acc_t<T>* __restrict__ mean,
                                              const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
                                              long long row, int count, const IndexMap& map,
-                                             bool plain, int center, acc_t<T>* smem) {
+                                             bool plain, bool vec, int center, acc_t<T>* smem,
+                                             acc_t<T> (&pw)[ITEMS], acc_t<T> (&pb)[ITEMS]) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const int rank = Team::rank();
@@ -199,8 +203,6 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     x += base;
     dy += base;
     dx += base;
-    const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x) && aligned16(dy) &&
-                     aligned16(dx);
     const A mu = center ? mean[row] : A(0);
     const A r = rstd[row];
     A g[ITEMS], xh[ITEMS];
@@ -212,6 +214,10 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
         const int idx = team_item<V, Team::SIZE>(k, rank, vec);
         if (idx < count) {
             xh[k] = (xh[k] - mu) * r;
+            if (PARAMS) {  // g is still dy here
+                pw[k] += g[k] * xh[k];
+                pb[k] += g[k];
+            }
             g[k] *= weight_at(w, row_param(base, idx, plain, map));
             sg += g[k];
             sgx += g[k] * xh[k];
@@ -224,6 +230,70 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) g[k] = r * (g[k] - mg - xh[k] * mgx);
     store_row<T, ITEMS, Team::SIZE>(dx, g, count, rank, vec);
+}
+
+// Write the block's sums pw/pb to part_*[blockIdx.x * count + idx] (part_b nullable). Warp
+// teams (several per block, each over the same positions) add up in turn through `sums`
+// (2 * 32 * ITEMS values of A); a block team's threads own disjoint positions. Every thread
+// of the block must call it.
+template <typename T, int ITEMS, typename Team>
+__device__ __forceinline__ void store_param_sums(acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
+                                                 acc_t<T> (&pw)[ITEMS], acc_t<T> (&pb)[ITEMS], int count,
+                                                 bool vec, acc_t<T>* sums) {
+    const int V = VecLen<T>::value;
+    const int rank = Team::rank();
+    const long long base = (long long)blockIdx.x * count;
+    const int teams = blockDim.x / Team::SIZE, team = threadIdx.x / Team::SIZE;
+    for (int q = 0; q < teams; ++q) {
+        if (team == q) {
+            ANYNORM_UNROLL
+            for (int k = 0; k < ITEMS; ++k) {
+                const int idx = team_item<V, Team::SIZE>(k, rank, vec);
+                if (idx < count) {
+                    if (q > 0) {
+                        pw[k] += sums[idx];
+                        pb[k] += sums[count + idx];
+                    }
+                    if (q + 1 < teams) {
+                        sums[idx] = pw[k];
+                        sums[count + idx] = pb[k];
+                    } else {
+                        part_w[base + idx] = pw[k];
+                        if (part_b) part_b[base + idx] = pb[k];
+                    }
+                }
+            }
+        }
+        if (teams > 1) __syncthreads();
+    }
+}
+
+// The row loop of every backward row kernel. With PARAMS (p_div == 1, p_len == count), the
+// block also writes its dweight/dbias partial sums (store_param_sums; nchunk = gridDim.x).
+template <typename T, int ITEMS, typename Team, bool PARAMS>
+__device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T* __restrict__ x,
+                                              const acc_t<T>* __restrict__ w,
+                                              const acc_t<T>* __restrict__ mean,
+                                              const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+                                              acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
+                                              long long rows, int count, long long p_div, long long p_len,
+                                              int center, acc_t<T>* smem, acc_t<T>* sums) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    const bool plain = (p_div == 1 && p_len == count);
+    // rows are `count` elements apart: when count is whole vectors, every row is aligned as the first
+    const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x) && aligned16(dy) &&
+                     aligned16(dx);
+    A pw[ITEMS], pb[ITEMS];
+    if (PARAMS) {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) pw[k] = pb[k] = A(0);
+    }
+    for (long long row = Team::first_row(); row < rows; row += Team::row_stride())
+        backward_row<T, ITEMS, Team, PARAMS>(dy, x, w, mean, rstd, dx, row, count, map, plain, vec,
+                                             center, smem, pw, pb);
+    if (PARAMS) store_param_sums<T, ITEMS, Team>(part_w, part_b, pw, pb, count, vec, sums);
 }
 
 // Short rows: one warp per row, several warps per block, grid-stride over rows.
@@ -245,11 +315,22 @@ __global__ void rows_bwd_warp(
         const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         long long rows, long long count, long long p_div, long long p_len, int center) {
-    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
-    const bool plain = (p_div == 1 && p_len == count);
-    for (long long row = WarpTeam::first_row(); row < rows; row += WarpTeam::row_stride())
-        backward_row<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, row, (int)count, map, plain,
-                                         center, (acc_t<T>*)0);
+    backward_rows<T, ITEMS, WarpTeam, false>(dy, x, w, mean, rstd, dx, (acc_t<T>*)0, (acc_t<T>*)0, rows,
+                                             (int)count, p_div, p_len, center, (acc_t<T>*)0,
+                                             (acc_t<T>*)0);
+}
+
+// Plain rows (layer/RMS norm over trailing axes) with dweight/dbias partial sums on the way:
+// part_w/part_b[blockIdx.x * count + p] (part_b nullable), for param_grad_finish.
+template <typename T, int ITEMS>
+__global__ void rows_bwd_warp_params(
+        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
+        int center) {
+    __shared__ acc_t<T> sums[2 * 32 * ITEMS];
+    backward_rows<T, ITEMS, WarpTeam, true>(dy, x, w, mean, rstd, dx, part_w, part_b, rows, (int)count,
+                                            1, count, center, (acc_t<T>*)0, sums);
 }
 
 // Medium rows: one block of ROW_BLOCK threads per row, grid-stride over rows. The launch
@@ -275,11 +356,20 @@ __global__ void rows_bwd_block(
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         long long rows, long long count, long long p_div, long long p_len, int center) {
     __shared__ acc_t<T> smem[64];
-    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
-    const bool plain = (p_div == 1 && p_len == count);
-    for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
-        backward_row<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, row, (int)count, map, plain,
-                                          center, smem);
+    backward_rows<T, ITEMS, BlockTeam, false>(dy, x, w, mean, rstd, dx, (acc_t<T>*)0, (acc_t<T>*)0, rows,
+                                              (int)count, p_div, p_len, center, smem, (acc_t<T>*)0);
+}
+
+// As rows_bwd_warp_params, one block per row.
+template <typename T, int ITEMS>
+__global__ void rows_bwd_block_params(
+        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
+        int center) {
+    __shared__ acc_t<T> smem[64];
+    backward_rows<T, ITEMS, BlockTeam, true>(dy, x, w, mean, rstd, dx, part_w, part_b, rows, (int)count,
+                                             1, count, center, smem, (acc_t<T>*)0);
 }
 // Welford state of row[c*chunk : (c+1)*chunk] for block (c, row); h = x + res written once.
 template <typename T>

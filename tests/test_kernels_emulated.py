@@ -219,6 +219,7 @@ def test_selftest_bad_launch_is_caught(selftest):
 BUILD_ITEMS = {"float32": (1, 2, 4, 8, 16, 32, 64), "float64": (1, 2, 8, 16), "float16": (1, 8, 16),
                "bfloat16": (2, 8, 64)}
 ROWS_BLOCK, BLOCK, ROW_BLOCK = 128, 256, 256
+FINISH_BLOCK = (32, 16)  # param_grad_finish
 
 
 def _private_cuda(module: str):
@@ -256,7 +257,7 @@ _compile = _private_cuda("_compile")  # the executor's list of kernels and insta
 
 def items_built(kernel, dtype):
     """The ITEMS values of ``kernel`` built for ``dtype`` (empty: no ITEMS parameter)."""
-    items = _compile.items_of(kernel)
+    items = _compile.items_of(kernel, dtype)
     return tuple(k for k in items if k in BUILD_ITEMS[dtype]) or items[:1]
 
 
@@ -543,7 +544,7 @@ def run_param_grads(kernels, case, dtype, dy, x, mean, rstd, *, center=1, with_b
                                           (dyd, xd, md, rd, part_w, part_b, a_len, p_len, b_len, *geometry,
                                            chunk, center), **launch)
     dw, db = emu.empty(p_len, A), (emu.empty(p_len, A) if with_bias else None)
-    kernels("param_grad_finish", dtype)((min(_ceil(p_len, BLOCK), 65535),), (BLOCK,),
+    kernels("param_grad_finish", dtype)((min(_ceil(p_len, 32), 65535),), FINISH_BLOCK,
                                         (part_w, part_b, dw, db, p_len, nchunk), **launch)
     return dw.get_float(), (db.get_float() if with_bias else None)
 
@@ -688,6 +689,57 @@ def test_rows_block_param_stride(kernels, dtype):
     check_backward(kernels, case, dtype, path="block", items=items)
 
 
+# ---- rows with dweight/dbias summed on the way (rows_bwd_{warp,block}_params) ---------------------
+
+def run_row_param_grads(kernels, case, dtype, dy, x, w, mean, rstd, *, path, items, grid, center=1,
+                        with_bias=True, offset=0, schedule=None):
+    """The fused row backward (dx, and per-block partial dweight/dbias), then param_grad_finish;
+    returns float64 (dx, dweight, dbias)."""
+    A = ACC[dtype]
+    dyd, xd = emu.to_device(dy.reshape(-1), dtype, offset), emu.to_device(x.reshape(-1), dtype, offset)
+    dxd = emu.empty(case.total, dtype, offset)
+    parts = [_acc_buf(grid * case.reduced, dtype) for _ in range(2)]
+    part_b = parts[1] if with_bias else None
+    kernels(f"rows_bwd_{path}_params", dtype, items)(
+        (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
+        (dyd, xd, emu.to_device(w, A), emu.to_device(mean, A) if center else None, emu.to_device(rstd, A), dxd,
+         parts[0], part_b, case.outer, case.reduced, center), schedule=schedule)
+    dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
+    kernels("param_grad_finish", dtype)((min(_ceil(case.p_len, 32), 65535),), FINISH_BLOCK,
+                                        (parts[0], part_b, dw, db, case.p_len, grid), schedule=schedule)
+    return dxd.get_float(), dw.get_float(), (db.get_float() if with_bias else None)
+
+
+# (path, dtype, rows, count, grid): rows dealt to fewer teams than rows (several rows per
+# team, teams with none), odd and vector-wide counts, one team per block and four per block.
+_FUSED_ROWS = [("warp", "float32", 9, 1000, 1), ("warp", "float32", 37, 33, 3), ("warp", "float64", 11, 64, 2),
+               ("warp", "float16", 13, 257, 2), ("warp", "bfloat16", 6, 64, 4), ("warp", "float32", 3, 1, 2),
+               ("block", "float32", 5, 2049, 2), ("block", "float16", 7, 1024, 3), ("block", "float64", 4, 3001, 3),
+               ("block", "bfloat16", 3, 2048, 1)]
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(center=0), dict(with_bias=False), dict(offset=1),
+                                     dict(schedule=1)], ids=["ln", "rms", "no_bias", "misaligned", "reverse"])
+@pytest.mark.parametrize("path,dtype,rows,count,grid", _FUSED_ROWS)
+def test_rows_backward_with_param_grads(kernels, path, dtype, rows, count, grid, variant):
+    """dx as rows_bwd_* gives it, and dweight/dbias from the per-block sums of the same pass."""
+    case = layer_norm_rows(rows, count)
+    center = variant.get("center", 1)
+    items = _items(dtype, count, f"rows_bwd_{path}_params", 32 if path == "warp" else ROW_BLOCK)
+    x, w, _ = _data(case, dtype, 5)
+    dy = np.random.default_rng(6).standard_normal(case.shape)
+    xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
+    _, mean, rstd = ref_forward(case, xr, None, None, center, 1e-5)
+    dx, dw, db = run_row_param_grads(kernels, case, dtype, dy, x, w, mean.astype(ACC[dtype]),
+                                     rstd.astype(ACC[dtype]), path=path, items=items, grid=grid, **variant)
+    dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, w, center, 1e-5)
+    _close(dx.reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
+           scale=max(1.0, float(np.abs(dx_ref).max())))
+    _close(dw, dw_ref, STAT_TOL[dtype] * 4, f"dweight of {case} {dtype}", scale=max(1.0, rows))
+    if variant.get("with_bias", True) and center:
+        _close(db, db_ref, STAT_TOL[dtype] * 4, f"dbias of {case} {dtype}", scale=max(1.0, rows))
+
+
 # ---- rows, split into chunks (long rows) -----------------------------------------------------------
 
 # (dtype, count, chunk): several chunks per row, chunk starts off the 16-byte grid, a short tail.
@@ -796,7 +848,7 @@ def test_tile_param_grads(kernels, dtype, name, make, width, with_bias):
                                      case.reduced, case.inner, case.group, width, case.p_div, case.p_len,
                                      param_rows, 1), shared_mem=_tile_bytes(case, dtype, width, 2))
     dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
-    kernels("param_grad_finish", dtype)((1,), (BLOCK,), (parts[0], part_b, dw, db, case.p_len, nchunk))
+    kernels("param_grad_finish", dtype)((1,), FINISH_BLOCK, (parts[0], part_b, dw, db, case.p_len, nchunk))
     dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, w, 1, 1e-5)
     _close(dxd.get_float().reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
            scale=max(1.0, float(np.abs(dx_ref).max())))

@@ -303,6 +303,27 @@ def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
     assert not {"cols_fwd_tile", "cols_bwd_tile"} & names
 
 
+@pytest.mark.parametrize("dtype, shape, fused", [
+    ("float32", (70, 100), "rows_bwd_warp_params"),  # 70 rows: 2 blocks of 4 warps (16 rows a warp)
+    ("bfloat16", (40, 3000), "rows_bwd_block_params"),
+    ("float64", (6, 1000), None),  # float64 at ITEMS=32 would spill: the plain kernel, then params.cu
+])
+def test_launch_row_backward_sums_params_on_the_way(emulated, monkeypatch, dtype, shape, fused):
+    """Layer/RMS norm rows: the row backward writes dweight/dbias partial sums itself, so dy and
+    x are not read again; rows whose parameter index is not the position (NCHW) do not."""
+    names = _record_launches(monkeypatch)
+    _check("layer_norm", shape, {}, dtype)
+    _check("rms_norm", shape, {"axis": -1, "eps": 1e-6}, dtype)
+    if fused:
+        assert fused in names and "param_grad_finish" in names
+        assert not {"param_grad_cols", "param_grad_rows"} & names
+    else:
+        assert "param_grad_cols" in names and not {n for n in names if n.endswith("_params")}
+    names.clear()
+    _check("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, dtype)  # p = channel of the row
+    assert "param_grad_rows" in names and not {n for n in names if n.endswith("_params")}
+
+
 def _record_launches(monkeypatch):
     """The set of kernel names the launcher fetches from now on."""
     names, fetch = set(), _launch.get_kernel

@@ -28,14 +28,19 @@ BLOCK_ITEMS = (8, 16, 32, 64)
 BLOCK_ITEMS_BACKWARD = (8, 16, 32)
 KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block",
-                "rows_stats_partial", "rows_grad_partial"),
+                "rows_bwd_warp_params", "rows_bwd_block_params", "rows_stats_partial",
+                "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial"),
     "tiles.cu": ("cols_fwd_tile", "cols_bwd_tile"),
     "finish.cu": ("stats_finalize", "grad_finalize", "apply_fwd", "apply_bwd"),
     "params.cu": ("param_grad_cols", "param_grad_rows", "param_grad_finish"),
 }
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
-          "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS_BACKWARD}
+          "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS_BACKWARD,
+          "rows_bwd_warp_params": WARP_ITEMS, "rows_bwd_block_params": BLOCK_ITEMS_BACKWARD}
+# Sizes that would spill registers in one dtype (ptxas): the fused-parameter backward holds
+# two more sums per item, too many doubles at ITEMS=32; those rows take the plain kernel.
+_ITEMS_MAX = {("rows_bwd_warp_params", "float64"): 16, ("rows_bwd_block_params", "float64"): 16}
 _FILE_OF = {kernel: file for file, kernels in KERNELS.items() for kernel in kernels}
 # Our own NVRTC options; CuPy adds its include paths, -std=c++17, -ftz=true and -arch.
 OPTIONS = ("-DANYNORM_NVRTC=1",)
@@ -43,16 +48,19 @@ OPTIONS = ("-DANYNORM_NVRTC=1",)
 assert set(KERNELS) == set(SOURCE_FILES)
 
 
-def items_of(kernel: str) -> tuple:
-    """The ITEMS values a kernel is instantiated for (empty: no ITEMS parameter)."""
-    return _ITEMS.get(kernel, ())
+def items_of(kernel: str, dtype: str | None = None) -> tuple:
+    """The ITEMS values a kernel is instantiated for (for ``dtype``, or its largest list when
+    None; empty: no ITEMS parameter)."""
+    items = _ITEMS.get(kernel, ())
+    limit = _ITEMS_MAX.get((kernel, dtype))
+    return items if limit is None else tuple(k for k in items if k <= limit)
 
 
 def name_expression(kernel: str, dtype: str, items: int | None = None) -> str:
     """``"rows_fwd_warp<float, 4>"``: the C++ name of one instantiation."""
     ctype = CTYPES[dtype]
     if kernel in _ITEMS:
-        assert items in _ITEMS[kernel], (kernel, items)
+        assert items in items_of(kernel, dtype), (kernel, dtype, items)
         return f"{kernel}<{ctype}, {items}>"
     return f"{kernel}<{ctype}>"
 
@@ -62,7 +70,7 @@ def name_expressions(file: str, dtype: str) -> tuple:
     out = []
     for kernel in KERNELS[file]:
         if kernel in _ITEMS:
-            out += [name_expression(kernel, dtype, items) for items in _ITEMS[kernel]]
+            out += [name_expression(kernel, dtype, items) for items in items_of(kernel, dtype)]
         else:
             out.append(name_expression(kernel, dtype))
     return tuple(out)

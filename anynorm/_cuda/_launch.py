@@ -41,6 +41,11 @@ _TILE_THREADS = 256  # tiles.cu's block
 _TILE_SMEM_CAPS = (64 * 1024, None)
 _DEFAULT_SMEM = 48 * 1024  # static + dynamic shared memory a block gets without opting in
 _SECTOR = 32  # bytes: a tile row narrower than one DRAM sector wastes bandwidth
+_FINISH_BLOCK = (32, 16)  # param_grad_finish: 32 parameters x 16 lanes over the chunks
+# Rows per team, where the row backward also sums dweight/dbias: each block writes one partial
+# row of 2 x count sums, which must stay small next to the dy and x it saves reading again
+# (16 rows per team, bfloat16: 1/8 of them). Few rows still get a block per SM.
+_PARAM_ROWS_PER_TEAM = 16
 
 
 def acc_dtype(dtype: str):
@@ -235,15 +240,35 @@ def _tile_param_mode(layout):
     return None
 
 
+def _row_params(layout, dtype, kernel, grid, block, items):
+    """``(kernel, grid)`` of the row backward that also sums dweight/dbias (plain rows, p = the
+    position in the row, an instantiation that keeps its sums in registers), or None."""
+    fused = f"{kernel}_params"
+    if layout.p_div != 1 or layout.p_len != layout.reduced or items not in items_of(fused, dtype):
+        return None
+    teams = block[0] // 32 if kernel.endswith("_warp") else 1
+    target = _target_blocks()
+    wanted = max(target // _BLOCKS_PER_SM, _ceil(layout.outer, teams * _PARAM_ROWS_PER_TEAM))
+    return fused, (min(grid[0], target, wanted),)
+
+
 def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
-    """dx into ``dxb``. ``param_grads`` (bool: with dbias) asks the tile kernel to add up the
-    parameter gradients' partial sums too: returns (part, nchunk) when it did, else None."""
+    """dx into ``dxb``. ``param_grads`` (bool: with dbias) asks the row and tile kernels to add
+    up the parameter gradients' partial sums too: returns (part, nchunk) when they did, else None."""
     center = np.int32(plan.center)
     acc = acc_dtype(dtype)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
     pdiv, plen = _i64(layout.p_div), _i64(layout.p_len)
     if layout.rows and reduced <= _REGISTER_MAX["rows_bwd"]:
         kernel, grid, block, items = _row_kernel("rows_bwd", outer, reduced)
+        fused = None if param_grads is None else _row_params(layout, dtype, kernel, grid, block, items)
+        if fused is not None:  # partial sums per block: part[blockIdx.x * count + p]
+            kernel, grid = fused
+            part = cupy.empty((2, grid[0] * reduced), dtype=acc)
+            _launch(kernel, dtype, grid, block,
+                    (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, part[0], _ptr(part[1] if param_grads else None),
+                     _i64(outer), _i64(reduced), center), items=items)
+            return part, grid[0]
         _launch(kernel, dtype, grid, block,
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), pdiv, plen,
                  center), items=items)
@@ -288,7 +313,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
 
 def _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias):
     """dweight/dbias from per-chunk partial sums ``part[k][c * p_len + p]``."""
-    _launch("param_grad_finish", dtype, (_grid_1d(p_len, _BLOCK, _MAX_Y),), (_BLOCK,),
+    _launch("param_grad_finish", dtype, (_grid_1d(p_len, _FINISH_BLOCK[0], _MAX_Y),), _FINISH_BLOCK,
             (part[0], _ptr(part[1] if dbias is not None else None), dweight, _ptr(dbias),
              _i64(p_len), _i64(nchunk)))
 
