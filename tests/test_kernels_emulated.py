@@ -664,7 +664,7 @@ def test_rows_block_forward(kernels, dtype, count):
 
 
 @pytest.mark.parametrize("dtype,count", [(d, c) for d, c in _BLOCK_CASES
-                                         if c <= ROW_BLOCK * _compile.BLOCK_ITEMS_BACKWARD[-1]])
+                                         if c <= ROW_BLOCK * _compile.items_of("rows_bwd_block", d)[-1]])
 def test_rows_block_backward(kernels, dtype, count):
     check_backward(kernels, layer_norm_rows(3, count), dtype, path="block",
                    items=_block_items(dtype, count, "rows_bwd_block"))

@@ -324,6 +324,19 @@ def test_launch_row_backward_sums_params_on_the_way(emulated, monkeypatch, dtype
     assert "param_grad_rows" in names and not {n for n in names if n.endswith("_params")}
 
 
+@pytest.mark.parametrize("dtype, one_pass", [("float32", True), ("bfloat16", True), ("float64", False)])
+def test_launch_row_backward_up_to_16384_in_registers(emulated, monkeypatch, dtype, one_pass):
+    """Rows of 8193-16384: the backward holds them in a block's registers (ITEMS=64) but in
+    float64, which would spill there and takes the chunked path."""
+    names = _record_launches(monkeypatch)
+    _check("layer_norm", (3, 12000), {}, dtype)
+    chunked = {"rows_grad_partial", "grad_finalize", "apply_bwd"}
+    if one_pass:
+        assert "rows_bwd_block" in names and not chunked & names
+    else:
+        assert chunked <= names and "rows_bwd_block" not in names
+
+
 def _record_launches(monkeypatch):
     """The set of kernel names the launcher fetches from now on."""
     names, fetch = set(), _launch.get_kernel

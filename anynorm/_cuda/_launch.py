@@ -18,7 +18,7 @@ import cupy
 import numpy as np
 
 from . import _buffers
-from ._compile import BLOCK_ITEMS, BLOCK_ITEMS_BACKWARD, WARP_ITEMS, get_kernel, items_of
+from ._compile import WARP_ITEMS, get_kernel, items_of
 from ._interop import kernel_arg
 from ._layout import plan_layout
 
@@ -26,8 +26,6 @@ __all__ = ["forward", "backward", "acc_dtype"]
 
 _NULL = np.uint64(0)
 _ROWS_BLOCK, _ROW_BLOCK, _BLOCK = 128, 256, 256  # warp-per-row block, block-per-row, others
-# longest rows held in registers (forward, backward)
-_REGISTER_MAX = {"rows_fwd": _ROW_BLOCK * BLOCK_ITEMS[-1], "rows_bwd": _ROW_BLOCK * BLOCK_ITEMS_BACKWARD[-1]}
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
 _VECTOR = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}  # elements per 16 bytes
 _MAX_X = 2**31 - 1
@@ -79,12 +77,15 @@ def _grid_1d(n, per_block, cap=None):
     return min(blocks, cap or 64 * _target_blocks(), _MAX_X)
 
 
-def _row_kernel(prefix, rows, count):
-    """(kernel, grid, block, ITEMS) of the register-resident row kernels for ``count``."""
+def _row_kernel(prefix, rows, count, dtype):
+    """(kernel, grid, block, ITEMS) of the register-resident row kernels for ``count``, or
+    None when the row is longer than they hold in ``dtype``."""
     for items in WARP_ITEMS:
         if 32 * items >= count:
             return f"{prefix}_warp", (_grid_1d(rows, _ROWS_BLOCK // 32),), (_ROWS_BLOCK,), items
-    items = next(k for k in items_of(f"{prefix}_block") if _ROW_BLOCK * k >= count)
+    items = next((k for k in items_of(f"{prefix}_block", dtype) if _ROW_BLOCK * k >= count), None)
+    if items is None:
+        return None
     return f"{prefix}_block", (_grid_1d(rows, 1),), (_ROW_BLOCK,), items
 
 
@@ -178,8 +179,9 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
     acc = acc_dtype(dtype)
     center, eps = np.int32(plan.center), np.float64(plan.eps)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
-    if layout.rows and reduced <= _REGISTER_MAX["rows_fwd"]:
-        kernel, grid, block, items = _row_kernel("rows_fwd", outer, reduced)
+    row = _row_kernel("rows_fwd", outer, reduced, dtype) if layout.rows else None
+    if row is not None:
+        kernel, grid, block, items = row
         _launch(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, _i64(outer),
                  _i64(reduced), _i64(layout.p_div), _i64(layout.p_len), center, eps), items=items)
@@ -259,8 +261,9 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
     acc = acc_dtype(dtype)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
     pdiv, plen = _i64(layout.p_div), _i64(layout.p_len)
-    if layout.rows and reduced <= _REGISTER_MAX["rows_bwd"]:
-        kernel, grid, block, items = _row_kernel("rows_bwd", outer, reduced)
+    row = _row_kernel("rows_bwd", outer, reduced, dtype) if layout.rows else None
+    if row is not None:
+        kernel, grid, block, items = row
         fused = None if param_grads is None else _row_params(layout, dtype, kernel, grid, block, items)
         if fused is not None:  # partial sums per block: part[blockIdx.x * count + p]
             kernel, grid = fused

@@ -22,7 +22,7 @@ CASES = [
     ("layer_norm", (64, 3), {}),
     ("layer_norm", (33, 1000), {}),  # warp, ITEMS=32
     ("layer_norm", (16, 4096), {}),  # block per row, ITEMS=16
-    ("layer_norm", (8, 12000), {}),  # forward block ITEMS=64, backward chunked
+    ("layer_norm", (8, 12000), {}),  # block ITEMS=64 (float64 backward: chunked)
     ("layer_norm", (4, 16385), {}),  # chunked rows
     ("layer_norm", (4, 65536), {}),
     ("layer_norm", (2, 2**20), {}),
