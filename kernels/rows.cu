@@ -184,18 +184,50 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
     store_row<T, ITEMS, Team::SIZE>(y, v, count, rank, vec);
 }
 
-// One row of the backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w.
-// With PARAMS (plain rows only: p = position in the row), also adds dy * xhat and dy at the
-// thread's items to pw/pb: a thread meets the same positions in every row its team runs.
-// `vec`: the row runs on 16-byte vectors (the same for every row of a launch).
-template <typename T, int ITEMS, typename Team, bool PARAMS>
+// Where the backward adds up dy * xhat and dy for dweight/dbias, at a thread's items of plain
+// rows (p = position in the row: a thread meets the same positions in every row its team runs).
+struct NoSums {
+    template <typename A> __device__ __forceinline__ void add(int, int, A, A) {}
+};
+
+// In registers, item by item; a block's warp teams add up at the end (store_register_sums).
+template <typename A, int ITEMS> struct RegisterSums {
+    A w[ITEMS], b[ITEMS];
+    __device__ __forceinline__ void add(int k, int, A d, A xhat) {
+        w[k] += d * xhat;
+        b[k] += d;
+    }
+};
+
+// In shared memory at the position (2 * count values): a block team's threads own disjoint
+// positions, and no register is spent, so the block kernels keep their plain occupancy.
+template <typename A> struct SharedSums {
+    A* w;
+    A* b;
+    __device__ __forceinline__ void add(int, int idx, A d, A xhat) {
+        w[idx] += d * xhat;
+        b[idx] += d;
+    }
+};
+
+// Whether a launch's rows run on 16-byte vectors: rows are `count` elements apart, so when
+// count is whole vectors every row is aligned as the first.
+template <typename T, int ITEMS>
+__device__ __forceinline__ bool rows_vec(int count, const T* a, const T* b, const T* c) {
+    const int V = VecLen<T>::value;
+    return (ITEMS % V == 0) && (count % V == 0) && aligned16(a) && aligned16(b) && aligned16(c);
+}
+
+// One row of the backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w;
+// dy * xhat and dy go to `sums` (plain rows only, unless NoSums).
+template <typename T, int ITEMS, typename Team, typename Sums>
 __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* __restrict__ x,
                                              const acc_t<T>* __restrict__ w,
                                              const acc_t<T>* __restrict__ mean,
                                              const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
                                              long long row, int count, const IndexMap& map,
                                              bool plain, bool vec, int center, acc_t<T>* smem,
-                                             acc_t<T> (&pw)[ITEMS], acc_t<T> (&pb)[ITEMS]) {
+                                             Sums& sums) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const int rank = Team::rank();
@@ -214,10 +246,7 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
         const int idx = team_item<V, Team::SIZE>(k, rank, vec);
         if (idx < count) {
             xh[k] = (xh[k] - mu) * r;
-            if (PARAMS) {  // g is still dy here
-                pw[k] += g[k] * xh[k];
-                pb[k] += g[k];
-            }
+            sums.add(k, idx, g[k], xh[k]);  // g is still dy here
             g[k] *= weight_at(w, row_param(base, idx, plain, map));
             sg += g[k];
             sgx += g[k] * xh[k];
@@ -232,68 +261,55 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     store_row<T, ITEMS, Team::SIZE>(dx, g, count, rank, vec);
 }
 
-// Write the block's sums pw/pb to part_*[blockIdx.x * count + idx] (part_b nullable). Warp
-// teams (several per block, each over the same positions) add up in turn through `sums`
-// (2 * 32 * ITEMS values of A); a block team's threads own disjoint positions. Every thread
-// of the block must call it.
-template <typename T, int ITEMS, typename Team>
-__device__ __forceinline__ void store_param_sums(acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
-                                                 acc_t<T> (&pw)[ITEMS], acc_t<T> (&pb)[ITEMS], int count,
-                                                 bool vec, acc_t<T>* sums) {
-    const int V = VecLen<T>::value;
-    const int rank = Team::rank();
-    const long long base = (long long)blockIdx.x * count;
-    const int teams = blockDim.x / Team::SIZE, team = threadIdx.x / Team::SIZE;
-    for (int q = 0; q < teams; ++q) {
-        if (team == q) {
-            ANYNORM_UNROLL
-            for (int k = 0; k < ITEMS; ++k) {
-                const int idx = team_item<V, Team::SIZE>(k, rank, vec);
-                if (idx < count) {
-                    if (q > 0) {
-                        pw[k] += sums[idx];
-                        pb[k] += sums[count + idx];
-                    }
-                    if (q + 1 < teams) {
-                        sums[idx] = pw[k];
-                        sums[count + idx] = pb[k];
-                    } else {
-                        part_w[base + idx] = pw[k];
-                        if (part_b) part_b[base + idx] = pb[k];
-                    }
-                }
-            }
-        }
-        if (teams > 1) __syncthreads();
-    }
-}
-
-// The row loop of every backward row kernel. With PARAMS (p_div == 1, p_len == count), the
-// block also writes its dweight/dbias partial sums (store_param_sums; nchunk = gridDim.x).
-template <typename T, int ITEMS, typename Team, bool PARAMS>
+// The row loop of every backward row kernel.
+template <typename T, int ITEMS, typename Team, typename Sums>
 __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T* __restrict__ x,
                                               const acc_t<T>* __restrict__ w,
                                               const acc_t<T>* __restrict__ mean,
                                               const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-                                              acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
                                               long long rows, int count, long long p_div, long long p_len,
-                                              int center, acc_t<T>* smem, acc_t<T>* sums) {
-    typedef acc_t<T> A;
-    const int V = VecLen<T>::value;
+                                              int center, acc_t<T>* smem, Sums& sums) {
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
-    // rows are `count` elements apart: when count is whole vectors, every row is aligned as the first
-    const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x) && aligned16(dy) &&
-                     aligned16(dx);
-    A pw[ITEMS], pb[ITEMS];
-    if (PARAMS) {
-        ANYNORM_UNROLL
-        for (int k = 0; k < ITEMS; ++k) pw[k] = pb[k] = A(0);
-    }
+    const bool vec = rows_vec<T, ITEMS>(count, x, dy, dx);
     for (long long row = Team::first_row(); row < rows; row += Team::row_stride())
-        backward_row<T, ITEMS, Team, PARAMS>(dy, x, w, mean, rstd, dx, row, count, map, plain, vec,
-                                             center, smem, pw, pb);
-    if (PARAMS) store_param_sums<T, ITEMS, Team>(part_w, part_b, pw, pb, count, vec, sums);
+        backward_row<T, ITEMS, Team, Sums>(dy, x, w, mean, rstd, dx, row, count, map, plain, vec, center,
+                                           smem, sums);
+}
+
+// Write a block's warp teams' register sums to part_*[blockIdx.x * count + idx] (part_b
+// nullable): the warps (each over the same positions) add up in turn through `exchange`
+// (2 * 32 * ITEMS values of A). Every thread of the block must call it.
+template <typename T, int ITEMS>
+__device__ __forceinline__ void store_register_sums(acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
+                                                    RegisterSums<acc_t<T>, ITEMS>& sums, int count, bool vec,
+                                                    acc_t<T>* exchange) {
+    const int V = VecLen<T>::value;
+    const int rank = WarpTeam::rank();
+    const long long base = (long long)blockIdx.x * count;
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    for (int q = 0; q < warps; ++q) {
+        if (warp == q) {
+            ANYNORM_UNROLL
+            for (int k = 0; k < ITEMS; ++k) {
+                const int idx = team_item<V, 32>(k, rank, vec);
+                if (idx < count) {
+                    if (q > 0) {
+                        sums.w[k] += exchange[idx];
+                        sums.b[k] += exchange[count + idx];
+                    }
+                    if (q + 1 < warps) {
+                        exchange[idx] = sums.w[k];
+                        exchange[count + idx] = sums.b[k];
+                    } else {
+                        part_w[base + idx] = sums.w[k];
+                        if (part_b) part_b[base + idx] = sums.b[k];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
 }
 
 // Short rows: one warp per row, several warps per block, grid-stride over rows.
@@ -315,9 +331,9 @@ __global__ void rows_bwd_warp(
         const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         long long rows, long long count, long long p_div, long long p_len, int center) {
-    backward_rows<T, ITEMS, WarpTeam, false>(dy, x, w, mean, rstd, dx, (acc_t<T>*)0, (acc_t<T>*)0, rows,
-                                             (int)count, p_div, p_len, center, (acc_t<T>*)0,
-                                             (acc_t<T>*)0);
+    NoSums none;
+    backward_rows<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, p_div, p_len, center,
+                                      (acc_t<T>*)0, none);
 }
 
 // Plain rows (layer/RMS norm over trailing axes) with dweight/dbias partial sums on the way:
@@ -328,14 +344,17 @@ __global__ void rows_bwd_warp_params(
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
         int center) {
-    __shared__ acc_t<T> sums[2 * 32 * ITEMS];
-    backward_rows<T, ITEMS, WarpTeam, true>(dy, x, w, mean, rstd, dx, part_w, part_b, rows, (int)count,
-                                            1, count, center, (acc_t<T>*)0, sums);
+    typedef acc_t<T> A;
+    __shared__ A exchange[2 * 32 * ITEMS];
+    RegisterSums<A, ITEMS> sums;
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS; ++k) sums.w[k] = sums.b[k] = A(0);
+    backward_rows<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, 1, count, center,
+                                      (A*)0, sums);
+    store_register_sums<T, ITEMS>(part_w, part_b, sums, (int)count,
+                                  rows_vec<T, ITEMS>((int)count, x, dy, dx), exchange);
 }
 
-// Medium rows: one block of ROW_BLOCK threads per row, grid-stride over rows. The launch
-// bound lets ptxas keep the forward's registers low (ITEMS=16: 48 instead of 117 on sm_90);
-// on the backward it made ptxas spill, so that one goes without.
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(ROW_BLOCK) rows_fwd_block(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
@@ -356,21 +375,36 @@ __global__ void rows_bwd_block(
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         long long rows, long long count, long long p_div, long long p_len, int center) {
     __shared__ acc_t<T> smem[64];
-    backward_rows<T, ITEMS, BlockTeam, false>(dy, x, w, mean, rstd, dx, (acc_t<T>*)0, (acc_t<T>*)0, rows,
-                                              (int)count, p_div, p_len, center, smem, (acc_t<T>*)0);
+    NoSums none;
+    backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, p_div, p_len, center,
+                                       smem, none);
 }
 
-// As rows_bwd_warp_params, one block per row.
+// As rows_bwd_warp_params, one block per row; the sums wait in dynamic shared memory
+// (2 * count values of A), then the block copies them out.
 template <typename T, int ITEMS>
 __global__ void rows_bwd_block_params(
         const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
         int center) {
-    __shared__ acc_t<T> smem[64];
-    backward_rows<T, ITEMS, BlockTeam, true>(dy, x, w, mean, rstd, dx, part_w, part_b, rows, (int)count,
-                                             1, count, center, smem, (acc_t<T>*)0);
+    typedef acc_t<T> A;
+    __shared__ A smem[64];
+    const int n = (int)count;
+    SharedSums<A> sums;
+    sums.w = dynamic_shared<A>();
+    sums.b = sums.w + n;
+    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) sums.w[i] = A(0);
+    __syncthreads();
+    backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, n, 1, count, center, smem, sums);
+    __syncthreads();
+    const long long base = (long long)blockIdx.x * count;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        part_w[base + i] = sums.w[i];
+        if (part_b) part_b[base + i] = sums.b[i];
+    }
 }
+
 // Welford state of row[c*chunk : (c+1)*chunk] for block (c, row); h = x + res written once.
 template <typename T>
 __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,

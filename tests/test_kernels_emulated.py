@@ -700,10 +700,13 @@ def run_row_param_grads(kernels, case, dtype, dy, x, w, mean, rstd, *, path, ite
     dxd = emu.empty(case.total, dtype, offset)
     parts = [_acc_buf(grid * case.reduced, dtype) for _ in range(2)]
     part_b = parts[1] if with_bias else None
-    kernels(f"rows_bwd_{path}_params", dtype, items)(
-        (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
-        (dyd, xd, emu.to_device(w, A), emu.to_device(mean, A) if center else None, emu.to_device(rstd, A), dxd,
-         parts[0], part_b, case.outer, case.reduced, center), schedule=schedule)
+    kernel = kernels(f"rows_bwd_{path}_params", dtype, items)
+    smem = 0 if path == "warp" else 2 * case.reduced * np.dtype(A).itemsize  # block: sums in shared memory
+    if smem > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = smem
+    kernel((grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
+           (dyd, xd, emu.to_device(w, A), emu.to_device(mean, A) if center else None, emu.to_device(rstd, A), dxd,
+            parts[0], part_b, case.outer, case.reduced, center), shared_mem=smem, schedule=schedule)
     dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
     kernels("param_grad_finish", dtype)((min(_ceil(case.p_len, 32), 65535),), FINISH_BLOCK,
                                         (parts[0], part_b, dw, db, case.p_len, grid), schedule=schedule)
@@ -715,7 +718,8 @@ def run_row_param_grads(kernels, case, dtype, dy, x, w, mean, rstd, *, path, ite
 _FUSED_ROWS = [("warp", "float32", 9, 1000, 1), ("warp", "float32", 37, 33, 3), ("warp", "float64", 11, 64, 2),
                ("warp", "float16", 13, 257, 2), ("warp", "bfloat16", 6, 64, 4), ("warp", "float32", 3, 1, 2),
                ("block", "float32", 5, 2049, 2), ("block", "float16", 7, 1024, 3), ("block", "float64", 4, 3001, 3),
-               ("block", "bfloat16", 3, 2048, 1)]
+               ("block", "bfloat16", 3, 2048, 1), ("block", "float32", 3, 16384, 2),  # 128 KiB of sums
+               ("block", "bfloat16", 4, 12000, 3)]
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(center=0), dict(with_bias=False), dict(offset=1),
@@ -928,6 +932,7 @@ def _load_launch(kernels):
     launch.get_kernel = get_kernel
     launch._target_blocks = lambda: 6  # a small "device", so long extents really split
     launch._tile_budgets = lambda dtype: (8 * 1024,)  # columns take tiles of a few columns
+    launch._smem_limit = lambda: 227 * 1024  # an H100's
     return launch
 
 

@@ -45,6 +45,7 @@ SOURCES = [str(_HERE.parent / "kernels" / f) for f in _compile.KERNELS]
 # Shared memory for a tile of the columns kernels: small, so that the columns cases below
 # take tiles narrower than inner (several per row of tiles) and some fall back to the split path.
 TILE_BUDGET = 6 * 1024
+SMEM_LIMIT = 227 * 1024  # an H100's, for the row backward's shared-memory parameter sums
 TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 1e-2, "bfloat16": 3e-2}
 _modules: dict = {}
 
@@ -92,6 +93,7 @@ def emulated(monkeypatch):
                             _compile.name_expression(k, dtype, items)))
     monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
     monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
+    monkeypatch.setattr(_launch, "_smem_limit", lambda: SMEM_LIMIT)
     monkeypatch.setattr(_launch, "_buffers", types.SimpleNamespace(
         element_strides=lambda a: a.elem_strides, input_buffer=lambda p, l, a: a,
         output_buffer=lambda p, l, a: a, store=lambda p, l, b, o: None))
@@ -108,6 +110,7 @@ def emulated_torch(monkeypatch):
                             _compile.name_expression(k, dtype, items)))
     monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
     monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
+    monkeypatch.setattr(_launch, "_smem_limit", lambda: SMEM_LIMIT)
     from anynorm._cuda import _interop
 
     def as_ref(d, shape=None, order=None):
@@ -326,15 +329,17 @@ def test_launch_row_backward_sums_params_on_the_way(emulated, monkeypatch, dtype
 
 @pytest.mark.parametrize("dtype, one_pass", [("float32", True), ("bfloat16", True), ("float64", False)])
 def test_launch_row_backward_up_to_16384_in_registers(emulated, monkeypatch, dtype, one_pass):
-    """Rows of 8193-16384: the backward holds them in a block's registers (ITEMS=64) but in
-    float64, which would spill there and takes the chunked path."""
+    """Rows of 8193-16384: the backward holds them in a block's registers (ITEMS=64), its
+    dweight/dbias sums in shared memory (96 KiB), but in float64, which would spill there
+    and takes the chunked path."""
     names = _record_launches(monkeypatch)
     _check("layer_norm", (3, 12000), {}, dtype)
     chunked = {"rows_grad_partial", "grad_finalize", "apply_bwd"}
     if one_pass:
-        assert "rows_bwd_block" in names and not chunked & names
+        assert "rows_bwd_block_params" in names and not chunked & names
+        assert not {"param_grad_cols", "param_grad_rows"} & names
     else:
-        assert chunked <= names and "rows_bwd_block" not in names
+        assert chunked <= names and not {"rows_bwd_block", "rows_bwd_block_params"} & names
 
 
 def _record_launches(monkeypatch):

@@ -14,7 +14,7 @@ import threading
 
 from ._sources import SOURCE_FILES, read_source
 
-__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "BLOCK_ITEMS", "BLOCK_ITEMS_PARAMS", "items_of", "name_expression",
+__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "BLOCK_ITEMS", "items_of", "name_expression",
            "name_expressions", "instantiations", "get_kernel", "nvrtc_options", "nvrtc_check"]
 
 # Kernel dtype key (the dtype's name) -> C++ element type.
@@ -22,11 +22,9 @@ CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", 
 # Register-cache sizes (elements per thread) of the warp-per-row kernels (rows of up to
 # 32 * ITEMS elements) and of the block-per-row kernels (256 threads: up to 256 * ITEMS).
 # Rows up to 16384 are read once; the backward, which holds two values per element, stops
-# at 8192 in float64 (_ITEMS_MAX), and its variant that also sums dweight/dbias (four values
-# per element) at 8192.
+# at 8192 in float64 (_ITEMS_MAX).
 WARP_ITEMS = (1, 2, 4, 8, 16, 32)
 BLOCK_ITEMS = (8, 16, 32, 64)
-BLOCK_ITEMS_PARAMS = (8, 16, 32)
 KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block",
                 "rows_bwd_warp_params", "rows_bwd_block_params", "rows_stats_partial",
@@ -38,12 +36,12 @@ KERNELS = {
 }
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
           "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS,
-          "rows_bwd_warp_params": WARP_ITEMS, "rows_bwd_block_params": BLOCK_ITEMS_PARAMS}
-# Sizes that would spill registers in float64 (ptxas): the backward at ITEMS=64, and the
-# fused-parameter backward, with two more sums per item, at ITEMS=32. Those rows take the
-# split path, or the plain kernel and params.cu.
-_ITEMS_MAX = {("rows_bwd_block", "float64"): 32, ("rows_bwd_warp_params", "float64"): 16,
-              ("rows_bwd_block_params", "float64"): 16}
+          "rows_bwd_warp_params": WARP_ITEMS, "rows_bwd_block_params": BLOCK_ITEMS}
+# Sizes that would spill registers in float64 (ptxas): the block backward at ITEMS=64, and
+# the warp backward that keeps two more sums per item in registers at ITEMS=32. Those rows
+# take the split path, or the plain kernel and params.cu.
+_ITEMS_MAX = {("rows_bwd_block", "float64"): 32, ("rows_bwd_block_params", "float64"): 32,
+              ("rows_bwd_warp_params", "float64"): 16}
 _FILE_OF = {kernel: file for file, kernels in KERNELS.items() for kernel in kernels}
 # Our own NVRTC options; CuPy adds its include paths, -std=c++17, -ftz=true and -arch.
 OPTIONS = ("-DANYNORM_NVRTC=1",)

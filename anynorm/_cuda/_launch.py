@@ -117,18 +117,24 @@ def _smem_optin(device_id: int) -> int:
     return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
 
 
+def _smem_limit() -> int:
+    """Shared memory (static + dynamic) one block may opt in to on the current device."""
+    return _smem_optin(cupy.cuda.Device().id)
+
+
 def _tile_static_smem(dtype) -> int:
     """tiles.cu's static shared memory: two (2, 256) arrays of A and the IndexMap."""
     return 4 * _TILE_THREADS * np.dtype(acc_dtype(dtype)).itemsize + 128
 
 
 _MAX_STATIC_SMEM = _tile_static_smem("float64")
+_ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params: its block sum and IndexMap
 
 
 def _tile_budgets(dtype) -> tuple:
     """Dynamic shared memory one tile block may take on the current device, per tier of
     ``_TILE_SMEM_CAPS``."""
-    limit = _smem_optin(cupy.cuda.Device().id) - _tile_static_smem(dtype)
+    limit = _smem_limit() - _tile_static_smem(dtype)
     return tuple(limit if cap is None else min(cap, limit) for cap in _TILE_SMEM_CAPS)
 
 
@@ -243,15 +249,20 @@ def _tile_param_mode(layout):
 
 
 def _row_params(layout, dtype, kernel, grid, block, items):
-    """``(kernel, grid)`` of the row backward that also sums dweight/dbias (plain rows, p = the
-    position in the row, an instantiation that keeps its sums in registers), or None."""
+    """``(kernel, grid, dynamic smem bytes)`` of the row backward that also sums dweight/dbias
+    (plain rows: p = the position in the row), or None where it has no instantiation or its
+    sums do not fit the device's shared memory."""
     fused = f"{kernel}_params"
     if layout.p_div != 1 or layout.p_len != layout.reduced or items not in items_of(fused, dtype):
         return None
-    teams = block[0] // 32 if kernel.endswith("_warp") else 1
+    warps = kernel.endswith("_warp")  # warp teams keep their sums in registers, a block in smem
+    smem = 0 if warps else 2 * layout.reduced * np.dtype(acc_dtype(dtype)).itemsize
+    if smem > _smem_limit() - _ROW_STATIC_SMEM:
+        return None
+    teams = block[0] // 32 if warps else 1
     target = _target_blocks()
     wanted = max(target // _BLOCKS_PER_SM, _ceil(layout.outer, teams * _PARAM_ROWS_PER_TEAM))
-    return fused, (min(grid[0], target, wanted),)
+    return fused, (min(grid[0], target, wanted),), smem
 
 
 def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
@@ -266,11 +277,11 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
         kernel, grid, block, items = row
         fused = None if param_grads is None else _row_params(layout, dtype, kernel, grid, block, items)
         if fused is not None:  # partial sums per block: part[blockIdx.x * count + p]
-            kernel, grid = fused
+            kernel, grid, smem = fused
             part = cupy.empty((2, grid[0] * reduced), dtype=acc)
             _launch(kernel, dtype, grid, block,
                     (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, part[0], _ptr(part[1] if param_grads else None),
-                     _i64(outer), _i64(reduced), center), items=items)
+                     _i64(outer), _i64(reduced), center), items=items, smem=smem)
             return part, grid[0]
         _launch(kernel, dtype, grid, block,
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), pdiv, plen,
