@@ -565,7 +565,8 @@ def check_ok(errors, dtype):
 def new_row(case):
     return {"section": case.section, "name": case.work.name, "shape": list(case.work.shape),
             "dtype": case.dtype, "pass": case.direction, "lib": case.lib, "error": None,
-            "variant_errors": {}, "errors": {}, "max_err": None, "check_ok": None, "times": {}}
+            "variant_errors": {}, "errors": {}, "max_err": None, "check_ok": None, "times": {},
+            "kernels": []}
 
 
 def run_timed_case(env, case):
@@ -576,7 +577,8 @@ def run_timed_case(env, case):
             bench = (forward_bench(env, case.work, case.dtype, case.lib) if case.direction == "fwd"
                      else backward_bench(env, case.work, case.dtype))
             try:
-                row["errors"] = bench.check()
+                with kernels_launched(env, row["kernels"]):
+                    row["errors"] = bench.check()
                 row["max_err"] = row["errors"]["y" if case.direction == "fwd" else "dx"]["max_abs"]
                 row["check_ok"] = check_ok(row["errors"], case.dtype)
             except PeerError as exc:
@@ -591,6 +593,28 @@ def run_timed_case(env, case):
     release_memory(env, failed=bool(row["error"] or row["variant_errors"]))
     add_derived(row, case)
     return row
+
+
+@contextlib.contextmanager
+def kernels_launched(env, names):
+    """Append to ``names`` each anynorm kernel (``name<ITEMS>``) the block launches, once, on CUDA."""
+    if env.device != "cuda":
+        yield
+        return
+    launch = importlib.import_module("anynorm._cuda._launch")
+    fetch = launch.get_kernel
+
+    def recording(kernel, dtype, items=None):
+        name = kernel if items is None else f"{kernel}<{items}>"
+        if name not in names:
+            names.append(name)
+        return fetch(kernel, dtype, items)
+
+    launch.get_kernel = recording
+    try:
+        yield
+    finally:
+        launch.get_kernel = fetch
 
 
 @contextlib.contextmanager
@@ -770,6 +794,8 @@ def notes_text(row, launch_bound=True):
     ours = row.get("times", {}).get("ours")
     if launch_bound and ours and ours["host_ms_per_call"] > ours["min_ms"]:
         notes.append(f"launch-bound: host {ours['host_ms_per_call'] * 1e3:.0f} us/call")
+    if row.get("kernels"):
+        notes.append("kernels " + " ".join(row["kernels"]))
     return "; ".join(notes).replace("|", "/")
 
 
