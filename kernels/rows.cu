@@ -5,8 +5,9 @@
 // (ITEMS values per thread) and takes exact two-pass statistics from them: x is read once,
 // y written once. Long rows: rows_*_partial reduce chunks of a row per block; the chunks are
 // merged by finish.cu (stats_finalize / grad_finalize) and applied by apply_fwd / apply_bwd.
-// The backward's *_params variants also add up dweight/dbias partial sums of plain rows
-// (p = position in the row) on the way, so dy and x are not read again for them.
+// The backward's *_params variants also add up dweight/dbias partial sums on the way (per
+// position of plain rows, p = position in the row; per row where p is the row's channel), so
+// dy and x are not read again for them.
 // Launch configurations: README.md.
 #include "common.cuh"
 
@@ -186,14 +187,19 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
     store_row<T, ITEMS, Team::SIZE>(y, v, count, rank, vec);
 }
 
-// Where the backward adds up dy * xhat and dy for dweight/dbias, at a thread's items of plain
-// rows (p = position in the row: a thread meets the same positions in every row its team runs).
-struct NoSums {
+// Where the backward adds up dy * xhat and dy for dweight/dbias: `add` per item, `end_row`
+// after each row (every thread of the team calls both). Plain rows (p = position in the row)
+// add per position: a thread meets the same positions in every row its team runs.
+struct NoRowEnd {
+    template <typename Team, typename A> __device__ __forceinline__ void end_row(long long, A*) {}
+};
+
+struct NoSums : NoRowEnd {
     template <typename A> __device__ __forceinline__ void add(int, int, A, A) {}
 };
 
 // In registers, item by item; a block's warp teams add up at the end (store_register_sums).
-template <typename A, int ITEMS> struct RegisterSums {
+template <typename A, int ITEMS> struct RegisterSums : NoRowEnd {
     A w[ITEMS], b[ITEMS];
     __device__ __forceinline__ void add(int k, int, A d, A xhat) {
         w[k] += d * xhat;
@@ -203,12 +209,32 @@ template <typename A, int ITEMS> struct RegisterSums {
 
 // In shared memory at the position (2 * count values): a block team's threads own disjoint
 // positions, and no register is spent, so the block kernels keep their plain occupancy.
-template <typename A> struct SharedSums {
+template <typename A> struct SharedSums : NoRowEnd {
     A* w;
     A* b;
     __device__ __forceinline__ void add(int, int idx, A d, A xhat) {
         w[idx] += d * xhat;
         b[idx] += d;
+    }
+};
+
+// Per row, where p is the same all along a row (NCHW instance norm: p = row % C): the team
+// adds its threads' sums at the row's end and writes part_w/part_b[row] (part_b nullable).
+template <typename A> struct RowSums {
+    A* part_w;
+    A* part_b;
+    A w, b;
+    __device__ __forceinline__ void add(int, int, A d, A xhat) {
+        w += d * xhat;
+        b += d;
+    }
+    template <typename Team> __device__ __forceinline__ void end_row(long long row, A* smem) {
+        Team::allsum2(w, b, smem);
+        if (Team::rank() == 0) {
+            part_w[row] = w;
+            if (part_b) part_b[row] = b;
+        }
+        w = b = A(0);
     }
 };
 
@@ -274,9 +300,11 @@ __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T*
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
     const bool vec = rows_vec<T, ITEMS>(count, x, dy, dx);
-    for (long long row = Team::first_row(); row < rows; row += Team::row_stride())
+    for (long long row = Team::first_row(); row < rows; row += Team::row_stride()) {
         backward_row<T, ITEMS, Team, Sums>(dy, x, w, mean, rstd, dx, row, count, map, plain, vec, center,
                                            smem, sums);
+        sums.template end_row<Team>(row, smem);
+    }
 }
 
 // Write a block's warp teams' register sums to part_*[blockIdx.x * count + idx] (part_b
@@ -338,6 +366,20 @@ __global__ void rows_bwd_warp(
                                       (acc_t<T>*)0, none);
 }
 
+// Rows whose parameter is the same all along the row (p = row % p_len: NCHW instance norm),
+// with dweight/dbias partial sums per row: part_w/part_b[row] (part_b nullable), for
+// param_grad_finish (nchunk = rows / p_len).
+template <typename T, int ITEMS>
+__global__ void rows_bwd_warp_row_params(
+        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
+        long long p_len, int center) {
+    RowSums<acc_t<T> > sums = {part_w, part_b, acc_t<T>(0), acc_t<T>(0)};
+    backward_rows<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, count, p_len, center,
+                                      (acc_t<T>*)0, sums);
+}
+
 // Plain rows (layer/RMS norm over trailing axes) with dweight/dbias partial sums on the way:
 // part_w/part_b[blockIdx.x * count + p] (part_b nullable), for param_grad_finish.
 template <typename T, int ITEMS>
@@ -383,6 +425,19 @@ __global__ void rows_bwd_block(
     NoSums none;
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, p_div, p_len, center,
                                        smem, none);
+}
+
+// As rows_bwd_warp_row_params, one block per row.
+template <typename T, int ITEMS>
+__global__ void rows_bwd_block_row_params(
+        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
+        long long p_len, int center) {
+    __shared__ acc_t<T> smem[64];
+    RowSums<acc_t<T> > sums = {part_w, part_b, acc_t<T>(0), acc_t<T>(0)};
+    backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, count, p_len, center,
+                                       smem, sums);
 }
 
 // As rows_bwd_warp_params, one block per row; the sums wait in dynamic shared memory

@@ -744,6 +744,46 @@ def test_rows_backward_with_param_grads(kernels, path, dtype, rows, count, grid,
         _close(db, db_ref, STAT_TOL[dtype] * 4, f"dbias of {case} {dtype}", scale=max(1.0, rows))
 
 
+# (path, dtype, n, c, h, w, grid): NCHW instance norm, p = row % C; per-row sums.
+_ROW_PARAM_ROWS = [("warp", "float32", 3, 5, 7, 9, 2), ("warp", "float64", 2, 3, 4, 4, 1),
+                   ("warp", "bfloat16", 4, 3, 5, 5, 3), ("warp", "float16", 2, 6, 16, 16, 2),
+                   ("block", "float32", 2, 3, 40, 41, 2), ("block", "bfloat16", 3, 2, 32, 32, 1),
+                   ("block", "float64", 2, 2, 30, 70, 3)]
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(with_bias=False), dict(offset=1), dict(schedule=1)],
+                         ids=["in", "no_bias", "misaligned", "reverse"])
+@pytest.mark.parametrize("path,dtype,n,c,h,w,grid", _ROW_PARAM_ROWS)
+def test_rows_backward_with_row_param_grads(kernels, path, dtype, n, c, h, w, grid, variant):
+    """NCHW instance norm: each row's dweight/dbias terms summed by its team in the same pass
+    (part[row]), then param_grad_finish over the batch."""
+    case = instance_norm_nchw(n, c, h, w)
+    A = ACC[dtype]
+    items = _items(dtype, case.reduced, f"rows_bwd_{path}_row_params", 32 if path == "warp" else ROW_BLOCK)
+    x, wt, _ = _data(case, dtype, 7)
+    dy = np.random.default_rng(8).standard_normal(case.shape)
+    xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
+    _, mean, rstd = ref_forward(case, xr, None, None, 1, 1e-5)
+    offset, with_bias = variant.get("offset", 0), variant.get("with_bias", True)
+    dyd, xd = emu.to_device(dy.reshape(-1), dtype, offset), emu.to_device(x.reshape(-1), dtype, offset)
+    dxd = emu.empty(case.total, dtype, offset)
+    parts = [_acc_buf(case.outer, dtype) for _ in range(2)]
+    part_b = parts[1] if with_bias else None
+    kernels(f"rows_bwd_{path}_row_params", dtype, items)(
+        (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
+        (dyd, xd, emu.to_device(wt, A), emu.to_device(mean.astype(A), A), emu.to_device(rstd.astype(A), A), dxd,
+         parts[0], part_b, case.outer, case.reduced, case.p_len, 1), schedule=variant.get("schedule"))
+    dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
+    kernels("param_grad_finish", dtype)((1,), FINISH_BLOCK, (parts[0], part_b, dw, db, case.p_len, n))
+    dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, wt, 1, 1e-5)
+    _close(dxd.get_float().reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
+           scale=max(1.0, float(np.abs(dx_ref).max())))
+    n_terms = case.total // case.p_len
+    _close(dw.get_float(), dw_ref, STAT_TOL[dtype] * 4, f"dweight of {case} {dtype}", scale=max(1.0, n_terms))
+    if with_bias:
+        _close(db.get_float(), db_ref, STAT_TOL[dtype] * 4, f"dbias of {case} {dtype}", scale=max(1.0, n_terms))
+
+
 # ---- rows, split into chunks (long rows) -----------------------------------------------------------
 
 # (dtype, count, chunk): several chunks per row, chunk starts off the 16-byte grid, a short tail.

@@ -312,8 +312,9 @@ def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
     ("float64", (6, 1000), None),  # float64 at ITEMS=32 would spill: the plain kernel, then params.cu
 ])
 def test_launch_row_backward_sums_params_on_the_way(emulated, monkeypatch, dtype, shape, fused):
-    """Layer/RMS norm rows: the row backward writes dweight/dbias partial sums itself, so dy and
-    x are not read again; rows whose parameter index is not the position (NCHW) do not."""
+    """Layer/RMS norm rows: the row backward writes dweight/dbias partial sums per position
+    itself, so dy and x are not read again; NCHW instance norm rows (p = the row's channel)
+    per row; NCHW group norm rows (p changes within a row) leave them to params.cu."""
     names = _record_launches(monkeypatch)
     _check("layer_norm", shape, {}, dtype)
     _check("rms_norm", shape, {"axis": -1, "eps": 1e-6}, dtype)
@@ -324,6 +325,9 @@ def test_launch_row_backward_sums_params_on_the_way(emulated, monkeypatch, dtype
         assert "param_grad_cols" in names and not {n for n in names if n.endswith("_params")}
     names.clear()
     _check("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, dtype)  # p = channel of the row
+    assert "rows_bwd_block_row_params" in names and not {"param_grad_cols", "param_grad_rows"} & names
+    names.clear()
+    _check("group_norm", (2, 8, 20, 20), {"channel_axis": 1, "num_groups": 2}, dtype)  # p varies in a row
     assert "param_grad_rows" in names and not {n for n in names if n.endswith("_params")}
 
 

@@ -27,8 +27,8 @@ WARP_ITEMS = (1, 2, 4, 8, 16, 32)
 BLOCK_ITEMS = (8, 16, 32, 64)
 KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block",
-                "rows_bwd_warp_params", "rows_bwd_block_params", "rows_stats_partial",
-                "rows_grad_partial"),
+                "rows_bwd_warp_params", "rows_bwd_block_params", "rows_bwd_warp_row_params",
+                "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial"),
     "tiles.cu": ("cols_fwd_tile", "cols_bwd_tile"),
     "finish.cu": ("stats_finalize", "grad_finalize", "apply_fwd", "apply_bwd"),
@@ -36,12 +36,13 @@ KERNELS = {
 }
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
           "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS,
-          "rows_bwd_warp_params": WARP_ITEMS, "rows_bwd_block_params": BLOCK_ITEMS}
+          "rows_bwd_warp_params": WARP_ITEMS, "rows_bwd_block_params": BLOCK_ITEMS,
+          "rows_bwd_warp_row_params": WARP_ITEMS, "rows_bwd_block_row_params": BLOCK_ITEMS}
 # Sizes that would spill registers in float64 (ptxas): the block backward at ITEMS=64, and
 # the warp backward that keeps two more sums per item in registers at ITEMS=32. Those rows
 # take the split path, or the plain kernel and params.cu.
 _ITEMS_MAX = {("rows_bwd_block", "float64"): 32, ("rows_bwd_block_params", "float64"): 32,
-              ("rows_bwd_warp_params", "float64"): 16}
+              ("rows_bwd_block_row_params", "float64"): 32, ("rows_bwd_warp_params", "float64"): 16}
 _FILE_OF = {kernel: file for file, kernels in KERNELS.items() for kernel in kernels}
 # Our own NVRTC options; CuPy adds its include paths, -std=c++17, -ftz=true and -arch.
 OPTIONS = ("-DANYNORM_NVRTC=1",)

@@ -249,20 +249,28 @@ def _tile_param_mode(layout):
 
 
 def _row_params(layout, dtype, kernel, grid, block, items):
-    """``(kernel, grid, dynamic smem bytes)`` of the row backward that also sums dweight/dbias
-    (plain rows: p = the position in the row), or None where it has no instantiation or its
-    sums do not fit the device's shared memory."""
+    """``(kernel, grid, dynamic smem bytes, nchunk, extra args)`` of the row backward that also
+    sums dweight/dbias into ``nchunk`` partial rows of ``p_len``, or None where none applies:
+    per position and block for plain rows (p = position in the row; sums in registers for
+    warp teams, in shared memory for a block, which must fit the device), per row where p is
+    the row's own (p = row % p_len: NCHW instance norm)."""
+    if layout.p_div == layout.reduced:  # part[row] = part[(row // p_len) * p_len + p]
+        fused = f"{kernel}_row_params"
+        if items not in items_of(fused, dtype):
+            return None
+        return fused, grid, 0, layout.a_len, (_i64(layout.p_len),)
     fused = f"{kernel}_params"
     if layout.p_div != 1 or layout.p_len != layout.reduced or items not in items_of(fused, dtype):
         return None
-    warps = kernel.endswith("_warp")  # warp teams keep their sums in registers, a block in smem
+    warps = kernel.endswith("_warp")
     smem = 0 if warps else 2 * layout.reduced * np.dtype(acc_dtype(dtype)).itemsize
     if smem > _smem_limit() - _ROW_STATIC_SMEM:
         return None
     teams = block[0] // 32 if warps else 1
     target = _target_blocks()
     wanted = max(target // _BLOCKS_PER_SM, _ceil(layout.outer, teams * _PARAM_ROWS_PER_TEAM))
-    return fused, (min(grid[0], target, wanted),), smem
+    blocks = min(grid[0], target, wanted)
+    return fused, (blocks,), smem, blocks, ()
 
 
 def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
@@ -276,13 +284,13 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
     if row is not None:
         kernel, grid, block, items = row
         fused = None if param_grads is None else _row_params(layout, dtype, kernel, grid, block, items)
-        if fused is not None:  # partial sums per block: part[blockIdx.x * count + p]
-            kernel, grid, smem = fused
-            part = cupy.empty((2, grid[0] * reduced), dtype=acc)
+        if fused is not None:
+            kernel, grid, smem, nchunk, extra = fused
+            part = cupy.empty((2, nchunk * layout.p_len), dtype=acc)
             _launch(kernel, dtype, grid, block,
                     (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, part[0], _ptr(part[1] if param_grads else None),
-                     _i64(outer), _i64(reduced), center), items=items, smem=smem)
-            return part, grid[0]
+                     _i64(outer), _i64(reduced)) + extra + (center,), items=items, smem=smem)
+            return part, nchunk
         _launch(kernel, dtype, grid, block,
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), pdiv, plen,
                  center), items=items)
