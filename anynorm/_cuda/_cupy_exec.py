@@ -42,8 +42,9 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     dx = cupy.empty_like(x)
     dw = db = None
     if weight is not None:
-        dw = cupy.zeros(math.prod(plan.param_shape), dtype=acc)
-        db = cupy.zeros(math.prod(plan.param_shape), dtype=acc)
+        alloc = cupy.empty if x.size else cupy.zeros  # the kernels write every element
+        dw = alloc(math.prod(plan.param_shape), dtype=acc)
+        db = alloc(math.prod(plan.param_shape), dtype=acc)
     if x.size:
         if rstd is not None:
             rstd = cupy.ascontiguousarray(rstd.astype(acc, copy=False))

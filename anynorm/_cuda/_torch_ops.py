@@ -97,8 +97,9 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
     acc = _acc(x.dtype)
     dx = torch.empty_like(x)
     shape = plan.param_shape if param_grads else (0,)
-    dw = x.new_zeros(shape, dtype=acc)
-    db = x.new_zeros(shape, dtype=acc)
+    alloc = x.new_empty if x.numel() else x.new_zeros  # the kernels write every element
+    dw = alloc(shape, dtype=acc)
+    db = alloc(shape, dtype=acc)
     if x.numel():
         if rstd is None:
             mean = None
