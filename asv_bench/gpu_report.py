@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import gc
+import importlib
 import json
 import math
 import pathlib
@@ -596,13 +596,25 @@ def run_timed_case(env, case):
 
 
 @contextlib.contextmanager
-def kernels_launched(env, names):
-    """Append to ``names`` each anynorm kernel (``name<ITEMS>``) the block launches, once, on CUDA."""
+def launch_attribute(env, name, value):
+    """``anynorm._cuda._launch.<name>`` set to ``value`` for the block, on CUDA (else nothing)."""
     if env.device != "cuda":
         yield
         return
     launch = importlib.import_module("anynorm._cuda._launch")
-    fetch = launch.get_kernel
+    shipped = getattr(launch, name)
+    setattr(launch, name, value)
+    try:
+        yield
+    finally:
+        setattr(launch, name, shipped)
+
+
+def kernels_launched(env, names):
+    """Append to ``names`` each anynorm kernel (``name<ITEMS>``) the block launches, once, on CUDA."""
+    if env.device != "cuda":
+        return contextlib.nullcontext()
+    fetch = importlib.import_module("anynorm._cuda._launch").get_kernel
 
     def recording(kernel, dtype, items=None):
         name = kernel if items is None else f"{kernel}<{items}>"
@@ -610,27 +622,13 @@ def kernels_launched(env, names):
             names.append(name)
         return fetch(kernel, dtype, items)
 
-    launch.get_kernel = recording
-    try:
-        yield
-    finally:
-        launch.get_kernel = fetch
+    return launch_attribute(env, "get_kernel", recording)
 
 
-@contextlib.contextmanager
 def tile_caps(env, caps):
     """anynorm's shared-memory tile budgets (``_launch._TILE_SMEM_CAPS``) set to ``caps`` for
-    the block, on CUDA; ``None`` leaves them as shipped."""
-    if caps is None or env.device != "cuda":
-        yield
-        return
-    launch = importlib.import_module("anynorm._cuda._launch")
-    shipped = launch._TILE_SMEM_CAPS
-    launch._TILE_SMEM_CAPS = caps
-    try:
-        yield
-    finally:
-        launch._TILE_SMEM_CAPS = shipped
+    the block; ``None`` leaves them as shipped."""
+    return contextlib.nullcontext() if caps is None else launch_attribute(env, "_TILE_SMEM_CAPS", caps)
 
 
 def add_derived(row, case):
