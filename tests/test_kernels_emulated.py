@@ -689,28 +689,43 @@ def test_rows_block_param_stride(kernels, dtype):
     check_backward(kernels, case, dtype, path="block", items=items)
 
 
-# ---- rows with dweight/dbias summed on the way (rows_bwd_{warp,block}_params) ---------------------
+# ---- rows with dweight/dbias summed on the way (rows_bwd_{warp,block}_[row_]params) ---------------
 
-def run_row_param_grads(kernels, case, dtype, dy, x, w, mean, rstd, *, path, items, grid, center=1,
-                        with_bias=True, offset=0, schedule=None):
-    """The fused row backward (dx, and per-block partial dweight/dbias), then param_grad_finish;
-    returns float64 (dx, dweight, dbias)."""
+def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, center=1, with_bias=True,
+                          offset=0, schedule=None):
+    """The row backward that also sums dweight/dbias (per position and block; per row with
+    ``per_row``), then param_grad_finish: dx, dweight and dbias against float64 formulas."""
     A = ACC[dtype]
+    kind = "row_params" if per_row else "params"
+    items = _items(dtype, case.reduced, f"rows_bwd_{path}_{kind}", 32 if path == "warp" else ROW_BLOCK)
+    x, w, _ = _data(case, dtype, 5)
+    dy = np.random.default_rng(6).standard_normal(case.shape)
+    xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
+    _, mean, rstd = ref_forward(case, xr, None, None, center, 1e-5)
     dyd, xd = emu.to_device(dy.reshape(-1), dtype, offset), emu.to_device(x.reshape(-1), dtype, offset)
     dxd = emu.empty(case.total, dtype, offset)
-    parts = [_acc_buf(grid * case.reduced, dtype) for _ in range(2)]
+    nchunk = case.a_len if per_row else grid  # partial rows: one per sample, or one per block
+    parts = [_acc_buf(nchunk * case.p_len, dtype) for _ in range(2)]
     part_b = parts[1] if with_bias else None
-    kernel = kernels(f"rows_bwd_{path}_params", dtype, items)
-    smem = 0 if path == "warp" else 2 * case.reduced * np.dtype(A).itemsize  # block: sums in shared memory
+    kernel = kernels(f"rows_bwd_{path}_{kind}", dtype, items)
+    # a block's sums per position wait in shared memory
+    smem = 0 if path == "warp" or per_row else 2 * case.reduced * np.dtype(A).itemsize
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
     kernel((grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
-           (dyd, xd, emu.to_device(w, A), emu.to_device(mean, A) if center else None, emu.to_device(rstd, A), dxd,
-            parts[0], part_b, case.outer, case.reduced, center), shared_mem=smem, schedule=schedule)
+           (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A) if center else None,
+            emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer, case.reduced,
+            *((case.p_len,) if per_row else ()), center), shared_mem=smem, schedule=schedule)
     dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
     kernels("param_grad_finish", dtype)((min(_ceil(case.p_len, 32), 65535),), FINISH_BLOCK,
-                                        (parts[0], part_b, dw, db, case.p_len, grid), schedule=schedule)
-    return dxd.get_float(), dw.get_float(), (db.get_float() if with_bias else None)
+                                        (parts[0], part_b, dw, db, case.p_len, nchunk), schedule=schedule)
+    dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, w, center, 1e-5)
+    _close(dxd.get_float().reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
+           scale=max(1.0, float(np.abs(dx_ref).max())))
+    n_terms = case.total // case.p_len
+    _close(dw.get_float(), dw_ref, STAT_TOL[dtype] * 4, f"dweight of {case} {dtype}", scale=max(1.0, n_terms))
+    if with_bias and center:
+        _close(db.get_float(), db_ref, STAT_TOL[dtype] * 4, f"dbias of {case} {dtype}", scale=max(1.0, n_terms))
 
 
 # (path, dtype, rows, count, grid): rows dealt to fewer teams than rows (several rows per
@@ -720,68 +735,33 @@ _FUSED_ROWS = [("warp", "float32", 9, 1000, 1), ("warp", "float32", 37, 33, 3), 
                ("block", "float32", 5, 2049, 2), ("block", "float16", 7, 1024, 3), ("block", "float64", 4, 3001, 3),
                ("block", "bfloat16", 3, 2048, 1), ("block", "float32", 3, 16384, 2),  # 128 KiB of sums
                ("block", "bfloat16", 4, 12000, 3)]
+_FUSED_VARIANTS = {"ln": dict(), "rms": dict(center=0), "no_bias": dict(with_bias=False),
+                   "misaligned": dict(offset=1), "reverse": dict(schedule=1)}
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(center=0), dict(with_bias=False), dict(offset=1),
-                                     dict(schedule=1)], ids=["ln", "rms", "no_bias", "misaligned", "reverse"])
+@pytest.mark.parametrize("variant", list(_FUSED_VARIANTS))
 @pytest.mark.parametrize("path,dtype,rows,count,grid", _FUSED_ROWS)
 def test_rows_backward_with_param_grads(kernels, path, dtype, rows, count, grid, variant):
-    """dx as rows_bwd_* gives it, and dweight/dbias from the per-block sums of the same pass."""
-    case = layer_norm_rows(rows, count)
-    center = variant.get("center", 1)
-    items = _items(dtype, count, f"rows_bwd_{path}_params", 32 if path == "warp" else ROW_BLOCK)
-    x, w, _ = _data(case, dtype, 5)
-    dy = np.random.default_rng(6).standard_normal(case.shape)
-    xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
-    _, mean, rstd = ref_forward(case, xr, None, None, center, 1e-5)
-    dx, dw, db = run_row_param_grads(kernels, case, dtype, dy, x, w, mean.astype(ACC[dtype]),
-                                     rstd.astype(ACC[dtype]), path=path, items=items, grid=grid, **variant)
-    dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, w, center, 1e-5)
-    _close(dx.reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
-           scale=max(1.0, float(np.abs(dx_ref).max())))
-    _close(dw, dw_ref, STAT_TOL[dtype] * 4, f"dweight of {case} {dtype}", scale=max(1.0, rows))
-    if variant.get("with_bias", True) and center:
-        _close(db, db_ref, STAT_TOL[dtype] * 4, f"dbias of {case} {dtype}", scale=max(1.0, rows))
+    """Plain rows: dx as rows_bwd_* gives it, and dweight/dbias from the per-block sums of the
+    same pass."""
+    check_row_param_grads(kernels, layer_norm_rows(rows, count), dtype, path=path, grid=grid,
+                          **_FUSED_VARIANTS[variant])
 
 
-# (path, dtype, n, c, h, w, grid): NCHW instance norm, p = row % C; per-row sums.
+# (path, dtype, n, c, h, w, grid): NCHW instance norm, p = row % C.
 _ROW_PARAM_ROWS = [("warp", "float32", 3, 5, 7, 9, 2), ("warp", "float64", 2, 3, 4, 4, 1),
                    ("warp", "bfloat16", 4, 3, 5, 5, 3), ("warp", "float16", 2, 6, 16, 16, 2),
                    ("block", "float32", 2, 3, 40, 41, 2), ("block", "bfloat16", 3, 2, 32, 32, 1),
                    ("block", "float64", 2, 2, 30, 70, 3)]
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(with_bias=False), dict(offset=1), dict(schedule=1)],
-                         ids=["in", "no_bias", "misaligned", "reverse"])
+@pytest.mark.parametrize("variant", ["ln", "no_bias", "misaligned", "reverse"])
 @pytest.mark.parametrize("path,dtype,n,c,h,w,grid", _ROW_PARAM_ROWS)
 def test_rows_backward_with_row_param_grads(kernels, path, dtype, n, c, h, w, grid, variant):
     """NCHW instance norm: each row's dweight/dbias terms summed by its team in the same pass
     (part[row]), then param_grad_finish over the batch."""
-    case = instance_norm_nchw(n, c, h, w)
-    A = ACC[dtype]
-    items = _items(dtype, case.reduced, f"rows_bwd_{path}_row_params", 32 if path == "warp" else ROW_BLOCK)
-    x, wt, _ = _data(case, dtype, 7)
-    dy = np.random.default_rng(8).standard_normal(case.shape)
-    xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
-    _, mean, rstd = ref_forward(case, xr, None, None, 1, 1e-5)
-    offset, with_bias = variant.get("offset", 0), variant.get("with_bias", True)
-    dyd, xd = emu.to_device(dy.reshape(-1), dtype, offset), emu.to_device(x.reshape(-1), dtype, offset)
-    dxd = emu.empty(case.total, dtype, offset)
-    parts = [_acc_buf(case.outer, dtype) for _ in range(2)]
-    part_b = parts[1] if with_bias else None
-    kernels(f"rows_bwd_{path}_row_params", dtype, items)(
-        (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
-        (dyd, xd, emu.to_device(wt, A), emu.to_device(mean.astype(A), A), emu.to_device(rstd.astype(A), A), dxd,
-         parts[0], part_b, case.outer, case.reduced, case.p_len, 1), schedule=variant.get("schedule"))
-    dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
-    kernels("param_grad_finish", dtype)((1,), FINISH_BLOCK, (parts[0], part_b, dw, db, case.p_len, n))
-    dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, wt, 1, 1e-5)
-    _close(dxd.get_float().reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
-           scale=max(1.0, float(np.abs(dx_ref).max())))
-    n_terms = case.total // case.p_len
-    _close(dw.get_float(), dw_ref, STAT_TOL[dtype] * 4, f"dweight of {case} {dtype}", scale=max(1.0, n_terms))
-    if with_bias:
-        _close(db.get_float(), db_ref, STAT_TOL[dtype] * 4, f"dbias of {case} {dtype}", scale=max(1.0, n_terms))
+    check_row_param_grads(kernels, instance_norm_nchw(n, c, h, w), dtype, path=path, grid=grid, per_row=True,
+                          **_FUSED_VARIANTS[variant])
 
 
 # ---- rows, split into chunks (long rows) -----------------------------------------------------------
