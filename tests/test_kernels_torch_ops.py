@@ -24,31 +24,41 @@ from anynorm import _reference  # noqa: E402
 from anynorm._plan import make_plan  # noqa: E402
 
 
-def _cpu_forward(x, weight, bias, residual, op, axes, channel_axis, num_groups, eps):
-    plan = ops._plan(x, weight, bias, residual, op, axes, channel_axis, num_groups, eps)
-    got = _reference.forward(plan, x, weight, bias, residual)
-    outs = ops._forward_outputs(x, residual, op, axes, channel_axis, num_groups)
-    for out, value in zip(outs, got):
-        if value is not None:
+def _cpu_forward_run(plan, x, weight, bias, residual):
+    """The forward runner's contract, computed by the reference executor."""
+    outs = ops._forward_outputs(x, residual, plan.stats_shape, plan.center)
+    for out, value in zip(outs, _reference.forward(plan, x, weight, bias, residual)):
+        if out is not None:
             out.copy_(value)
     return outs
 
 
-def _cpu_backward(dy, x, weight, mean, rstd, op, axes, channel_axis, num_groups, eps, param_grads):
-    plan = ops._plan(x, weight, None, None, op, axes, channel_axis, num_groups, eps)
+def _cpu_backward_run(plan, dy, x, weight, mean, rstd, param_grads):
     acc = ops._acc(x.dtype)
     dx, dw, db = _reference.backward(plan, dy.to(x.dtype), x, weight, mean, rstd)
     if not param_grads:
         return dx, x.new_zeros((0,), dtype=acc), x.new_zeros((0,), dtype=acc)
     if dw is None:
         ones = x.new_ones(plan.param_shape, dtype=acc)
-        plan1 = ops._plan(x, ones, None, None, op, axes, channel_axis, num_groups, eps)
-        _, dw, db = _reference.backward(plan1, dy.to(x.dtype), x, ones, mean, rstd)
+        _, dw, db = _reference.backward(plan, dy.to(x.dtype), x, ones, mean, rstd)
     return dx, dw.to(acc), db.to(acc)
 
 
+def _cpu_forward(x, weight, bias, residual, *args):
+    plan = ops._plan(x, weight, bias, residual, *args)
+    return ops._placeholders(x, _cpu_forward_run(plan, x, weight, bias, residual))
+
+
+def _cpu_backward(dy, x, weight, mean, rstd, *args):
+    *args, param_grads = args
+    plan = ops._plan(x, weight, None, None, *args)
+    return _cpu_backward_run(plan, dy, x, weight, mean, rstd, param_grads)
+
+
+# CPU stand-ins for the CUDA runners, both behind the ops and for eager calls
 ops._forward_op.register_kernel("cpu")(_cpu_forward)
 ops._backward_op.register_kernel("cpu")(_cpu_backward)
+ops.RUNNERS["cpu"] = (_cpu_forward_run, _cpu_backward_run)
 
 CASES = [
     # op, shape, kwargs for make_plan, weight, bias, residual
@@ -84,8 +94,17 @@ def test_opcheck(case):
                           + ops._op_args(plan) + (True,))
 
 
+def _op_forward(plan, x, w, b, res):
+    """ops.forward's outputs, through the registered op whatever the route would be."""
+    y, h, mean, rstd = ops._forward_op(x, w, b, res, *ops._op_args(plan))
+    return y, (h if res is not None else None), (mean if plan.center else None), rstd
+
+
+@pytest.mark.parametrize("via", ["eager", "op"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3:]}")
-def test_autograd_matches_reference(case):
+def test_autograd_matches_reference(case, via):
+    """Both autograd routes, eager (_EagerNorm, no dispatcher) and the op's registered
+    autograd, give the reference executor's gradients for every input."""
     plan, x, w, b, res = _inputs(case)
     leaves = [t for t in (x, w, b, res) if t is not None]
 
@@ -96,7 +115,9 @@ def test_autograd_matches_reference(case):
             total = total + (h * torch.randn(h.shape, generator=gen, dtype=h.dtype)).sum()
         return total
 
-    y, h, mean, rstd = ops.forward(plan, x, w, b, res)
+    assert ops._route(x, w, b, res) == ops.AUTOGRAD
+    y, h, mean, rstd = (ops.forward if via == "eager" else _op_forward)(plan, x, w, b, res)
+    assert ("EagerNorm" in type(y.grad_fn).__name__) == (via == "eager")
     got = torch.autograd.grad(loss(y, h), leaves)
     ry, rh, rmean, rrstd = _reference.forward(plan, x, w, b, res)
     want = torch.autograd.grad(loss(ry, rh), leaves)
@@ -104,6 +125,44 @@ def test_autograd_matches_reference(case):
     assert (mean is None) == (rmean is None) and rstd.shape == rrstd.shape
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=["layer_norm-residual", "rms_norm"])
+def test_eager_route_without_autograd(case):
+    """Nothing to record: the runner's outputs, no graph, the same values."""
+    plan, x, w, b, res = _inputs(case)
+    with torch.no_grad():
+        assert ops._route(x, w, b, res) == ops.RUN
+        y, h, mean, rstd = ops.forward(plan, x, w, b, res)
+    ry, rh, rmean, rrstd = _reference.forward(plan, x.detach(), w, b, res)
+    assert y.grad_fn is None and not y.requires_grad
+    torch.testing.assert_close(y, ry)
+    torch.testing.assert_close(rstd, rrstd)
+    assert (h is None) == (rh is None) and (mean is None) == (rmean is None)
+
+
+def test_eager_autograd_refuses_double_backward():
+    plan, x, w, b, _ = _inputs(CASES[0])
+    y = ops.forward(plan, x, w, b)[0]
+    (gx,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(gx.sum(), x)
+
+
+def test_torch_func_grad():
+    """torch.func.grad reaches the runners through _EagerNorm (the transform unwraps its
+    tensors for an autograd.Function; the registered op's autograd cannot serve it)."""
+    plan, x, w, b, _ = _inputs(CASES[1])
+    res = torch.randn(plan.shape, dtype=x.dtype)
+    w, b = w.detach(), b.detach()
+
+    def loss(x):
+        y, h, _, _ = ops.forward(plan, x, w, b, res)
+        return (y * y).sum() + (h * h).sum()
+
+    got = torch.func.grad(loss)(x.detach())
+    (want,) = torch.autograd.grad(loss(x), x)
+    torch.testing.assert_close(got, want)
 
 
 def test_backward_entry_point_shapes():
@@ -145,10 +204,10 @@ def test_import_without_cupy_raises_import_error():
     assert run.stdout.startswith("ImportError"), run.stdout + run.stderr
 
 
-def test_direct_calls_only_where_the_dispatcher_adds_nothing():
-    """Inference calls skip the dispatcher; anything autograd, a mode or torch.compile must
-    see goes through the registered op (and CPU tensors always do: the entry points check
-    ``x.is_cuda`` first, which test_backward_entry_point_shapes relies on)."""
+def test_route_leaves_the_dispatcher_out_only_where_it_adds_nothing():
+    """Eager calls skip the dispatcher (the runner, or _EagerNorm when autograd records);
+    a mode, a tensor subclass, torch.compile or a device without a runner gets the
+    registered op."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Passthrough(TorchDispatchMode):
@@ -160,12 +219,14 @@ def test_direct_calls_only_where_the_dispatcher_adds_nothing():
 
     x = torch.ones(2, 3)
     weight = torch.nn.Parameter(torch.ones(3))
-    assert ops._direct(x, None)
-    assert not ops._direct(x, weight)  # a parameter that requires grad, grad mode on
+    assert ops._route(x, None) == ops.RUN
+    assert ops._route(x, weight) == ops.AUTOGRAD  # a parameter that requires grad, grad mode on
+    assert ops._route(x.requires_grad_(), None) == ops.AUTOGRAD
     with torch.no_grad():
-        assert ops._direct(x, weight)  # inference with a module's parameters
+        assert ops._route(x, weight) == ops.RUN  # inference with a module's parameters
     with torch.inference_mode():
-        assert ops._direct(x, weight)
+        assert ops._route(torch.ones(2, 3), weight) == ops.RUN
     with Passthrough():
-        assert not ops._direct(x)
-    assert not ops._direct(x.as_subclass(Subclass))
+        assert ops._route(x) == ops.OP
+    assert ops._route(x.as_subclass(Subclass)) == ops.OP
+    assert ops._route(torch.ones(2, 3, device="meta")) == ops.OP

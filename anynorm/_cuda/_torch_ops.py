@@ -7,7 +7,12 @@ without a residual, ``mean`` for RMS norm, ``dweight``/``dbias`` without weight)
 tensors of shape ``(0,)``, since custom ops cannot return None. ``axes`` are the plan's
 canonical reduce axes (layer/RMS norm), ``num_groups`` 0 outside group norm. Gradients
 flow to x, weight, bias and residual; gradients of the returned statistics are ignored.
-Calls with nothing to record or trace run the implementations without the dispatcher.
+
+The dispatcher costs tens of microseconds per call (more than the kernels take on a
+transformer's rows), so eager calls leave it out (:func:`_route`): with nothing for
+autograd to record they call the runner, which launches the kernels, directly; with
+autograd recording, :class:`_EagerNorm` (an ``autograd.Function``, same formula) calls it.
+torch.compile tracing, torch function/dispatch modes and tensor subclasses see the ops.
 """
 
 # No `from __future__ import annotations`: torch.library reads the annotations at runtime.
@@ -18,7 +23,7 @@ import torch
 from . import _interop, _launch
 from .._plan import namespace_of, plan_for
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "RUNNERS"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -37,13 +42,20 @@ def _stats_shape(x, op, axes, channel_axis, num_groups):
     return tuple(1 if a in axes else s for a, s in enumerate(x.shape))
 
 
-def _forward_outputs(x, residual, op, axes, channel_axis, num_groups):
+def _forward_outputs(x, residual, stats_shape, center):
+    """``(y, h, mean, rstd)`` allocated; ``h``/``mean`` None where they do not apply."""
     acc = _acc(x.dtype)
-    shape = _stats_shape(x, op, axes, channel_axis, num_groups)
     y = torch.empty_like(x)
-    h = torch.empty_like(x) if residual is not None else x.new_empty((0,))
-    mean = x.new_empty(shape, dtype=acc) if op != "rms_norm" else x.new_empty((0,), dtype=acc)
-    return y, h, mean, x.new_empty(shape, dtype=acc)
+    h = torch.empty_like(x) if residual is not None else None
+    mean = x.new_empty(stats_shape, dtype=acc) if center else None
+    return y, h, mean, x.new_empty(stats_shape, dtype=acc)
+
+
+def _placeholders(x, outputs):
+    """The op's outputs: an empty ``(0,)`` tensor for each None (custom ops return tensors)."""
+    y, h, mean, rstd = outputs
+    return (y, x.new_empty((0,)) if h is None else h,
+            x.new_empty((0,), dtype=rstd.dtype) if mean is None else mean, rstd)
 
 
 def _plan(x, weight, bias, residual, op, axes, channel_axis, num_groups, eps):
@@ -53,24 +65,66 @@ def _plan(x, weight, bias, residual, op, axes, channel_axis, num_groups, eps):
                     None if bias is None else tuple(bias.shape), residual is not None)
 
 
-def _param(t, acc):
-    return None if t is None else t.detach().to(acc).contiguous().reshape(-1)
+def _op_args(plan):
+    axes = list(plan.reduce_axes) if plan.op in ("layer_norm", "rms_norm") else []
+    return plan.op, axes, plan.channel_axis or 1, plan.num_groups or 0, float(plan.eps)
 
+
+def _param(t, acc):
+    """weight/bias as the kernels read them: contiguous, in the accumulation dtype."""
+    if t is None or (t.dtype == acc and t.is_contiguous()):
+        return t
+    return t.to(acc).contiguous()
+
+
+# ---- runners: outputs allocated, kernels launched on torch's current stream ------------------
+
+def _forward_run(plan, x, weight, bias, residual):
+    """``(y, h, mean, rstd)`` of ``plan``; ``h`` None without residual, ``mean`` for RMS norm."""
+    y, h, mean, rstd = _forward_outputs(x, residual, plan.stats_shape, plan.center)
+    if x.numel():
+        acc = rstd.dtype
+        ref = _interop.ref
+        with _interop.on_torch_stream(x.device):
+            _launch.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(_param(weight, acc)),
+                            ref(_param(bias, acc)), ref(residual), ref(y), ref(h), ref(mean), ref(rstd))
+    return y, h, mean, rstd
+
+
+def _backward_run(plan, dy, x, weight, mean, rstd, param_grads):
+    """dx, and with ``param_grads`` dweight/dbias in the accumulation dtype (else empty)."""
+    acc = _acc(x.dtype)
+    dx = torch.empty_like(x)
+    shape = plan.param_shape if param_grads else (0,)
+    alloc = x.new_empty if x.numel() else x.new_zeros  # the kernels write every element
+    dw = alloc(shape, dtype=acc)
+    db = alloc(shape, dtype=acc)
+    if x.numel():
+        if rstd is None:
+            mean = None
+        else:
+            rstd = _param(rstd, acc)
+            mean = _param(mean, acc) if plan.center else None
+        ref = _interop.ref
+        with _interop.on_torch_stream(x.device):
+            _launch.backward(plan, _interop.dtype_key(x.dtype), ref(dy.to(x.dtype)), ref(x),
+                             ref(_param(weight, acc)), ref(mean), ref(rstd), ref(dx),
+                             ref(dw) if param_grads else None, ref(db) if param_grads else None)
+    return dx, dw, db
+
+
+# Per device type, the (forward, backward) runners that eager calls use without the
+# dispatcher; the ops' registered kernels run the same functions.
+RUNNERS = {"cuda": (_forward_run, _backward_run)}
+
+
+# ---- the custom ops --------------------------------------------------------------------------
 
 def _forward_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                   residual: Optional[torch.Tensor], op: str, axes: List[int], channel_axis: int,
                   num_groups: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _plan(x, weight, bias, residual, op, axes, channel_axis, num_groups, eps)
-    y, h, mean, rstd = _forward_outputs(x, residual, op, axes, channel_axis, num_groups)
-    if x.numel():
-        acc = _acc(x.dtype)
-        ref = _interop.ref
-        with _interop.on_torch_stream(x.device):
-            _launch.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(_param(weight, acc)),
-                            ref(_param(bias, acc)), ref(residual), ref(y),
-                            ref(h) if residual is not None else None,
-                            ref(mean) if plan.center else None, ref(rstd))
-    return y, h, mean, rstd
+    return _placeholders(x, _forward_run(plan, x, weight, bias, residual))
 
 
 _forward_op = torch.library.custom_op("anynorm::forward", mutates_args=(),
@@ -79,7 +133,8 @@ _forward_op = torch.library.custom_op("anynorm::forward", mutates_args=(),
 
 @_forward_op.register_fake
 def _(x, weight, bias, residual, op, axes, channel_axis, num_groups, eps):
-    return _forward_outputs(x, residual, op, axes, channel_axis, num_groups)
+    shape = _stats_shape(x, op, axes, channel_axis, num_groups)
+    return _placeholders(x, _forward_outputs(x, residual, shape, op != "rms_norm"))
 
 
 def _param_shape(x, op, axes, channel_axis):
@@ -92,26 +147,8 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
                    mean: Optional[torch.Tensor], rstd: Optional[torch.Tensor], op: str,
                    axes: List[int], channel_axis: int, num_groups: int, eps: float,
                    param_grads: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dx, and with ``param_grads`` dweight/dbias in the accumulation dtype (else empty)."""
     plan = _plan(x, weight, None, None, op, axes, channel_axis, num_groups, eps)
-    acc = _acc(x.dtype)
-    dx = torch.empty_like(x)
-    shape = plan.param_shape if param_grads else (0,)
-    alloc = x.new_empty if x.numel() else x.new_zeros  # the kernels write every element
-    dw = alloc(shape, dtype=acc)
-    db = alloc(shape, dtype=acc)
-    if x.numel():
-        if rstd is None:
-            mean = None
-        else:
-            rstd = rstd.detach().to(acc).contiguous()
-            mean = mean.detach().to(acc).contiguous() if plan.center else None
-        ref = _interop.ref
-        with _interop.on_torch_stream(x.device):
-            _launch.backward(plan, _interop.dtype_key(x.dtype), ref(dy.detach().to(x.dtype)), ref(x),
-                             ref(_param(weight, acc)), ref(mean), ref(rstd), ref(dx),
-                             ref(dw) if param_grads else None, ref(db) if param_grads else None)
-    return dx, dw, db
+    return _backward_run(plan, dy, x, weight, mean, rstd, param_grads)
 
 
 _backward_op = torch.library.custom_op("anynorm::backward", mutates_args=(),
@@ -125,70 +162,155 @@ def _(dy, x, weight, mean, rstd, op, axes, channel_axis, num_groups, eps, param_
     return torch.empty_like(x), x.new_empty(shape, dtype=acc), x.new_empty(shape, dtype=acc)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, residual, op, axes, channel_axis, num_groups, eps = inputs
+# ---- autograd: one formula for the op and for eager calls ------------------------------------
+
+def _save(ctx, x, weight, bias, residual, output, center):
     _, h, mean, rstd = output
-    ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
-    ctx.args = (op, axes, channel_axis, num_groups, eps)
+    ctx.save_for_backward(h if residual is not None else x, weight, mean if center else None, rstd)
     ctx.has_residual = residual is not None
     ctx.weight_dtype = None if weight is None else weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _autograd_backward(ctx, dy, dh, dmean, drstd):
+def _input_grads(ctx, needs, dy, dh, run_backward):
+    """Gradients of (x, weight, bias, residual) from ``run_backward(dy, src, weight, mean,
+    rstd, param_grads) -> (dx, dweight, dbias)``; ``needs``: which inputs want one."""
     src, weight, mean, rstd = ctx.saved_tensors
-    op = ctx.args[0]
-    needs = ctx.needs_input_grad
     want_w = ctx.weight_dtype is not None and needs[1]
     want_b = ctx.bias_dtype is not None and needs[2]
-    dx, dw, db = _backward_op(dy, src, weight, mean if op != "rms_norm" else None, rstd, *ctx.args,
-                              want_w or want_b)
+    dx, dw, db = run_backward(dy, src, weight, mean, rstd, want_w or want_b)
     if ctx.has_residual and dh is not None:
         dx = dx + dh
     return (dx if needs[0] else None,
             dw.to(ctx.weight_dtype) if want_w else None,
             db.to(ctx.bias_dtype) if want_b else None,
-            dx if ctx.has_residual and needs[3] else None,
-            None, None, None, None, None)
+            dx if ctx.has_residual and needs[3] else None)
 
 
-_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, op, axes, channel_axis, num_groups, eps = inputs
+    _save(ctx, x, weight, bias, residual, output, op != "rms_norm")
+    ctx.args = (op, axes, channel_axis, num_groups, eps)
 
 
-def _op_args(plan):
-    axes = list(plan.reduce_axes) if plan.op in ("layer_norm", "rms_norm") else []
-    return plan.op, axes, plan.channel_axis or 1, plan.num_groups or 0, float(plan.eps)
+def _op_backward(ctx, dy, dh, dmean, drstd):
+    def run(*args):
+        return _backward_op(*args[:5], *ctx.args, args[5])
 
+    return _input_grads(ctx, ctx.needs_input_grad, dy, dh, run) + (None,) * 5
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes a gradient through; differentiating it again raises, as the op's does."""
+
+    @staticmethod
+    def forward(grad, *sources):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("anynorm's backward has no autograd formula: gradients of "
+                           "gradients (double backward) are not supported")
+
+
+def _eager_setup(ctx, inputs, output):
+    plan, x, weight, bias, residual = inputs
+    _save(ctx, x, weight, bias, residual, output, plan.center)
+    ctx.plan = plan
+
+
+class _EagerNorm(torch.autograd.Function):
+    """``anynorm::forward``'s autograd for eager calls: the runners, no dispatcher. (The
+    ``forward(ctx, ...)`` form: for a separate ``setup_context``, ``apply`` binds the
+    signature of ``forward`` on every call, tens of microseconds.)"""
+
+    @staticmethod
+    def forward(ctx, plan, x, weight, bias, residual):
+        output = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual)
+        _eager_setup(ctx, (plan, x, weight, bias, residual), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dy, dh, dmean, drstd):
+        run = RUNNERS[_device_type(dy)][1]
+        with torch.no_grad():
+            grads = _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh,
+                                 lambda *args: run(ctx.plan, *args))
+        if torch.is_grad_enabled():  # create_graph=True: a second backward must fail loudly
+            sources = [t for t in (dy, dh, *ctx.saved_tensors) if t is not None and t.requires_grad]
+            grads = tuple(g if g is None else _NoDoubleBackward.apply(g, *sources) for g in grads)
+        return (None,) + grads
+
+
+class _TransformNorm(_EagerNorm):
+    """:class:`_EagerNorm` in the form torch.func transforms require (``setup_context``)."""
+
+    @staticmethod
+    def forward(plan, x, weight, bias, residual):
+        return RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual)
+
+    setup_context = staticmethod(_eager_setup)
+
+
+# ---- entry points ----------------------------------------------------------------------------
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_function__
+OP, AUTOGRAD, RUN = "op", "autograd", "run"
 
 
-def _direct(*tensors) -> bool:
-    """True when calling an op's implementation directly on these (CUDA) tensors gives what
-    the dispatcher would: plain tensors or parameters, nothing for autograd to record, no
-    torch.compile tracing, no torch function or dispatch modes. Inference calls then skip the dispatcher's per-call cost
-    (about 15 us, longer than the kernels on a transformer's rows)."""
+def _device_type(t) -> str:
+    return "cuda" if t.is_cuda else t.device.type  # t.device builds an object per call
+
+
+def _route(*tensors) -> str:
+    """How a call on these tensors (the first one is x) runs: ``RUN`` (the runner itself:
+    nothing for autograd to record), ``AUTOGRAD`` (:class:`_EagerNorm`: autograd records,
+    nothing else looks; also under torch.func transforms) or ``OP`` (the registered op:
+    torch.compile tracing, torch function or dispatch modes, tensor subclasses, a device
+    without a runner)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()):
-        return False
+            or torch._C._is_torch_function_mode_enabled()
+            or _device_type(tensors[0]) not in RUNNERS):
+        return OP
     grad = torch.is_grad_enabled()
+    # torch.func transforms hand an autograd.Function (_TransformNorm) its tensors unwrapped;
+    # the runner alone would see wrappers
+    records = torch._C._are_functorch_transforms_active()
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
-            return False
-    return True
+        if t is not None:
+            if type(t) not in _PLAIN:
+                return OP
+            records = records or (grad and t.requires_grad)
+    return AUTOGRAD if records else RUN
 
 
 def forward(plan, x, weight=None, bias=None, residual=None):
     """``(y, h, mean, rstd)`` like the reference executor, differentiable through autograd."""
-    op = _forward_impl if x.is_cuda and _direct(x, weight, bias, residual) else _forward_op
-    y, h, mean, rstd = op(x, weight, bias, residual, *_op_args(plan))
-    return y, (h if residual is not None else None), (mean if plan.center else None), rstd
+    route = _route(x, weight, bias, residual)
+    if route == RUN:
+        y, h, mean, rstd = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual)
+    elif route == AUTOGRAD:
+        norm = _TransformNorm if torch._C._are_functorch_transforms_active() else _EagerNorm
+        y, h, mean, rstd = norm.apply(plan, x, weight, bias, residual)
+    else:
+        y, h, mean, rstd = _forward_op(x, weight, bias, residual, *_op_args(plan))
+        h, mean = (h if residual is not None else None), (mean if plan.center else None)
+    return y, h, mean, rstd
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """``(dx, dweight, dbias)``; dweight/dbias None without weight."""
-    op = _backward_impl if x.is_cuda and _direct(dy, x, weight, mean, rstd) else _backward_op
-    dx, dw, db = op(dy, x, weight, mean, rstd, *_op_args(plan), weight is not None)
+    if _route(x, dy, weight, mean, rstd) == RUN:
+        dx, dw, db = RUNNERS[_device_type(x)][1](plan, dy, x, weight, mean, rstd, weight is not None)
+    else:
+        dx, dw, db = _backward_op(dy, x, weight, mean, rstd, *_op_args(plan), weight is not None)
     if weight is None:
         return dx, None, None
     return dx, dw.to(weight.dtype), db.to(weight.dtype)
