@@ -112,6 +112,22 @@ def test_selftest_shuffles(selftest, mode, arg, width):
     assert out.get().tolist() == _shfl_expected(mode, arg, width) * 2
 
 
+def test_selftest_cupy_argument_widths(selftest):
+    """Under CuPy's rules an argument passes its own bytes: a Python int or an int64 for an
+    int parameter is refused (on a GPU it would shift every later argument), an int32 and
+    CuPy's own holders (what anynorm._cuda._args makes) pass."""
+    from anynorm._cuda import _args
+
+    probe = selftest.get_function("warp_probe").as_cupy()
+    out = emu.empty(64, "int32")
+    for bad in (1, np.int64(1), _args.i64(1), np.int16(1), np.float32(1)):
+        with pytest.raises(TypeError, match="argument 1"):
+            probe((1,), (64,), (out, bad, np.int32(5), np.int32(32)))
+    probe((1,), (64,), (out, _args.i32(1), np.int32(5), _args.i32(32)))
+    assert out.get().tolist() == _shfl_expected(1, 5, 32) * 2
+    assert int(emu.unhold(_args.address(123456))) == 123456
+
+
 def test_selftest_votes(selftest):
     probe = selftest.get_function("warp_probe")
     out = emu.empty(32, "int32")
@@ -947,7 +963,7 @@ def _load_launch(kernels):
     def get_kernel(kernel, dtype, items=None):
         if items is not None:  # a size not built for this dtype: the next larger one
             items = next(k for k in items_built(kernel, dtype) + _compile.items_of(kernel) if k >= items)
-        return kernels(kernel, dtype, items)
+        return kernels(kernel, dtype, items).as_cupy()  # the launch code's argument widths checked
 
     launch.get_kernel = get_kernel
     launch._target_blocks = lambda: 6  # a small "device", so long extents really split

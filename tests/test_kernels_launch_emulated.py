@@ -90,7 +90,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(_launch, "cupy", types.SimpleNamespace(empty=_empty))
     monkeypatch.setattr(_launch, "get_kernel",
                         lambda k, dtype, items=None: _module(dtype).get_function(
-                            _compile.name_expression(k, dtype, items)))
+                            _compile.name_expression(k, dtype, items)).as_cupy())
     monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
     monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
     monkeypatch.setattr(_launch, "_smem_limit", lambda: SMEM_LIMIT)
@@ -107,7 +107,7 @@ def emulated_torch(monkeypatch):
     monkeypatch.setattr(_launch, "cupy", types.SimpleNamespace(empty=_empty))
     monkeypatch.setattr(_launch, "get_kernel",
                         lambda k, dtype, items=None: _module(dtype).get_function(
-                            _compile.name_expression(k, dtype, items)))
+                            _compile.name_expression(k, dtype, items)).as_cupy())
     monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
     monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
     monkeypatch.setattr(_launch, "_smem_limit", lambda: SMEM_LIMIT)
@@ -125,7 +125,7 @@ def emulated_torch(monkeypatch):
             order = order or tuple(range(len(shape)))
             flat = flat.reshape([shape[a] for a in order]).permute(*np.argsort(order).tolist())
         ref = _interop.ref(flat)
-        assert int(ref.kernel_arg) == d.ptr
+        assert int(emu.unhold(ref.kernel_arg)) == d.ptr
         return ref
 
     return as_ref

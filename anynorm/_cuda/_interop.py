@@ -15,16 +15,28 @@ import contextlib
 import cupy
 import numpy as np
 
-__all__ = ["TensorRef", "ref", "as_cupy", "kernel_arg", "to_cupy", "on_torch_stream", "dtype_key"]
+from ._args import address
+
+__all__ = ["TensorRef", "ref", "as_cupy", "to_cupy", "on_torch_stream", "dtype_key"]
 
 _KEYS = ("float16", "bfloat16", "float32", "float64")
+_KEY_OF: dict = {}  # dtype object -> key, filled as dtypes are seen (str() costs per call)
 
 
 def dtype_key(dtype) -> str | None:
     """"float16" / "bfloat16" / "float32" / "float64" for a NumPy/CuPy or torch dtype, else None."""
+    try:
+        return _KEY_OF[dtype]
+    except (KeyError, TypeError):
+        pass
     name = str(dtype)
     name = name[len("torch."):] if name.startswith("torch.") else name
-    return name if name in _KEYS else None
+    key = name if name in _KEYS else None
+    try:
+        _KEY_OF[dtype] = key
+    except TypeError:  # an unhashable dtype
+        pass
+    return key
 
 
 def to_cupy(tensor):
@@ -42,23 +54,44 @@ def to_cupy(tensor):
 class TensorRef:
     """A CUDA torch tensor as the launcher reads it (what a CuPy array would give).
 
-    ``strides`` in bytes and ``itemsize`` decide the layout; ``dtype`` is the NumPy dtype
-    of a CuPy view (int16 for bfloat16); ``kernel_arg`` is the data pointer, which RawKernel
-    takes like an array (a DLPack round trip per tensor costs microseconds per call).
+    ``element_strides`` decide the layout (``strides`` in bytes, as CuPy gives them);
+    ``dtype`` is the NumPy dtype of a CuPy view (int16 for bfloat16); ``kernel_arg`` is the
+    data pointer as a launch argument (a DLPack round trip per tensor would cost
+    microseconds per call).
     """
 
-    __slots__ = ("tensor", "itemsize", "strides", "dtype", "kernel_arg")
+    __slots__ = ("tensor", "element_strides", "kernel_arg")
 
     def __init__(self, tensor):
         self.tensor = tensor  # keeps the memory alive for the launch
-        self.itemsize = tensor.element_size()
-        self.strides = tuple(s * self.itemsize for s in tensor.stride())
-        self.dtype = _NUMPY_DTYPE[str(tensor.dtype)]
-        self.kernel_arg = np.uint64(tensor.data_ptr())
+        self.element_strides = tensor.stride()
+        self.kernel_arg = address(tensor.data_ptr())
+
+    @property
+    def dtype(self):
+        return _NUMPY_DTYPE[self.tensor.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def strides(self) -> tuple:
+        return tuple(s * self.itemsize for s in self.element_strides)
 
 
-_NUMPY_DTYPE = {"torch.float16": np.dtype(np.float16), "torch.bfloat16": np.dtype(np.int16),
-                "torch.float32": np.dtype(np.float32), "torch.float64": np.dtype(np.float64)}
+class _TorchDtypes(dict):
+    """torch dtype -> NumPy dtype of its CuPy view, filled on first use (no torch import here)."""
+
+    def __missing__(self, dtype):
+        name = str(dtype)
+        value = {"torch.float16": np.dtype(np.float16), "torch.bfloat16": np.dtype(np.int16),
+                 "torch.float32": np.dtype(np.float32), "torch.float64": np.dtype(np.float64)}[name]
+        self[dtype] = value
+        return value
+
+
+_NUMPY_DTYPE = _TorchDtypes()
 
 
 def ref(tensor):
@@ -69,11 +102,6 @@ def ref(tensor):
 def as_cupy(arr):
     """A CuPy array of the same memory (a TensorRef crosses by DLPack); CuPy arrays as they are."""
     return to_cupy(arr.tensor) if type(arr) is TensorRef else arr
-
-
-def kernel_arg(arg):
-    """What RawKernel receives for one launch argument."""
-    return arg.kernel_arg if type(arg) is TensorRef else arg
 
 
 class _StreamHandle:

@@ -18,13 +18,13 @@ import cupy
 import numpy as np
 
 from . import _buffers
+from ._args import NULL, f64, i32, i64
 from ._compile import WARP_ITEMS, get_kernel, items_of
-from ._interop import kernel_arg
+from ._interop import TensorRef
 from ._layout import plan_layout
 
 __all__ = ["forward", "backward", "acc_dtype"]
 
-_NULL = np.uint64(0)
 _ROWS_BLOCK, _ROW_BLOCK, _BLOCK = 128, 256, 256  # warp-per-row block, block-per-row, others
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
 _VECTOR = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}  # elements per 16 bytes
@@ -50,12 +50,8 @@ def acc_dtype(dtype: str):
     return np.float64 if dtype == "float64" else np.float32
 
 
-def _i64(v):
-    return np.int64(v)
-
-
 def _ptr(arr):
-    return _NULL if arr is None else arr
+    return NULL if arr is None else arr
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +61,7 @@ def _sm_count(device_id: int) -> int:
 
 def _target_blocks() -> int:
     """Enough blocks to fill the device a few times over."""
-    return _BLOCKS_PER_SM * _sm_count(cupy.cuda.Device().id)
+    return _BLOCKS_PER_SM * _sm_count(cupy.cuda.runtime.getDevice())
 
 
 def _ceil(a, b):
@@ -106,7 +102,8 @@ def _launch(kernel, dtype, grid, block, args, items=None, smem=0):
         # near or past the default limit: opt the kernel in (cuFuncSetAttribute)
         function.max_dynamic_shared_size_bytes = smem
         _smem_allowed[id(function)] = smem
-    function(grid, block, tuple(kernel_arg(a) for a in args), shared_mem=smem)
+    function(grid, block, tuple([a.kernel_arg if type(a) is TensorRef else a for a in args]),
+             shared_mem=smem)
 
 
 # ---- shared-memory tiles of the columns family (tiles.cu) ---------------------------------
@@ -119,7 +116,7 @@ def _smem_optin(device_id: int) -> int:
 
 def _smem_limit() -> int:
     """Shared memory (static + dynamic) one block may opt in to on the current device."""
-    return _smem_optin(cupy.cuda.Device().id)
+    return _smem_optin(cupy.cuda.runtime.getDevice())
 
 
 def _tile_static_smem(dtype) -> int:
@@ -183,44 +180,44 @@ def _tile(layout, dtype, copies):
 def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
     """Fill ``mean``/``rstd`` (and ``h``, ``y`` unless None) from the buffer ``src``."""
     acc = acc_dtype(dtype)
-    center, eps = np.int32(plan.center), np.float64(plan.eps)
+    center, eps = i32(plan.center), f64(plan.eps)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
     row = _row_kernel("rows_fwd", outer, reduced, dtype) if layout.rows else None
     if row is not None:
         kernel, grid, block, items = row
         _launch(kernel, dtype, grid, block,
-                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, _i64(outer),
-                 _i64(reduced), _i64(layout.p_div), _i64(layout.p_len), center, eps), items=items)
+                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, i64(outer),
+                 i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps), items=items)
         return
     tile = _tile(layout, dtype, 1)
     if tile is not None:
         width, grid, smem = tile
         _launch("cols_fwd_tile", dtype, grid, (_TILE_THREADS,),
-                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, _i64(outer),
-                 _i64(reduced), _i64(inner), _i64(group), _i64(width), _i64(layout.p_div),
-                 _i64(layout.p_len), center, eps), smem=smem)
+                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, i64(outer),
+                 i64(reduced), i64(inner), i64(group), i64(width), i64(layout.p_div),
+                 i64(layout.p_len), center, eps), smem=smem)
         return
     if layout.rows:
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
         ws = cupy.empty((3, outer * nchunk), dtype=acc)
         _launch("rows_stats_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
-                (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], _i64(outer), _i64(reduced), _i64(chunk)))
+                (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced), i64(chunk)))
     else:
         tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
         chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
         ws = cupy.empty((3, outer * nchunk * inner), dtype=acc)
         _launch("cols_stats_partial", dtype, (tiles, nchunk, zdim), (32, 8),
-                (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], _i64(outer), _i64(reduced),
-                 _i64(inner), _i64(chunk)))
+                (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced),
+                 i64(inner), i64(chunk)))
     slices = layout.slices
     _launch("stats_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
-            (ws[0], ws[1], ws[2], _ptr(mean), rstd, _i64(outer), _i64(nchunk), _i64(inner),
-             _i64(group), center, eps))
+            (ws[0], ws[1], ws[2], _ptr(mean), rstd, i64(outer), i64(nchunk), i64(inner),
+             i64(group), center, eps))
     if y is not None:
         _launch("apply_fwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
                 (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), rstd,
-                 _i64(layout.total), _i64(reduced), _i64(inner), _i64(group), _i64(layout.p_div),
-                 _i64(layout.p_len), center))
+                 i64(layout.total), i64(reduced), i64(inner), i64(group), i64(layout.p_div),
+                 i64(layout.p_len), center))
 
 
 def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd):
@@ -258,7 +255,7 @@ def _row_params(layout, dtype, kernel, grid, block, items):
         fused = f"{kernel}_row_params"
         if items not in items_of(fused, dtype):
             return None
-        return fused, grid, 0, layout.a_len, (_i64(layout.p_len),)
+        return fused, grid, 0, layout.a_len, (i64(layout.p_len),)
     fused = f"{kernel}_params"
     if layout.p_div != 1 or layout.p_len != layout.reduced or items not in items_of(fused, dtype):
         return None
@@ -276,10 +273,10 @@ def _row_params(layout, dtype, kernel, grid, block, items):
 def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
     """dx into ``dxb``. ``param_grads`` (bool: with dbias) asks the row and tile kernels to add
     up the parameter gradients' partial sums too: returns (part, nchunk) when they did, else None."""
-    center = np.int32(plan.center)
+    center = i32(plan.center)
     acc = acc_dtype(dtype)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
-    pdiv, plen = _i64(layout.p_div), _i64(layout.p_len)
+    pdiv, plen = i64(layout.p_div), i64(layout.p_len)
     row = _row_kernel("rows_bwd", outer, reduced, dtype) if layout.rows else None
     if row is not None:
         kernel, grid, block, items = row
@@ -289,10 +286,10 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
             part = cupy.empty((2, nchunk * layout.p_len), dtype=acc)
             _launch(kernel, dtype, grid, block,
                     (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, part[0], _ptr(part[1] if param_grads else None),
-                     _i64(outer), _i64(reduced)) + extra + (center,), items=items, smem=smem)
+                     i64(outer), i64(reduced)) + extra + (center,), items=items, smem=smem)
             return part, nchunk
         _launch(kernel, dtype, grid, block,
-                (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _i64(outer), _i64(reduced), pdiv, plen,
+                (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, i64(outer), i64(reduced), pdiv, plen,
                  center), items=items)
         return None
     tile = _tile(layout, dtype, 2)
@@ -305,31 +302,31 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
             part = cupy.empty((2, nchunk * layout.p_len), dtype=acc)
             part_w, part_b = part[0], (part[1] if param_grads else None)
         _launch("cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
-                (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(part_w), _ptr(part_b), _i64(outer),
-                 _i64(reduced), _i64(inner), _i64(group), _i64(width), pdiv, plen, np.int32(mode or 0),
+                (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(part_w), _ptr(part_b), i64(outer),
+                 i64(reduced), i64(inner), i64(group), i64(width), pdiv, plen, i32(mode or 0),
                  center), smem=smem)
         return None if part is None else (part, nchunk)
     if layout.rows:
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
         ws = cupy.empty((2, outer * nchunk), dtype=acc)
         _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
-                (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], _i64(outer), _i64(reduced),
-                 _i64(chunk), pdiv, plen, center))
+                (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer), i64(reduced),
+                 i64(chunk), pdiv, plen, center))
     else:
         tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
         chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
         ws = cupy.empty((2, outer * nchunk * inner), dtype=acc)
         _launch("cols_grad_partial", dtype, (tiles, nchunk, zdim), (32, 8),
-                (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], _i64(outer), _i64(reduced),
-                 _i64(inner), _i64(group), _i64(chunk), pdiv, plen, center))
+                (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer), i64(reduced),
+                 i64(inner), i64(group), i64(chunk), pdiv, plen, center))
     slices = layout.slices
     means = cupy.empty((2, slices), dtype=acc)
     _launch("grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
-            (ws[0], ws[1], means[0], means[1], _i64(outer), _i64(nchunk), _i64(inner), _i64(group),
-             np.float64(plan.count)))
+            (ws[0], ws[1], means[0], means[1], i64(outer), i64(nchunk), i64(inner), i64(group),
+             f64(plan.count)))
     _launch("apply_bwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
-            (dyb, xb, _ptr(w), _ptr(mean), rstd, means[0], means[1], dxb, _i64(layout.total),
-             _i64(reduced), _i64(inner), _i64(group), pdiv, plen, center))
+            (dyb, xb, _ptr(w), _ptr(mean), rstd, means[0], means[1], dxb, i64(layout.total),
+             i64(reduced), i64(inner), i64(group), pdiv, plen, center))
     return None
 
 
@@ -337,28 +334,28 @@ def _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias):
     """dweight/dbias from per-chunk partial sums ``part[k][c * p_len + p]``."""
     _launch("param_grad_finish", dtype, (_grid_1d(p_len, _FINISH_BLOCK[0], _MAX_Y),), _FINISH_BLOCK,
             (part[0], _ptr(part[1] if dbias is not None else None), dweight, _ptr(dbias),
-             _i64(p_len), _i64(nchunk)))
+             i64(p_len), i64(nchunk)))
 
 
 def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias):
     acc = acc_dtype(dtype)
-    center = np.int32(plan.center)
+    center = i32(plan.center)
     a_len, p_len, b_len = layout.a_len, layout.p_len, layout.b_len
     target = _target_blocks()
-    geometry = (_i64(layout.reduced), _i64(layout.inner), _i64(layout.group))
+    geometry = (i64(layout.reduced), i64(layout.inner), i64(layout.group))
     if b_len == 1:
         tiles = _ceil(p_len, 32)
         chunk, nchunk = _split(a_len, tiles, target, 32)
         part = cupy.empty((2, nchunk * p_len), dtype=acc)
         _launch("param_grad_cols", dtype, (tiles, nchunk), (32, 8),
                 (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
-                 _i64(a_len), _i64(p_len)) + geometry + (_i64(chunk), center))
+                 i64(a_len), i64(p_len)) + geometry + (i64(chunk), center))
     else:
         chunk, nchunk = _split(a_len, p_len, target, 1)
         part = cupy.empty((2, nchunk * p_len), dtype=acc)
         _launch("param_grad_rows", dtype, (p_len, nchunk), (_BLOCK,),
                 (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
-                 _i64(a_len), _i64(p_len), _i64(b_len)) + geometry + (_i64(chunk), center))
+                 i64(a_len), i64(p_len), i64(b_len)) + geometry + (i64(chunk), center))
     _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias)
 
 

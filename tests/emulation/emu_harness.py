@@ -234,6 +234,57 @@ _SCALARS = {"i1": ctypes.c_int8, "i2": ctypes.c_int16, "i4": ctypes.c_int32, "i8
             "f4": ctypes.c_float, "f8": ctypes.c_double}
 
 
+def unhold(a):
+    """CuPy's argument holders read back: ``CScalar`` as its NumPy scalar, ``CIntptr`` as the
+    address it holds (np.uint64, a raw address)."""
+    kind = type(a).__name__
+    if kind == "CIntptr":
+        return np.uint64(ctypes.c_uint64.from_address(a.ptr).value)
+    if kind == "CScalar":
+        return np.dtype(a.dtype).type(a.value)
+    return a
+
+
+def _as_cupy_passes(a):
+    """A Python scalar as the 8-byte value RawKernel makes of it (bool: 1 byte)."""
+    if isinstance(a, bool):
+        return np.bool_(a)
+    if isinstance(a, int):
+        return np.int64(a)
+    if isinstance(a, float):
+        return np.float64(a)
+    return a
+
+
+def _check_width(name, k, code, a):
+    """CuPy copies an argument's own bytes: its width and kind must be the parameter's."""
+    want = np.dtype(code)
+    if isinstance(a, np.generic) and (a.dtype.itemsize != want.itemsize or a.dtype.kind != want.kind):
+        raise TypeError(f"{name} argument {k}: a {a.dtype} value for a {want} parameter "
+                        f"(CuPy would pass its {a.dtype.itemsize} bytes)")
+
+
+class CupyLaunched:
+    """A kernel launched under CuPy's argument rules: Python ints and floats become 8-byte
+    values, NumPy scalars and CuPy's holders keep their width, which must be the parameter's.
+    (Plain ``Kernel`` calls convert each argument to its parameter's type, for tests that
+    drive kernels directly.)"""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        return self.kernel(grid, block, args, shared_mem, cupy_widths=True)
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self.kernel.max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, n):
+        self.kernel.max_dynamic_shared_size_bytes = n
+
+
 class Module:
     """A compiled emulation library; ``get_function(name)`` as CuPy's RawModule."""
 
@@ -267,12 +318,22 @@ class Kernel:
         self.signature = [c for c in buf.value.decode().split(",") if c]
         self._run = getattr(module.lib, f"emu_run_{index}")
         self._run.restype = ctypes.c_int
+        self._cupy = None
 
-    def _pack(self, args):
+    def as_cupy(self) -> CupyLaunched:
+        """This kernel under CuPy's argument rules (one wrapper per kernel)."""
+        if self._cupy is None:
+            self._cupy = CupyLaunched(self)
+        return self._cupy
+
+    def _pack(self, args, cupy_widths=False):
         if len(args) != len(self.signature):
             raise TypeError(f"{self.name} takes {len(self.signature)} arguments, got {len(args)}")
         values, arrays = [], []
         for k, (code, a) in enumerate(zip(self.signature, args)):
+            a = unhold(a)
+            if cupy_widths:
+                a = _as_cupy_passes(a)
             if code.startswith("p"):
                 if isinstance(a, DeviceArray):
                     want = _POINTEE.get(code[1:])
@@ -288,7 +349,8 @@ class Kernel:
                         raise TypeError(f"{self.name} argument {k}: a {a.dtype} array for a pointer "
                                         f"to {code[1:]}")
                     values.append(ctypes.c_void_p(a.ctypes.data))
-                elif a is None or (isinstance(a, (int, np.integer)) and int(a) == 0):
+                elif a is None or (isinstance(a, (int, np.integer)) and int(a) == 0
+                                   and (not cupy_widths or a.itemsize == 8)):
                     values.append(ctypes.c_void_p(0))
                 elif isinstance(a, np.uint64):  # a raw address (a tensor's data_ptr), unchecked
                     values.append(ctypes.c_void_p(int(a)))
@@ -298,6 +360,8 @@ class Kernel:
                 bits = np.float16(a).view(np.uint16) if code == "h2" else bf16_bits([a])[0]
                 values.append(ctypes.c_uint16(int(bits)))
             elif code in _SCALARS:
+                if cupy_widths:
+                    _check_width(self.name, k, code, a)
                 ctype = _SCALARS[code]
                 is_int = isinstance(a, (int, np.integer)) and not isinstance(a, bool)
                 if code[0] in "iu" and not is_int:
@@ -317,12 +381,12 @@ class Kernel:
         self.module.lib.emu_set_max_dynamic_smem(ctypes.c_ulonglong(int(n)))
         self.module.max_dynamic_smem = int(n)
 
-    def __call__(self, grid, block, args, shared_mem=0, schedule=None, timeout=60.0):
+    def __call__(self, grid, block, args, shared_mem=0, schedule=None, timeout=60.0, cupy_widths=False):
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         if schedule is None:
             schedule = int(os.environ.get("ANYNORM_EMU_SCHEDULE", "0"))
-        values, arrays = self._pack(args)
+        values, arrays = self._pack(args, cupy_widths)
         argv = (ctypes.c_void_p * max(1, len(values)))(
             *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
         cfg = (ctypes.c_uint * 6)(*grid, *block)
