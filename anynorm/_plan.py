@@ -193,10 +193,7 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
         if arr is not None:
             _check_float(xp, name, arr)
             _check_device(name, arr, x)
-    if any(s is None or s != s for s in x.shape):  # None or NaN: Dask after boolean indexing
-        raise ValueError(f"x must have a known shape, got {tuple(x.shape)}: for a Dask array, "
-                         "call x.compute_chunk_sizes() first")
-    shape = tuple(int(s) for s in x.shape)
+    shape = _int_shape(x)
     if residual is not None and (tuple(residual.shape) != shape or residual.dtype != x.dtype):
         raise ValueError(f"residual must have x's shape {shape} and dtype {x.dtype}, "
                          f"got shape {tuple(residual.shape)} and dtype {residual.dtype}")
@@ -209,19 +206,36 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
     return plan_for(*args) if _cacheable(axis, channel_axis, num_groups, x.dtype) else _build_plan(*args)
 
 
+def _int_shape(x) -> tuple:
+    """``x.shape`` as a tuple of Python ints; a ValueError for unknown sizes."""
+    shape = tuple(x.shape)
+    for s in shape:
+        if type(s) is not int:
+            break
+    else:
+        return shape
+    if any(s is None or s != s for s in shape):  # None or NaN: Dask after boolean indexing
+        raise ValueError(f"x must have a known shape, got {shape}: for a Dask array, "
+                         "call x.compute_chunk_sizes() first")
+    return tuple(int(s) for s in shape)
+
+
 def _cacheable(axis, channel_axis, num_groups, dtype) -> bool:
     """True when the arguments can key the plan cache: exact ints (``True == 1`` must not
-    hit a cached ``1``), a hashable dtype."""
-    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
-    if not all(type(a) is int for a in axes) or type(channel_axis) is not int:
-        return False
-    if num_groups is not None and type(num_groups) is not int:
+    hit a cached ``1``; a list is unhashable), a hashable dtype."""
+    if type(axis) is not int:
+        if type(axis) is not tuple:
+            return False
+        for a in axis:
+            if type(a) is not int:
+                return False
+    if type(channel_axis) is not int or not (num_groups is None or type(num_groups) is int):
         return False
     try:
         hash(dtype)
     except TypeError:
         return False
-    return not isinstance(axis, list)
+    return True
 
 
 def _build_plan(op, xp, shape, dtype, axis=-1, channel_axis=1, num_groups=None, eps=1e-5,

@@ -12,13 +12,15 @@ from __future__ import annotations
 import cupy
 from cupy.lib.stride_tricks import as_strided
 
-from ._interop import as_cupy
+from ._interop import TensorRef, as_cupy
 from ._layout import buffer_strides, view_strides
 
 __all__ = ["element_strides", "is_buffer", "input_buffer", "output_buffer", "store"]
 
 
 def element_strides(arr) -> tuple:
+    if type(arr) is TensorRef:
+        return arr.element_strides
     return tuple(s // arr.itemsize for s in arr.strides)
 
 
@@ -29,10 +31,16 @@ def _view(plan, arr):
 
 
 def is_buffer(plan, layout, arr) -> bool:
-    """True when ``arr``'s memory is laid out exactly as the kernel buffer."""
-    want = buffer_strides(plan, layout)
-    have = view_strides(plan, element_strides(arr))
-    return all(n == 1 or w == h for n, w, h in zip(plan.view_shape, want, have))
+    """True when ``arr``'s memory is laid out exactly as the kernel buffer (worked out once
+    per plan, layout and strides)."""
+    strides = element_strides(arr)
+    key = ("is_buffer", layout, strides)
+    answer = plan.memo.get(key)
+    if answer is None:
+        want = buffer_strides(plan, layout)
+        have = view_strides(plan, strides)
+        answer = plan.memo[key] = all(n == 1 or w == h for n, w, h in zip(plan.view_shape, want, have))
+    return answer
 
 
 def _ordered(plan, layout, arr):

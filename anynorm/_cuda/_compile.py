@@ -92,10 +92,10 @@ def get_kernel(kernel: str, dtype: str, items: int | None = None):
     """The compiled ``cupy.RawKernel`` for one instantiation on the current device."""
     import cupy
 
-    expr = name_expression(kernel, dtype, items)
-    key = (cupy.cuda.Device().id, expr)
+    key = (cupy.cuda.runtime.getDevice(), kernel, dtype, items)
     function = _kernels.get(key)
     if function is None:
+        expr = name_expression(kernel, dtype, items)
         with _lock:
             function = _kernels.get(key)
             if function is None:

@@ -17,7 +17,10 @@ __all__ = ["forward", "backward"]
 
 
 def _param(arr, acc):
-    return None if arr is None else cupy.ascontiguousarray(arr.astype(acc, copy=False)).reshape(-1)
+    """weight/bias/statistics as the kernels read them: contiguous, in the accumulation dtype."""
+    if arr is None or (arr.dtype == acc and arr.flags.c_contiguous):
+        return arr
+    return cupy.ascontiguousarray(arr.astype(acc, copy=False))
 
 
 def forward(plan, x, weight=None, bias=None, residual=None):
@@ -46,11 +49,8 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
         dw = alloc(math.prod(plan.param_shape), dtype=acc)
         db = alloc(math.prod(plan.param_shape), dtype=acc)
     if x.size:
-        if rstd is not None:
-            rstd = cupy.ascontiguousarray(rstd.astype(acc, copy=False))
-            mean = cupy.ascontiguousarray(mean.astype(acc, copy=False)) if plan.center else None
-        else:
-            mean = None
+        rstd = _param(rstd, acc)
+        mean = _param(mean, acc) if plan.center and rstd is not None else None
         with x.device:
             _launch.backward(plan, key, dy.astype(x.dtype, copy=False), x, _param(weight, acc),
                              mean, rstd, dx, dw, db)
