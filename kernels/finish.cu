@@ -60,6 +60,42 @@ __global__ void grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>*
     }
 }
 
+// Rows made of segments of one parameter each (NCHW group norm: a row holds C/G channels of
+// HW elements; instance norm: one): rows_grad_partial, run over the segments with no weight,
+// left sum(dy) and sum(dy * xhat) per (segment, chunk) at ws[k * nchunk + c]. Per slice s
+// (segments k = s * per_slice + j, parameter p = k % p_len) this writes the means of
+// g = dy * w and of g * xhat that apply_bwd takes, the weight applied once per segment, and
+// (nullable) the segment's own sums as dweight/dbias partials: part_w[k] = sum(dy * xhat),
+// part_b[k] = sum(dy) (param_grad_finish adds them up over the batch).
+template <typename T>
+__global__ void segment_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>* __restrict__ ws_gx,
+                                      const acc_t<T>* __restrict__ w, acc_t<T>* __restrict__ mean_g,
+                                      acc_t<T>* __restrict__ mean_gx, acc_t<T>* __restrict__ part_w,
+                                      acc_t<T>* __restrict__ part_b, long long slices,
+                                      long long per_slice, long long nchunk, long long p_len,
+                                      double count) {
+    typedef acc_t<T> A;
+    for (long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x; s < slices;
+         s += (long long)gridDim.x * blockDim.x) {
+        A sg = A(0), sgx = A(0);
+        for (long long j = 0; j < per_slice; ++j) {
+            const long long k = s * per_slice + j;
+            A dy_sum = A(0), dyx_sum = A(0);
+            for (long long c = 0; c < nchunk; ++c) {
+                dy_sum += ws_g[k * nchunk + c];
+                dyx_sum += ws_gx[k * nchunk + c];
+            }
+            if (part_w) part_w[k] = dyx_sum;
+            if (part_b) part_b[k] = dy_sum;
+            const A wk = weight_at(w, k % p_len);  // one division per segment
+            sg += wk * dy_sum;
+            sgx += wk * dyx_sum;
+        }
+        mean_g[s] = sg / A(count);
+        mean_gx[s] = sgx / A(count);
+    }
+}
+
 // One element of the forward: (v - mean) * rstd * w + b for element e.
 template <typename T>
 __device__ __forceinline__ T forward_element(T v, long long e, const IndexMap& map,

@@ -511,13 +511,16 @@ __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict_
     }
 }
 
-// sum(g) and sum(g * xhat) over row[c*chunk : (c+1)*chunk] for block (c, row).
+// sum(g) and sum(g * xhat) over row[c*chunk : (c+1)*chunk] for block (c, row). Row `row`
+// uses the statistics of slice row / stats_div (1; or, for the rows of segments that NCHW
+// group norm's backward sums, the segments per slice).
 template <typename T>
 __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict__ x,
                                   const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ mean,
                                   const acc_t<T>* __restrict__ rstd, acc_t<T>* __restrict__ ws_g,
                                   acc_t<T>* __restrict__ ws_gx, long long rows, long long count,
-                                  long long chunk, long long p_div, long long p_len, int center) {
+                                  long long chunk, long long p_div, long long p_len,
+                                  long long stats_div, int center) {
     typedef acc_t<T> A;
     __shared__ A smem[64];
     const IndexMap map = block_index_map(count, 1, 1, p_div, p_len);
@@ -528,8 +531,9 @@ __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict_
     for (long long row = blockIdx.y; row < rows; row += gridDim.y) {
         const long long base = row * count + start;
         const long long len = end - start;
-        const A mu = center ? mean[row] : A(0);
-        const A r = rstd[row];
+        const long long s = stats_div == 1 ? row : row / stats_div;  // once per row, not per element
+        const A mu = center ? mean[s] : A(0);
+        const A r = rstd[s];
         const bool vec = aligned16(x + base) && aligned16(dy + base);
         const long long vlen = vec ? (len / V) * V : 0;
         A sg = A(0), sgx = A(0);

@@ -523,7 +523,7 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     if path == "rows":
         kernels("rows_grad_partial", dtype)((nchunk, grid or min(outer, 65535)), (BLOCK,),
                                             (dyd, xd, wd, md, rd, *ws, outer, reduced, chunk, case.p_div,
-                                             case.p_len, center), **launch)
+                                             case.p_len, 1, center), **launch)
     else:
         kernels("cols_grad_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)), (32, 8),
                                             (dyd, xd, wd, md, rd, *ws, outer, reduced, inner, group, chunk,

@@ -226,18 +226,20 @@ CASES = [
     ("rms_norm", (2, 17000), {"axis": -1, "eps": 1e-6}, None),
     ("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, None),
     ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, None),  # block per row, p per row
-    ("instance_norm", (2, 3, 90, 100), {"channel_axis": 1}, None),  # chunked rows, p per row
+    ("instance_norm", (2, 3, 90, 100), {"channel_axis": 1}, None),  # block per row (ITEMS=64), p per row
     ("instance_norm", (2, 4, 5, 3), {"channel_axis": -1}, None),  # NHWC columns
     ("instance_norm", (2, 3, 4, 5), {"channel_axis": 1}, (0, 2, 3, 1)),  # channels-last memory
     ("group_norm", (2, 6, 4, 5), {"channel_axis": 1, "num_groups": 3}, None),
     ("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}, None),  # columns, group 2
     ("group_norm", (2, 8, 20, 20), {"channel_axis": 1, "num_groups": 2}, None),  # block per row
-    ("group_norm", (1, 8, 50, 50), {"channel_axis": 1, "num_groups": 2}, None),  # chunked rows
+    ("group_norm", (1, 8, 50, 50), {"channel_axis": 1, "num_groups": 2}, None),  # block per row
+    ("group_norm", (2, 6, 90, 70), {"channel_axis": 1, "num_groups": 2}, None),  # chunked rows of segments
+    ("instance_norm", (2, 2, 130, 131), {"channel_axis": 1}, None),  # chunked rows of one segment
 ]
 
 
 # Every case in float32 and float16; one per kernel path in bfloat16 and float64.
-_SHORT = [CASES[i] for i in (1, 3, 5, 7, 9, 13, 17)]
+_SHORT = [CASES[i] for i in (1, 3, 5, 7, 9, 13, 17, 21)]
 MATRIX = ([(c, d) for d in ("float32", "float16") for c in CASES]
           + [(c, d) for d in ("bfloat16", "float64") for c in _SHORT])
 
@@ -346,6 +348,26 @@ def test_launch_row_backward_up_to_16384_in_registers(emulated, monkeypatch, dty
         assert chunked <= names and not {"rows_bwd_block", "rows_bwd_block_params"} & names
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launch_long_rows_of_segments(emulated, monkeypatch, dtype):
+    """NCHW group and instance norm rows past 16384 elements: one pass of per-segment (per
+    channel) sums serves dx and dweight/dbias (5 transfers); without weight, or with segments
+    shorter than a block, the plain split path (and param_grad_rows)."""
+    names = _record_launches(monkeypatch)
+    segmented = {"rows_grad_partial", "segment_grad_finalize", "apply_bwd", "param_grad_finish"}
+    for op, shape, kw in [("group_norm", (2, 6, 90, 70), {"channel_axis": 1, "num_groups": 2}),
+                          ("instance_norm", (2, 2, 130, 131), {"channel_axis": 1})]:
+        names.clear()
+        _check(op, shape, kw, dtype)
+        assert segmented <= names and not {"param_grad_rows", "grad_finalize"} & names, names
+    names.clear()
+    _check("group_norm", (2, 6, 90, 70), {"channel_axis": 1, "num_groups": 2}, dtype, with_params=False)
+    assert "grad_finalize" in names and "segment_grad_finalize" not in names
+    names.clear()
+    _check("group_norm", (1, 4096, 4, 4), {"channel_axis": 1, "num_groups": 2}, dtype)  # segments of 16
+    assert {"grad_finalize", "param_grad_rows"} <= names and "segment_grad_finalize" not in names
+
+
 def _record_launches(monkeypatch):
     """The set of kernel names the launcher fetches from now on."""
     names, fetch = set(), _launch.get_kernel
@@ -353,7 +375,7 @@ def _record_launches(monkeypatch):
     return names
 
 
-@pytest.mark.parametrize("case", [CASES[i] for i in (1, 3, 5, 7, 9, 14, 15, 17)],
+@pytest.mark.parametrize("case", [CASES[i] for i in (1, 3, 5, 7, 9, 14, 15, 17, 21)],
                          ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_launch_with_torch_tensor_refs(emulated_torch, case, dtype):

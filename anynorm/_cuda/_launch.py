@@ -307,11 +307,13 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
                  center), smem=smem)
         return None if part is None else (part, nchunk)
     if layout.rows:
+        if param_grads is not None and _segmented(layout):
+            return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads)
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
         ws = cupy.empty((2, outer * nchunk), dtype=acc)
         _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer), i64(reduced),
-                 i64(chunk), pdiv, plen, center))
+                 i64(chunk), pdiv, plen, i64(1), center))
     else:
         tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
         chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
@@ -324,10 +326,47 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
     _launch("grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], means[0], means[1], i64(outer), i64(nchunk), i64(inner), i64(group),
              f64(plan.count)))
+    _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb)
+    return None
+
+
+def _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb):
+    """dx elementwise from the per-slice means of g = dy * w and g * xhat (``means[0]``, ``[1]``)."""
     _launch("apply_bwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
             (dyb, xb, _ptr(w), _ptr(mean), rstd, means[0], means[1], dxb, i64(layout.total),
-             i64(reduced), i64(inner), i64(group), pdiv, plen, center))
-    return None
+             i64(layout.reduced), i64(layout.inner), i64(layout.group), i64(layout.p_div),
+             i64(layout.p_len), i32(plan.center)))
+
+
+def _segmented(layout) -> bool:
+    """Rows made of whole segments of ``p_div`` elements with one parameter each (NCHW group
+    norm: C/G channels of HW; NCHW instance norm: one channel), segments long enough to give
+    a block of rows_grad_partial a full pass of its threads."""
+    return layout.p_div >= _BLOCK and layout.reduced % layout.p_div == 0
+
+
+def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias):
+    """Split rows of parameter segments, with dweight/dbias: rows_grad_partial sums dy and
+    dy*xhat per (segment, chunk), unweighted; segment_grad_finalize makes of them both the
+    slices' means of g and g*xhat (the weight applied per segment) and per-segment
+    dweight/dbias partials; apply_bwd writes dx. dy and x are read twice in all (5 transfers
+    of x's size; the split path followed by param_grad_rows: 7). Returns (part, batch)."""
+    acc = acc_dtype(dtype)
+    seg, per_row = layout.p_div, layout.reduced // layout.p_div
+    segs = layout.outer * per_row
+    chunk, nchunk = _split(seg, min(segs, _MAX_Y), _target_blocks(), 4096, align=256)
+    ws = cupy.empty((2, segs * nchunk), dtype=acc)
+    _launch("rows_grad_partial", dtype, (nchunk, min(segs, _MAX_Y)), (_BLOCK,),
+            (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], i64(segs), i64(seg), i64(chunk),
+             i64(1), i64(1), i64(per_row), i32(plan.center)))
+    slices = layout.slices
+    means = cupy.empty((2, slices), dtype=acc)
+    part = cupy.empty((2, segs), dtype=acc)
+    _launch("segment_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], _ptr(w), means[0], means[1], part[0], _ptr(part[1] if with_bias else None),
+             i64(slices), i64(per_row), i64(nchunk), i64(layout.p_len), f64(plan.count)))
+    _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb)
+    return part, layout.a_len
 
 
 def _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias):
