@@ -7,7 +7,8 @@ Sections, each a markdown table:
 
 1. rows (issue 3): layer_norm and rms_norm over the last axis of M x N (M*N = 2^25), forward and
    autograd backward on CUDA torch tensors (bfloat16, float32), layer_norm forward on CuPy arrays
-   (float16, float32); against torch.nn.functional and a device-to-device copy of the same bytes.
+   (float16, float32), 32-group group_norm on Stable Diffusion's NCHW shapes; against
+   torch.nn.functional and a device-to-device copy of the same bytes.
 2. strided (issue 4): ConvNeXt's channels-first layer_norm (axis=1), channels-last (NHWC)
    instance_norm and 32-group group_norm, forward and backward, against torch's best equivalent.
 3. overhead: wall-clock microseconds per call of small layer norms (1000 calls, one synchronize).
@@ -46,6 +47,9 @@ ROW_ELEMENTS = 2 ** 25
 HIDDEN = (768, 1024, 2048, 4096, 8192, 16384)
 CONVNEXT_NCHW = ((64, 96, 56, 56), (64, 192, 28, 28), (64, 384, 14, 14), (64, 768, 7, 7))
 CHANNELS_LAST_NHWC = ((32, 56, 56, 64), (32, 28, 28, 256))
+# Stable Diffusion's UNet GroupNorm(32, C) on NCHW: rows of 40960 and 20480 elements take the
+# split path (backward: per-channel segment sums), 10240 the register kernels
+SD_GROUP_NCHW = ((8, 320, 64, 64), (8, 640, 32, 32), (8, 1280, 16, 16))
 GROUPS = 32
 OVERHEAD_SHAPES = ((4, 8), (64, 768))
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -341,6 +345,19 @@ def nhwc_group_norm(env, shape):
                     ours=lambda x, w, b: an.group_norm(x, GROUPS, w, b, channel_axis=-1, eps=EPS),
                     peers={"torch": lambda x, w, b: F.group_norm(
                         x.permute(0, 3, 1, 2), GROUPS, w, b, EPS).permute(0, 2, 3, 1)})
+
+
+def nchw_group_norm(env, shape):
+    an, F = env.anynorm, env.F
+    return Workload(f"group_norm {GROUPS} NCHW {'x'.join(map(str, shape))}", shape, (shape[1],),
+                    ours=lambda x, w, b: an.group_norm(x, GROUPS, w, b, eps=EPS),
+                    peers={"torch": lambda x, w, b: F.group_norm(x, GROUPS, w, b, EPS)})
+
+
+def sd_group_shapes(tiny):
+    if tiny:
+        return [(2, C // 10, H // 16, W // 16) for _, C, H, W in SD_GROUP_NCHW]
+    return list(SD_GROUP_NCHW)
 
 
 def row_shapes(tiny):
@@ -661,13 +678,17 @@ def skipped_row(env, case):
 
 
 def rows_cases(env):
-    """Issue 3: forward and backward of layer/RMS norm on rows; CuPy forward."""
+    """Issue 3: forward and backward of layer/RMS norm on rows and of NCHW group norm; CuPy forward."""
     shapes = row_shapes(env.settings.tiny)
     for make, direction in ((layer_norm_rows, "fwd"), (rms_norm_rows, "fwd"),
                             (layer_norm_rows, "bwd"), (rms_norm_rows, "bwd")):
         for dtype in ("bfloat16", "float32"):
             for M, N in shapes:
                 yield Case("rows", make(env, M, N), dtype, direction)
+    for direction in ("fwd", "bwd"):  # channels-first group norm, also a rows layout
+        for shape in sd_group_shapes(env.settings.tiny):
+            for dtype in ("bfloat16", "float32"):
+                yield Case("rows", nchw_group_norm(env, shape), dtype, direction)
     if env.device == "cuda":
         for dtype in ("float16", "float32"):  # CuPy has no bfloat16
             for M, N in shapes:

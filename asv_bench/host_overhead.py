@@ -92,7 +92,8 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--number", type=int, default=2000)
-    parser.add_argument("--profile", action="store_true", help="cProfile the inference and training calls")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the inference and training calls")
     args = parser.parse_args(argv)
     ops = _stub_cuda()
     torch.manual_seed(0)

@@ -14,9 +14,10 @@ import pytest
 pytest.importorskip("torch")
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "asv_bench" / "gpu_report.py"
-# on CPU: 6 hidden sizes x 2 dtypes x (layer/RMS norm x forward/backward); 8 strided
-# workloads x 2 dtypes x 2 passes; 2 shapes x (no_grad, requires_grad)
-EXPECTED_ROWS = {"rows": 48, "strided": 32, "overhead": 4}
+# on CPU: 6 hidden sizes x 2 dtypes x (layer/RMS norm x forward/backward) + 3 NCHW group norm
+# shapes x 2 dtypes x 2 passes; 8 strided workloads x 2 dtypes x 2 passes; 2 shapes x
+# (no_grad, requires_grad)
+EXPECTED_ROWS = {"rows": 60, "strided": 32, "overhead": 4}
 CASE_KEYS = {"section", "name", "shape", "dtype", "pass", "lib", "error", "errors", "max_err", "check_ok"}
 
 

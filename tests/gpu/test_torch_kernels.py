@@ -94,6 +94,24 @@ def test_group_norm_vs_torch(groups, channels_last, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op, shape", [("group_norm", (2, 320, 64, 64)),
+                                       ("instance_norm", (2, 3, 130, 131))])
+def test_long_nchw_rows_vs_torch(op, shape, dtype):
+    """Rows past 16384 elements (Stable Diffusion's 64x64 GroupNorm(32, 320): 40960): the
+    backward's per-channel segment sums (segment_grad_finalize) against torch."""
+    x = _rand(shape, dtype)
+    w = _rand(shape[1:2], dtype, 1, 1.0, 0.5)
+    b = _rand(shape[1:2], dtype, 2, 0.0, 0.5)
+    if op == "group_norm":
+        ours = lambda x, w, b: anynorm.group_norm(x, 32, w, b)  # noqa: E731
+        theirs = lambda x, w, b: F.group_norm(x, 32, w, b)  # noqa: E731
+    else:
+        ours = lambda x, w, b: anynorm.instance_norm(x, w, b)  # noqa: E731
+        theirs = lambda x, w, b: F.instance_norm(x, weight=w, bias=b)  # noqa: E731
+    _compare(_kernels(ours), theirs, (x, w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_nhwc_group_norm_vs_torch(dtype):
     x = _rand((2, 9, 11, 32), dtype)
     w = _rand((32,), dtype, 1, 1.0, 0.5)
