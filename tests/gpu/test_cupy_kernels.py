@@ -26,6 +26,7 @@ CASES = [
     ("layer_norm", (4, 16385), {}),  # chunked rows
     ("layer_norm", (4, 65536), {}),
     ("layer_norm", (2, 2**20), {}),
+    ("layer_norm", (1, 2**24), {}),  # the longest row issue 3 names: one row cut into 4 chunks per SM
     ("layer_norm", (70001, 8), {}),  # > 65535 rows, warp
     ("layer_norm", (70001, 1500), {}),  # > 65535 rows, block per row (grid-stride)
     ("layer_norm", (3, 5, 7), {"axis": (-2, -1)}),
@@ -44,7 +45,7 @@ CASES = [
     ("instance_norm", (70001, 2, 5), {"channel_axis": 1}),
     ("instance_norm", (2, 3, 70000), {"channel_axis": 1}),
     ("group_norm", (4, 6, 8, 9), {"channel_axis": 1, "num_groups": 3}),
-    ("group_norm", (2, 32, 128, 128), {"channel_axis": 1, "num_groups": 8}),  # chunked rows
+    ("group_norm", (2, 32, 128, 128), {"channel_axis": 1, "num_groups": 8}),  # chunked rows of segments
     ("group_norm", (4, 8, 9, 6), {"channel_axis": -1, "num_groups": 2}),  # NHWC: columns, group 3
     ("group_norm", (4, 8, 9, 6), {"channel_axis": -1, "num_groups": 6}),
     ("group_norm", (2, 32, 32, 64), {"channel_axis": -1, "num_groups": 32}),
