@@ -530,8 +530,8 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
                                              case.p_div, case.p_len, center), **launch)
     means = [_acc_buf(case.slices, dtype) for _ in range(2)]
     kernels("grad_finalize", dtype)((grid or min(_ceil(case.slices, BLOCK), 65535),), (BLOCK,),
-                                    (*ws, *means, outer, nchunk, inner, group, float(case.reduced * group)),
-                                    **launch)
+                                    (*ws, None, *means, None, None, outer, nchunk, inner, group,
+                                     float(case.reduced * group)), **launch)
     kernels("apply_bwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),
                                 (dyd, xd, wd, md, rd, *means, dxd, case.total, reduced, inner, group,
                                  case.p_div, case.p_len, center), **launch)

@@ -271,10 +271,18 @@ def test_launch_columns_split_path(emulated, monkeypatch, dtype):
     monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (0,))
     names = _record_launches(monkeypatch)
     _check("layer_norm", (3, 70, 33), {"axis": 1}, dtype)
-    _check("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}, dtype, residual=False)
     _check("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, dtype, residual=True)
-    assert {"cols_stats_partial", "cols_grad_partial", "param_grad_rows", "param_grad_cols"} <= names
-    assert not {"cols_fwd_tile", "cols_bwd_tile"} & names
+    # the parameter is the reduced index (p = r): dweight/dbias read dy and x again
+    assert {"cols_stats_partial", "cols_grad_partial", "grad_finalize", "param_grad_rows"} <= names
+    assert not {"cols_fwd_tile", "cols_bwd_tile", "param_grad_cols"} & names
+    # the parameter is the column (p = i, NHWC): grad_finalize hands the columns' unweighted
+    # sums on as dweight/dbias partials
+    for op, shape, kw in [("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}),
+                          ("instance_norm", (3, 7, 9, 5), {"channel_axis": -1})]:
+        names.clear()
+        _check(op, shape, kw, dtype)
+        assert {"cols_grad_partial", "grad_finalize", "param_grad_finish"} <= names, names
+        assert not {"param_grad_cols", "param_grad_rows", "cols_bwd_tile"} & names, names
 
 
 def test_launch_tile_past_default_shared_memory(emulated, monkeypatch):
