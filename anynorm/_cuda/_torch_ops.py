@@ -71,7 +71,7 @@ def _op_args(plan):
 
 
 def _param(t, acc):
-    """weight/bias as the kernels read them: contiguous, in the accumulation dtype."""
+    """weight, bias or statistics as the kernels read them: contiguous, in the accumulation dtype."""
     if t is None or (t.dtype == acc and t.is_contiguous()):
         return t
     return t.to(acc).contiguous()
@@ -80,7 +80,7 @@ def _param(t, acc):
 # ---- runners: outputs allocated, kernels launched on torch's current stream ------------------
 
 def _forward_run(plan, x, weight, bias, residual):
-    """``(y, h, mean, rstd)`` of ``plan``; ``h`` None without residual, ``mean`` for RMS norm."""
+    """``(y, h, mean, rstd)`` of ``plan``; ``h`` None without residual, ``mean`` None for RMS norm."""
     y, h, mean, rstd = _forward_outputs(x, residual, plan.stats_shape, plan.center)
     if x.numel():
         acc = rstd.dtype
