@@ -54,11 +54,25 @@ def use_backend(name: str):
         _override.reset(token)
 
 
+# Array type -> "cupy" | "torch" | "numpy" | "other": array_api_compat decides by type, so
+# each type is asked once (the checks cost microseconds per call).
+_KINDS: dict = {}
+
+
+def _kind(x) -> str:
+    kind = _KINDS.get(type(x))
+    if kind is None:
+        kind = ("cupy" if array_api_compat.is_cupy_array(x) else
+                "torch" if array_api_compat.is_torch_array(x) else
+                "numpy" if array_api_compat.is_numpy_array(x) else "other")
+        _KINDS[type(x)] = kind
+    return kind
+
+
 def on_cuda(x) -> bool:
     """True for CuPy arrays and CUDA torch tensors, the inputs the kernels take."""
-    if array_api_compat.is_cupy_array(x):
-        return True
-    return array_api_compat.is_torch_array(x) and x.device.type == "cuda"
+    kind = _kind(x)
+    return kind == "cupy" or (kind == "torch" and x.is_cuda)
 
 
 def _cuda_executor():
@@ -85,8 +99,9 @@ def choose(plan, x):
     if backend == "kernels":
         raise ValueError("backend 'kernels' needs a CuPy array or a CUDA torch tensor, "
                          f"got {type(x).__module__}.{type(x).__name__} on {array_api_compat.device(x)}")
-    if array_api_compat.is_numpy_array(x):
+    kind = _kind(x)
+    if kind == "numpy":
         return _numpy
-    if array_api_compat.is_torch_array(x):
+    if kind == "torch":
         return _torch
     return _reference
