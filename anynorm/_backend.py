@@ -15,6 +15,7 @@ import os
 import array_api_compat
 
 from . import _numpy, _reference, _torch
+from ._plan import array_kind
 
 __all__ = ["set_backend", "get_backend", "use_backend", "choose", "BACKENDS"]
 
@@ -54,24 +55,9 @@ def use_backend(name: str):
         _override.reset(token)
 
 
-# Array type -> "cupy" | "torch" | "numpy" | "other": array_api_compat decides by type, so
-# each type is asked once (the checks cost microseconds per call).
-_KINDS: dict = {}
-
-
-def _kind(x) -> str:
-    kind = _KINDS.get(type(x))
-    if kind is None:
-        kind = ("cupy" if array_api_compat.is_cupy_array(x) else
-                "torch" if array_api_compat.is_torch_array(x) else
-                "numpy" if array_api_compat.is_numpy_array(x) else "other")
-        _KINDS[type(x)] = kind
-    return kind
-
-
 def on_cuda(x) -> bool:
     """True for CuPy arrays and CUDA torch tensors, the inputs the kernels take."""
-    kind = _kind(x)
+    kind = array_kind(x)
     return kind == "cupy" or (kind == "torch" and x.is_cuda)
 
 
@@ -99,7 +85,7 @@ def choose(plan, x):
     if backend == "kernels":
         raise ValueError("backend 'kernels' needs a CuPy array or a CUDA torch tensor, "
                          f"got {type(x).__module__}.{type(x).__name__} on {array_api_compat.device(x)}")
-    kind = _kind(x)
+    kind = array_kind(x)
     if kind == "numpy":
         return _numpy
     if kind == "torch":

@@ -17,7 +17,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-__all__ = ["Plan", "make_plan", "plan_for", "namespace_of"]
+__all__ = ["Plan", "make_plan", "plan_for", "namespace_of", "array_kind"]
 
 _OPS = ("layer_norm", "rms_norm", "instance_norm", "group_norm")
 
@@ -122,17 +122,24 @@ def _check_float(xp, name, arr):
         raise TypeError(f"{name} must have a real floating-point dtype, got {arr.dtype}")
 
 
-# Array types whose ``.device`` attribute is what array_api_compat.device returns (torch,
-# CuPy): reading it directly saves most of the per-call cost of the device check.
-_DEVICE_ATTRIBUTE = {}
+# Array type -> "cupy" | "torch" | "numpy" | "other": array_api_compat decides by type, so
+# each type is asked once (its checks cost microseconds per call).
+_KINDS: dict = {}
+
+
+def array_kind(x) -> str:
+    kind = _KINDS.get(type(x))
+    if kind is None:
+        kind = ("cupy" if array_api_compat.is_cupy_array(x) else
+                "torch" if array_api_compat.is_torch_array(x) else
+                "numpy" if array_api_compat.is_numpy_array(x) else "other")
+        _KINDS[type(x)] = kind
+    return kind
 
 
 def _device(arr):
-    direct = _DEVICE_ATTRIBUTE.get(type(arr))
-    if direct is None:
-        direct = _DEVICE_ATTRIBUTE[type(arr)] = bool(
-            array_api_compat.is_torch_array(arr) or array_api_compat.is_cupy_array(arr))
-    return arr.device if direct else array_api_compat.device(arr)
+    # torch and CuPy arrays' own .device is what array_api_compat.device returns, for less
+    return arr.device if array_kind(arr) in ("torch", "cupy") else array_api_compat.device(arr)
 
 
 def _check_device(name, arr, x):
