@@ -14,7 +14,7 @@ import os
 
 import array_api_compat
 
-from . import _numpy, _reference, _torch
+from . import _dask, _numpy, _reference, _torch
 from ._plan import array_kind
 
 __all__ = ["set_backend", "get_backend", "use_backend", "choose", "BACKENDS"]
@@ -90,4 +90,6 @@ def choose(plan, x):
         return _numpy
     if kind == "torch":
         return _torch
+    if kind == "dask":
+        return _dask
     return _reference

@@ -132,7 +132,8 @@ def array_kind(x) -> str:
     if kind is None:
         kind = ("cupy" if array_api_compat.is_cupy_array(x) else
                 "torch" if array_api_compat.is_torch_array(x) else
-                "numpy" if array_api_compat.is_numpy_array(x) else "other")
+                "numpy" if array_api_compat.is_numpy_array(x) else
+                "dask" if array_api_compat.is_dask_array(x) else "other")
         _KINDS[type(x)] = kind
     return kind
 
