@@ -198,3 +198,70 @@ def test_array_module_channels_last_and_axis():
     assert_close(got, want, "float64")
     got = anynorm.LayerNorm(3, axis=1, dtype=np.float64)(x64)
     assert_close(got, reference.forward("layer_norm", x64, axis=1)[0], "float64")
+
+
+# --- input shape errors name the input, not the module's weight ---------------------------------
+
+# (module, input shape, what the message must say)
+WRONG_INPUTS = [
+    (lambda ns: ns.LayerNorm(128), (2, 64), r"\[\*, 128\].*got an input of shape \(2, 64\)"),
+    (lambda ns: ns.LayerNorm((3, 128)), (2, 3, 64), r"\[\*, 3, 128\].*got an input of shape \(2, 3, 64\)"),
+    (lambda ns: ns.LayerNorm(128), (64,), r"\[\*, 128\].*got an input of shape \(64,\)"),
+    (lambda ns: ns.LayerNorm(96, axis=1), (2, 64, 7, 7), r"sizes \(96,\) on axis=1.*got an input of shape \(2, 64, 7, 7\)"),
+    (lambda ns: ns.LayerNorm((2, 96), axis=(0, -1)), (2, 5, 64), r"sizes \(2, 96\).*got an input of shape \(2, 5, 64\)"),
+    (lambda ns: ns.LayerNorm(128, elementwise_affine=False), (2, 64), r"\[\*, 128\].*shape \(2, 64\)"),
+    (lambda ns: ns.RMSNorm(128), (2, 64), r"\[\*, 128\].*got an input of shape \(2, 64\)"),
+    (lambda ns: ns.RMSNorm(8, axis=0), (4, 8), r"sizes \(8,\) on axis=0.*got an input of shape \(4, 8\)"),
+    (lambda ns: ns.GroupNorm(4, 32), (2, 16, 5), r"32 channels on channel_axis=1.*got an input of shape \(2, 16, 5\)"),
+    (lambda ns: ns.GroupNorm(4, 32, channel_axis=-1), (2, 5, 16), r"32 channels on channel_axis=-1.*shape \(2, 5, 16\)"),
+    (lambda ns: ns.GroupNorm(4, 32, channel_axis=3), (2, 32, 5), r"32 channels on channel_axis=3.*shape \(2, 32, 5\)"),
+    (lambda ns: ns.InstanceNorm(4), (2, 3, 5), r"num_features=4.*4 channels on channel_axis=1.*shape \(2, 3, 5\)"),
+    (lambda ns: ns.InstanceNorm(4, affine=True, channel_axis=-1), (2, 5, 3), r"4 channels on channel_axis=-1.*shape \(2, 5, 3\)"),
+]
+
+
+@pytest.mark.parametrize("flavour", ["anynorm.nn", "anynorm"])
+@pytest.mark.parametrize("make, shape, message", WRONG_INPUTS, ids=[f"{i}" for i in range(len(WRONG_INPUTS))])
+def test_module_input_errors_name_the_input(flavour, make, shape, message):
+    """A wrong input's error names the input's shape and what the module expected (issue 18:
+    ``LayerNorm(128)`` given 64 features blamed ``weight must have shape (64,)``)."""
+    ns = nn if flavour == "anynorm.nn" else anynorm
+    module = make(ns)
+    x = torch.zeros(shape) if flavour == "anynorm.nn" else np.zeros(shape, np.float32)
+    with pytest.raises(ValueError, match=message) as info:
+        module(x)
+    text = str(info.value)
+    assert "weight" not in text and "expected" in text
+    assert text.startswith(f"{flavour}.{type(module).__name__}(")
+
+
+@pytest.mark.parametrize("flavour", ["anynorm.nn", "anynorm"])
+def test_module_input_check_lets_good_inputs_and_other_errors_through(flavour):
+    """Right shapes run; a non-array stays the function's TypeError; a bad axis the function's ValueError."""
+    ns = nn if flavour == "anynorm.nn" else anynorm
+    asarray = torch.zeros if flavour == "anynorm.nn" else (lambda s: np.zeros(s, np.float32))
+    assert tuple(ns.LayerNorm(96, axis=1)(asarray((2, 96, 3))).shape) == (2, 96, 3)
+    assert tuple(ns.LayerNorm((2, 96), axis=(0, -1))(asarray((2, 5, 96))).shape) == (2, 5, 96)
+    assert tuple(ns.RMSNorm((3, 4), axis=(-1, -2))(asarray((2, 3, 4))).shape) == (2, 3, 4)
+    assert tuple(ns.GroupNorm(2, 4, channel_axis=-1)(asarray((2, 3, 4))).shape) == (2, 3, 4)
+    with pytest.raises(TypeError, match="x must be an array"):
+        ns.LayerNorm(4)([[1.0, 2.0, 3.0, 4.0]])
+    with pytest.raises(ValueError, match="axis"):
+        ns.LayerNorm((4, 4), axis=(1, 1))(asarray((2, 4, 4)))
+    ln = ns.LayerNorm(3)
+    ln.axis = 0  # changing the axis later changes what the check expects
+    assert tuple(ln(asarray((3, 5))).shape) == (3, 5)
+    with pytest.raises(ValueError, match=r"axis=0.*shape \(5, 3\)"):
+        ln(asarray((5, 3)))
+
+
+def test_array_module_input_check_skips_unknown_sizes():
+    """Dask arrays of unknown chunk sizes have nan in their shape: the module leaves them to the
+    function, whose message says what to do."""
+    da = pytest.importorskip("dask.array")
+    x = da.from_array(np.ones((4, 6), np.float32), chunks=2)
+    x = x[x[:, 0] > 0]  # shape (nan, 6)
+    assert np.isnan(x.shape[0])
+    for module in (anynorm.LayerNorm(6, xp=da), anynorm.LayerNorm(5, xp=da), anynorm.GroupNorm(2, 6, xp=da)):
+        with pytest.raises(ValueError, match="known shape.*compute_chunk_sizes"):
+            module(x)
