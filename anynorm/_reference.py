@@ -43,15 +43,19 @@ def centred_statistics(plan, xv):
     """``(mean or None, rstd, xc)`` of the view ``xv``: keepdims, in the accumulation dtype,
     with ``xc = xv - mean`` (``xv`` itself for RMS norm).
 
-    Corrected two-pass: ``xv - shift`` is exact near the first-pass mean ``shift``, and the
-    mean of those small differences corrects it.  Subtracting ``shift + correction`` as one
-    rounded number instead would lose the rows' offset's rounding (a float32 row near 1e6
-    would come out worse than torch's).
+    Corrected two-pass: ``xv - shift`` is exact near the mean (both far from zero: Sterbenz),
+    and the mean of those small differences corrects it.  Subtracting ``shift + correction``
+    as one rounded number instead would lose the rows' offset's rounding (a float32 row near
+    1e6 would come out worse than torch's).  The shift itself is ``x0 + mean(x - x0)`` with
+    ``x0`` the slice's first element, not ``mean(x)``: a plain float32 sum of values near 1e6
+    over strided axes (no pairwise summation) is off by many units, which the correction's
+    own sum would then carry into ``y`` (1e-5 and more at 1e6); ``x - x0`` is small.
     """
     xp = plan.xp
     axes = plan.reduce_axes
     if plan.center:
-        shift = xp.mean(xv, axis=axes, keepdims=True)
+        first = xv[tuple(slice(0, 1) if a in axes else slice(None) for a in range(xv.ndim))]
+        shift = first + xp.mean(xv - first, axis=axes, keepdims=True)
         diff = xv - shift
         correction = xp.mean(diff, axis=axes, keepdims=True)
         mean, xc = shift + correction, diff - correction

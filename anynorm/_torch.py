@@ -1,19 +1,31 @@
-"""The torch CPU executor: PyTorch's fused routines, or the NumPy executor on the same memory.
+"""The torch CPU executor: PyTorch's fused routines where they are exact, else the NumPy
+executor on the same memory, else the array-API core.
 
-``torch.native_layer_norm`` and ``torch._fused_rms_norm`` compute exactly the contract's
-formula (biased variance, eps inside the square root) and return the statistics, with
-autograd; they serve float32/float64 layer/RMS norm over trailing axes (what
-``F.layer_norm`` runs).  ``torch.native_group_norm`` serves group norm with channels on
-axis 1 of a contiguous tensor, or channels last (NHWC memory), as ``F.group_norm`` does;
-``torch.native_batch_norm`` over the (1, N*C, spatial) view serves instance norm, as
-``F.instance_norm`` does.
+torch's CPU kernels (``native_layer_norm``, ``native_group_norm``, ``_fused_rms_norm``)
+compute the contract's formula, return the statistics and carry autograd; they serve
+layer/RMS norm over any axes (the normalized axes moved last, as ``F.layer_norm`` needs),
+group norm with channels on axis 1 of a contiguous or channels-last (NHWC) tensor, and
+instance norm as group norm with one channel per group.  float16/bfloat16 inputs run them
+with float32 parameters, so the statistics are accumulated and returned in float32 and
+only cache-sized rows are ever converted.
+
+Accuracy: these kernels are exact only on well-conditioned slices.  The row kernels scale
+as ``x * rstd - mean * rstd``, which loses ``|mean| * rstd`` ulps, and the channels-last
+group-norm kernel takes ``E[x^2] - E[x]^2``, which loses ``(|mean| * rstd)^2`` of them (all
+digits at an offset of 1e4).  So every centred call checks the conditioning its own
+statistics show (``max |mean| * rstd`` against ``_LIMITS``); a call over the limit runs
+again on ``x - shift``, the shift being the first run's mean rounded to x's dtype and
+detached from autograd (layer and group norm are shift-invariant: ``x - shift`` is exact
+for rows far from zero, its statistics well conditioned, and ``shift`` is added back to the
+returned mean), and is checked again; what still fails takes the exact executors.  Under
+``torch.compile`` (no data-dependent branch) the shift is always taken, from one element of
+each slice, and the channels-last kernel is not used.
 
 When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
-(``Tensor.numpy()``, zero-copy) wherever it is the faster or the more accurate: layer/RMS
-rows longer than ``NATIVE_MAX_ROW``, instance norm, channels-first layer norm over long
-runs, float16.  With autograd
-on, layouts without a torch routine take the array-API core, whose torch operations
-autograd differentiates.  bfloat16 (no NumPy dtype) and torch.compile tracing also do.
+(``Tensor.numpy()``, zero-copy) wherever it is the faster: float32/float64 layer/RMS rows
+longer than ``NATIVE_MAX_ROW``, channels-first layer norm over long runs.  With autograd on,
+layouts without a torch routine take the array-API core, whose torch operations autograd
+differentiates.
 """
 
 from __future__ import annotations
@@ -30,13 +42,23 @@ __all__ = ["forward", "backward"]
 
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
                  torch.float64: np.dtype(np.float64)}
+_HALF = (torch.float16, torch.bfloat16)
 NATIVE_MAX_ROW = 2048
 SHORT_RUN = 1024
+# Largest max |mean| * rstd at which a kernel's output stays within an ulp or so of the
+# exact one (measured: float32 rows at ratio 2 err 7e-7, ratio 8 1.5e-6; the channels-last
+# group-norm kernel 5e-7 at 0.25, 1.3e-6 at 1): (row kernels, channels-last kernel).  Half
+# dtypes round their output to 8 or 11 bits, so float32 arithmetic may lose more there.
+_LIMITS = {torch.float32: (2.0, 0.5), torch.float64: (2.0, 0.5),
+           torch.bfloat16: (256.0, 16.0), torch.float16: (64.0, 8.0)}
 
 
-def _same_dtype(plan, *params):
-    return plan.dtype in (torch.float32, torch.float64) and all(
-        p is None or p.dtype == plan.dtype for p in params)
+def _params_ok(plan, *params):
+    """torch's kernels take parameters of x's dtype, or float32 ones for half inputs."""
+    if plan.dtype not in _LIMITS:
+        return False
+    allowed = (plan.dtype, torch.float32) if plan.dtype in _HALF else (plan.dtype,)
+    return all(p is None or p.dtype in allowed for p in params)
 
 
 def _trailing(plan):
@@ -44,59 +66,123 @@ def _trailing(plan):
     return plan.reduce_axes == tuple(range(ndim - k, ndim))
 
 
-def native_forward(plan, src, weight, bias):
-    """``(y, mean, rstd)`` from a torch routine, or None where none gives the same answer."""
-    if not _same_dtype(plan, weight, bias) or src.numel() == 0:
-        return None
+_ONES: dict = {}
+
+
+def _float_params(plan, weight, bias, size):
+    """For half inputs: weight/bias as float32 (ones when absent), so that torch's kernels
+    accumulate and return the statistics in float32 (its mixed-dtype path)."""
+    if plan.dtype not in _HALF:
+        return weight, bias
+    if weight is None:
+        key = (size, plan.dtype)
+        weight = _ONES.get(key)
+        if weight is None:
+            weight = _ONES[key] = torch.ones(size, dtype=torch.float32)
+    else:
+        weight = weight.to(torch.float32)
+    return weight, (None if bias is None else bias.to(torch.float32))
+
+
+def _runner(plan, src, weight, bias):
+    """``(run, channels_last)``: ``run(t)`` gives ``(y, mean, rstd)`` (stats in the public
+    shape) of torch's kernel on a tensor ``t`` laid out as ``src``; None when no kernel fits."""
+    ndim = len(plan.shape)
     if plan.op in ("layer_norm", "rms_norm"):
-        # other axes: the normalized ones moved last (torch copies to rows), as ConvNeXt does
-        ndim = len(plan.shape)
         order = [a for a in range(ndim) if a not in plan.reduce_axes] + list(plan.reduce_axes)
         inverse = sorted(range(ndim), key=order.__getitem__)
         moved = not _trailing(plan)
-        src = src.permute(order) if moved else src
         normalized = list(plan.param_shape)
-        if plan.op == "rms_norm":
-            y, rstd = torch._fused_rms_norm(src, normalized, weight, plan.eps)
-            mean = None
-        else:
-            y, mean, rstd = torch.native_layer_norm(src, normalized, weight, bias, plan.eps)
-        if moved:
-            y, rstd = y.permute(inverse), rstd.permute(inverse)
-            mean = None if mean is None else mean.permute(inverse)
-        return y, _stats(plan, mean), _stats(plan, rstd)
+        w, b = _float_params(plan, weight, bias, math.prod(normalized))
+        if w is not None and plan.dtype not in _HALF:
+            w = w if w.dim() == len(normalized) else w.reshape(normalized)
+
+        def run(t):
+            t = t.permute(order) if moved else t
+            if plan.op == "rms_norm":
+                y, rstd = torch._fused_rms_norm(t, normalized, w.reshape(normalized) if w is not None else None,
+                                                plan.eps)
+                mean = None
+            else:
+                y, mean, rstd = torch.native_layer_norm(
+                    t, normalized, None if w is None else w.reshape(normalized),
+                    None if b is None else b.reshape(normalized), plan.eps)
+            if moved:
+                y, rstd = y.permute(inverse), rstd.permute(inverse)
+                mean = None if mean is None else mean.permute(inverse)
+            return y, _stats(plan, mean), _stats(plan, rstd)
+
+        return run, False
     n, c = plan.shape[0], plan.shape[plan.channel_axis]
     spatial = math.prod(plan.shape) // (n * c)
+    groups = c if plan.op == "instance_norm" else plan.num_groups
     order = _channels_first(plan)
-    if plan.op == "instance_norm":
-        return _instance_norm(plan, src, weight, bias, n, c, order)
-    groups = plan.num_groups
-    if order is None:
-        if not src.is_contiguous():
-            return None
-        y, mean, rstd = torch.native_group_norm(src, weight, bias, n, c, spatial, groups, plan.eps)
-        return y, _stats(plan, mean), _stats(plan, rstd)
-    if plan.op != "group_norm" or not _channels_last_memory(src.permute(order)):
+    view = src if order is None else src.permute(order)
+    if view.is_contiguous():
+        channels_last = False
+    elif _channels_last_memory(view):
+        channels_last = True
+    else:
+        return None, False
+    inverse = None if order is None else sorted(range(len(order)), key=order.__getitem__)
+    w, b = _float_params(plan, weight, bias, c)
+
+    def run(t):
+        t = t if order is None else t.permute(order)
+        y, mean, rstd = torch.native_group_norm(t, w, b, n, c, spatial, groups, plan.eps)
+        return (y if inverse is None else y.permute(inverse)), _stats(plan, mean), _stats(plan, rstd)
+
+    return run, channels_last
+
+
+def _conditioned(mean, rstd, limit):
+    """True unless some slice's ``|mean| * rstd`` exceeds ``limit`` (NaN rows pass: the
+    result is NaN on every path)."""
+    with torch.no_grad():
+        worst = float(torch.amax(mean.abs() * rstd))
+    return not worst > limit
+
+
+def _shifted(plan, run, src, shift):
+    """``run`` on ``src - shift`` (``shift``: detached, x's dtype, statistics' view shape),
+    the shift added back to the mean."""
+    moved = (src.reshape(plan.view_shape) - shift).reshape(plan.shape)
+    y, mean, rstd = run(moved)
+    mean = mean + shift.reshape(plan.stats_shape).to(mean.dtype)
+    return y, mean, rstd
+
+
+def _first_elements(plan, src):
+    """One element of each normalized slice (its first), in the statistics' view shape."""
+    index = tuple(slice(0, 1) if a in plan.reduce_axes else slice(None)
+                  for a in range(len(plan.view_shape)))
+    return src.detach().reshape(plan.view_shape)[index]
+
+
+def native_forward(plan, src, weight, bias):
+    """``(y, mean, rstd)`` from torch's kernels, exact as the contract asks, or None where
+    they cannot give that (the caller then takes an exact executor)."""
+    if not _params_ok(plan, weight, bias) or src.numel() == 0:
         return None
-    # channels last (NHWC): torch's channels-last kernel on the NCHW view, as F.group_norm runs
-    y, mean, rstd = torch.native_group_norm(src.permute(order), weight, bias, n, c, spatial, groups,
-                                            plan.eps)
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return y.permute(inverse), _stats(plan, mean), _stats(plan, rstd)
-
-
-def _instance_norm(plan, src, weight, bias, n, c, order):
-    """Instance norm as ``F.instance_norm`` runs it: batch norm's training-mode kernel over the
-    (1, N*C, spatial) view, weight and bias repeated per sample.  torch's group-norm kernel
-    with C groups gives the same formula but loses more digits on rows far from zero."""
-    nchw = src if order is None else src.permute(order)
-    repeat = (lambda p: None if p is None else p.repeat(n))
-    y, mean, rstd = torch.native_batch_norm(nchw.reshape(1, n * c, -1), repeat(weight), repeat(bias),
-                                            None, None, True, 0.0, plan.eps)
-    y = y.reshape(nchw.shape)
-    if order is not None:
-        y = y.permute(sorted(range(len(order)), key=order.__getitem__))
-    return y, _stats(plan, mean), _stats(plan, rstd)
+    run, channels_last = _runner(plan, src, weight, bias)
+    if run is None:
+        return None
+    if not plan.center:  # RMS norm: x * rstd, no cancellation
+        return run(src)
+    limit = _LIMITS[plan.dtype][1 if channels_last else 0]
+    if torch.compiler.is_compiling():
+        if channels_last:
+            return None
+        return _shifted(plan, run, src, _first_elements(plan, src))
+    out = run(src)
+    if _conditioned(out[1], out[2], limit):
+        return out
+    # far from zero: again on x - mean (exact there), which is centred to a few ulps
+    shift = out[1].detach().reshape(plan.stats_view_shape).to(src.dtype)
+    out = _shifted(plan, run, src, shift)
+    if _conditioned(out[1] - shift.reshape(plan.stats_shape).to(out[1].dtype), out[2], limit):
+        return out
+    return None
 
 
 def _stats(plan, t):
@@ -160,28 +246,38 @@ def _as_torch(a):
 
 def _prefers_native(plan):
     """Where torch's own routine beats the NumPy executor on the CPU (measured, see
-    asv_bench/README.md): group norm; layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond
+    asv_bench/README.md): half dtypes (NumPy's float16 conversions are slow, bfloat16 it
+    lacks); group and instance norm; layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond
     that torch's row kernel falls to a fraction of memory bandwidth); other layer/RMS axes
     when the contiguous run after them is short (ConvNeXt's late stages: 14 x 14)."""
+    if plan.dtype in _HALF:
+        return True
     if plan.op in ("layer_norm", "rms_norm"):
         if _trailing(plan):
             return plan.count <= NATIVE_MAX_ROW
         return math.prod(plan.shape[plan.reduce_axes[-1] + 1:]) < SHORT_RUN
-    return plan.op == "group_norm"
+    return True
+
+
+def _numpy_forward(plan, x, weight, bias, residual):
+    outs = _numpy.forward(_numpy_plan(plan), _as_numpy(x), _as_numpy(weight), _as_numpy(bias),
+                          _as_numpy(residual))
+    return tuple(_as_torch(a) for a in outs)
 
 
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
-    if not _prefers_native(plan) and _numpy_eligible(plan, x, weight, bias, residual):
-        outs = _numpy.forward(_numpy_plan(plan), _as_numpy(x), _as_numpy(weight), _as_numpy(bias),
-                              _as_numpy(residual))
-        return tuple(_as_torch(a) for a in outs)
+    eligible = _numpy_eligible(plan, x, weight, bias, residual)
+    if eligible and not _prefers_native(plan):
+        return _numpy_forward(plan, x, weight, bias, residual)
     h = _reference.add_residual(plan, x, residual) if residual is not None else None
     native = native_forward(plan, h if h is not None else x, weight, bias)
-    if native is None:
-        return _reference.forward(plan, x, weight, bias, residual)
-    y, mean, rstd = native
-    return y, h, mean, rstd
+    if native is not None:
+        y, mean, rstd = native
+        return y, h, mean, rstd
+    if eligible and plan.dtype != torch.float16:  # NumPy's float16 arithmetic is slow
+        return _numpy_forward(plan, x, weight, bias, residual)
+    return _reference.forward(plan, x, weight, bias, residual)
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):

@@ -1,0 +1,224 @@
+"""Rows far from zero (issue 16): every path is exact where torch's one-pass kernels are not.
+
+Data ``x = offset + randn`` in float32, offsets 1e4 and 1e6: torch's CPU kernels lose
+``|mean| * rstd`` ulps (1e-3 at 1e4, 0.1 at 1e6), its channels-last group-norm kernel all
+digits.  anynorm must give at most half torch's error on the same data (in practice float32
+rounding: a few ulps of the output), on every backend and layout, with gradients to match.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference
+from support import call, get_backend
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+OFFSETS = [1e4, 1e6]
+# (name, op, shape, keyword arguments)
+CASES = [
+    ("ln rows", "layer_norm", (16, 1024), dict(axis=-1)),
+    ("ln axes (0,2)", "layer_norm", (6, 10, 40), dict(axis=(0, 2))),
+    ("ln channels-first", "layer_norm", (2, 96, 7, 7), dict(axis=1)),
+    ("rms rows", "rms_norm", (16, 1024), dict(axis=-1)),
+    ("in nchw", "instance_norm", (2, 8, 12, 12), dict(channel_axis=1)),
+    ("in nhwc", "instance_norm", (2, 12, 12, 8), dict(channel_axis=-1)),
+    ("gn nchw", "group_norm", (2, 32, 8, 8), dict(channel_axis=1, num_groups=8)),
+    ("gn nhwc", "group_norm", (2, 8, 8, 32), dict(channel_axis=-1, num_groups=8)),
+]
+BACKENDS = ["numpy", "torch", "torch-autograd", "array-api-strict", "dask", "jax"]
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def _eps(op):
+    return F32_EPS if op == "rms_norm" else 1e-5
+
+
+def _data(shape, offset, seed=0):
+    return (offset + np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def _reference(op, x, kw):
+    return reference.forward(op, x.astype(np.float64), eps=_eps(op), **kw)
+
+
+def _torch_functional(op, x, kw):
+    """torch.nn.functional on the same float32 data, in x's layout (axes moved as users do)."""
+    xt = torch.from_numpy(x)
+    ndim = x.ndim
+    if op in ("layer_norm", "rms_norm"):
+        axis = kw["axis"]
+        axes = sorted(a % ndim for a in (axis if isinstance(axis, tuple) else (axis,)))
+        order = [a for a in range(ndim) if a not in axes] + axes
+        fn = F.layer_norm if op == "layer_norm" else F.rms_norm
+        y = fn(xt.permute(order), [x.shape[a] for a in axes], eps=_eps(op))
+    else:
+        c = kw["channel_axis"] % ndim
+        order = [0, c] + [a for a in range(1, ndim) if a != c]
+        xt = xt.permute(order)
+        if op == "instance_norm":
+            y = F.instance_norm(xt, eps=1e-5)
+        else:
+            y = F.group_norm(xt, kw["num_groups"], eps=1e-5)
+    return y.permute(sorted(range(ndim), key=order.__getitem__)).numpy()
+
+
+def _ulp_bound(ref):
+    """A few float32 ulps of the largest output: what an exact float32 computation gives
+    (summation over strided axes in float32 included)."""
+    return 32 * F32_EPS * float(np.max(np.abs(ref)))
+
+
+def check_error(got, ref, torch_err, what):
+    err = float(np.max(np.abs(np.asarray(got, dtype=np.float64) - ref)))
+    assert err <= _ulp_bound(ref), f"{what}: error {err:.3g}, float32 rounding allows {_ulp_bound(ref):.3g} (torch: {torch_err:.3g})"
+    if torch_err > 4 * _ulp_bound(ref):  # where torch is inexact, at most half its error
+        assert err <= 0.5 * torch_err, f"{what}: error {err:.3g} vs torch's {torch_err:.3g}"
+    return err
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("name,op,shape,kw", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_offset_rows_are_exact(backend_name, name, op, shape, kw, offset):
+    backend = get_backend(backend_name)
+    x = _data(shape, offset)
+    y_ref, mean_ref, rstd_ref = _reference(op, x, kw)
+    torch_err = float(np.max(np.abs(_torch_functional(op, x, kw) - y_ref)))
+    out = call(op, backend.asarray(x, "float32"), return_stats=True, **kw)
+    y = backend.to_numpy(out[0])
+    check_error(y, y_ref, torch_err, f"{backend_name} {name} at {offset:g}")
+    # the statistics: the mean to float32 rounding of the offset, rstd to a few ulps
+    if mean_ref is not None:
+        mean = backend.to_numpy(out[1])
+        assert np.max(np.abs(mean - mean_ref)) <= 4 * F32_EPS * offset
+    rstd = backend.to_numpy(out[-1])
+    np.testing.assert_allclose(rstd, rstd_ref, rtol=64 * F32_EPS)
+
+
+def _channels_last_nhwc(x):
+    """An NHWC tensor over channels-last memory: (N, H, W, C) contiguous, as a channels_last
+    NCHW tensor permuted to NHWC gives it."""
+    nchw = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+    t = nchw.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+    assert t.is_contiguous()
+    return t
+
+
+GN_OFFSETS = [10.0, 100.0, 1e3, 1e4, 1e6]
+
+
+@pytest.mark.parametrize("offset", GN_OFFSETS)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+def test_channels_last_group_norm_on_torch(offset, grad):
+    """torch's channels-last group-norm kernel computes E[x^2] - E[x]^2 (error 1e-4 at offset 10,
+    1e3 at 1e4); anynorm must never hand it such data."""
+    import anynorm
+
+    shape = (2, 8, 8, 64)
+    x = _data(shape, offset, seed=1)
+    kw = dict(channel_axis=-1, num_groups=8)
+    y_ref, mean_ref, _ = _reference("group_norm", x, kw)
+    torch_err = float(np.max(np.abs(_torch_functional("group_norm", x, kw) - y_ref)))
+    for channels_first in (False, True):
+        xt = _channels_last_nhwc(x)
+        if channels_first:  # the same memory as a channels_last NCHW tensor, channel_axis=1
+            xt = xt.permute(0, 3, 1, 2)
+            assert xt.is_contiguous(memory_format=torch.channels_last)
+        xt.requires_grad_(grad)
+        y, mean, _ = anynorm.group_norm(xt, 8, channel_axis=1 if channels_first else -1, return_stats=True)
+        y = y.detach()
+        if channels_first:
+            y = y.permute(0, 2, 3, 1)
+        check_error(y.numpy(), y_ref, torch_err, f"channels-last group norm at {offset:g}")
+        assert np.max(np.abs(mean.detach().numpy() - mean_ref)) <= 4 * F32_EPS * offset
+
+
+@pytest.mark.parametrize("offset", [100.0, 1e4])
+def test_group_norm_module_and_gradients_far_from_zero(offset):
+    """anynorm.nn.GroupNorm(channel_axis=-1) on a channels-last tensor: y and every gradient
+    against the float64 reference."""
+    import anynorm.nn
+
+    shape, groups, channels = (2, 6, 6, 32), 4, 32
+    rng = np.random.default_rng(2)
+    x = _data(shape, offset, seed=3)
+    w = (rng.random(channels) + 0.5).astype(np.float32)
+    b = (rng.random(channels) - 0.5).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    module = anynorm.nn.GroupNorm(groups, channels, channel_axis=-1)
+    with torch.no_grad():
+        module.weight.copy_(torch.from_numpy(w))
+        module.bias.copy_(torch.from_numpy(b))
+    xt = _channels_last_nhwc(x).requires_grad_(True)
+    y = module(xt)
+    y.backward(torch.from_numpy(dy))
+    kw = dict(channel_axis=-1, num_groups=groups)
+    y_ref = reference.forward("group_norm", x.astype(np.float64), w, b, eps=1e-5, **kw)[0]
+    dx_ref, dw_ref, db_ref = reference.backward("group_norm", dy.astype(np.float64), x.astype(np.float64),
+                                                w, eps=1e-5, **kw)
+    assert np.max(np.abs(y.detach().numpy() - y_ref)) <= _ulp_bound(y_ref)
+    # dx is rstd * (g - mean(g) - xhat mean(g xhat)): float32 rounding of sums over the group
+    np.testing.assert_allclose(xt.grad.numpy(), dx_ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(dx_ref)))
+    np.testing.assert_allclose(module.weight.grad.numpy(), dw_ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(dw_ref)))
+    np.testing.assert_allclose(module.bias.grad.numpy(), db_ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(db_ref)))
+
+
+GRAD_CASES = [
+    ("layer_norm", (3, 12), dict(axis=-1)),
+    ("layer_norm", (2, 5, 3, 3), dict(axis=1)),
+    ("instance_norm", (2, 3, 3, 3), dict(channel_axis=-1)),
+    ("group_norm", (2, 6, 3, 3), dict(channel_axis=1, num_groups=3)),
+    ("group_norm", (2, 3, 3, 6), dict(channel_axis=-1, num_groups=3)),
+]
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+@pytest.mark.parametrize("op,shape,kw", GRAD_CASES, ids=[f"{c[0]}{c[1]}" for c in GRAD_CASES])
+def test_gradcheck_through_the_shift(op, shape, kw, offset):
+    """float64 gradcheck, including on rows far from zero where the shifted run serves: the
+    shift is detached, so it must leave every gradient as the formula gives it."""
+    import anynorm
+    from anynorm import _torch
+
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy(offset + rng.standard_normal(shape)).requires_grad_(True)
+    c = shape[kw["channel_axis"]] if "channel_axis" in kw else None
+    pshape = (c,) if c else tuple(shape[a] for a in ((kw["axis"],) if isinstance(kw["axis"], int) else kw["axis"]))
+    w = torch.from_numpy(rng.random(pshape) + 0.5).requires_grad_(True)
+    b = torch.from_numpy(rng.random(pshape) - 0.5).requires_grad_(True)
+    if op == "group_norm" and kw["channel_axis"] == -1:
+        x = _channels_last_nhwc(x.detach().numpy()).requires_grad_(True)
+    if offset:  # this data must take the shifted run (the first one is ill-conditioned)
+        from anynorm._plan import make_plan
+        plan = make_plan(op, x, w, b, **{k: v for k, v in kw.items()})
+        run, channels_last = _torch._runner(plan, x, w, b)
+        y, mean, rstd = run(x)
+        assert not _torch._conditioned(mean, rstd, _torch._LIMITS[torch.float64][int(channels_last)])
+    torch.autograd.gradcheck(lambda x, w, b: call(op, x, w, b, **kw), (x, w, b))
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("name,op,shape,kw", [c for c in CASES if c[1] != "rms_norm"],
+                         ids=[c[0] for c in CASES if c[1] != "rms_norm"])
+def test_torch_kernels_serve_shifted_rows(name, op, shape, kw, offset):
+    """Far from zero, torch's kernels still serve (on ``x - shift``), exactly: the shifted
+    run is taken, not only the exact fallbacks."""
+    from anynorm import _torch
+    from anynorm._plan import make_plan
+
+    x = _data(shape, offset)
+    y_ref, mean_ref, rstd_ref = _reference(op, x, kw)
+    for xt in (torch.from_numpy(x), torch.from_numpy(x).requires_grad_(True)):
+        if op == "group_norm" and kw["channel_axis"] == -1:
+            xt = _channels_last_nhwc(x).requires_grad_(xt.requires_grad)
+        plan = make_plan(op, xt, **kw)
+        out = _torch.native_forward(plan, xt, None, None)
+        assert out is not None, f"{name}: torch's kernel refused data at offset {offset:g}"
+        y, mean, rstd = (t.detach().numpy() for t in out)
+        assert np.max(np.abs(y - y_ref)) <= _ulp_bound(y_ref)
+        assert np.max(np.abs(mean - mean_ref.reshape(mean.shape))) <= 4 * F32_EPS * offset
+        np.testing.assert_allclose(rstd, rstd_ref.reshape(rstd.shape), rtol=64 * F32_EPS)
