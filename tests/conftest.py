@@ -34,15 +34,30 @@ def _restore_backend():
     anynorm.set_backend(before)
 
 
+# The tests marked ``slow``: most of the suite's time on a CPU-only machine, for checks that
+# matter to whoever edits kernels/*.cu.  ``python -m pytest -m "not slow"`` leaves them out
+# (the quick subset the README gives); CI and a plain ``python -m pytest`` run everything.
+SLOW_FILES = {
+    # the CUDA kernels run on the CPU under tests/emulation/ (a host compiler build per
+    # variant, a thread per CUDA thread)
+    "test_kernels_emulated.py",
+    "test_kernels_launch_emulated.py",
+}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "matrix: a backend x case x dtype matrix, thinned on slow backends")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Drop (backend, dtype) pairs the library cannot hold; on Dask and JAX keep a matrix test's
-    float32 column whole and a third of the cases in the other dtypes (each call there compiles)."""
+    """Mark the tests of SLOW_FILES ``slow``.  Drop (backend, dtype) pairs the library cannot
+    hold; on Dask and JAX keep a matrix test's float32 column whole and a third of the cases in
+    the other dtypes (each call there compiles)."""
+    slow = pytest.mark.slow
     keep, drop = [], []
     for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(slow)
         params = getattr(getattr(item, "callspec", None), "params", {})
         name, dtype = params.get("backend"), params.get("dtype")
         unsupported = name in BACKEND_DTYPES and dtype is not None and dtype not in BACKEND_DTYPES[name]

@@ -1,6 +1,9 @@
 """CUDA: anynorm's kernels on CuPy arrays and CUDA torch tensors vs torch.nn.functional.
 
-Every class skips (setup raises NotImplementedError) without a CUDA GPU.  Kernels are
+Without an NVIDIA driver (or with ``CUDA_VISIBLE_DEVICES`` empty or -1) these benchmarks are
+not even discovered (asv's ``skip_benchmark`` mark, set at import), so a CPU run lists only
+what ran instead of 15 tables of ``n/a``; where a driver is visible but no device or CuPy
+answers, ``setup`` raises NotImplementedError (asv's skip, one ``n/a`` per case).  Kernels are
 compiled in setup by a warm-up call; bodies end with a device synchronize so wall time
 covers the GPU work, and ``track_*_ms`` time with CUDA events.  Run GPU benchmarks with
 ``--launch-method=spawn``: a CUDA context does not survive a fork.
@@ -8,6 +11,7 @@ covers the GPU work, and ``track_*_ms`` time with CUDA events.  Run GPU benchmar
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -25,11 +29,35 @@ _CUPY = []
 
 
 def _driver_visible():
-    """False where no NVIDIA driver is visible (Linux), so that setup skips before importing
-    CuPy, whose probe costs seconds in every benchmark process."""
+    """False where no NVIDIA driver is visible (Linux) or ``CUDA_VISIBLE_DEVICES`` hides every
+    device, so that benchmarks skip without importing CuPy, whose probe costs seconds in every
+    benchmark process."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
     if not sys.platform.startswith("linux"):
         return True
     return any(os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg"))
+
+
+BENCHMARK_PREFIXES = ("time_", "timeraw_", "mem_", "peakmem_", "track_")
+
+
+def _needs_gpu(cls):
+    """Without a visible driver, mark every benchmark of ``cls`` with asv's ``skip_benchmark``
+    (``asv_runner.benchmarks.mark.skip_benchmark_if``): asv's discovery then leaves it out.
+    Each method is wrapped here, so that the CPU classes it is inherited from stay unmarked."""
+    if _driver_visible():
+        return cls
+    for name in dir(cls):
+        method = getattr(cls, name)
+        if name.startswith(BENCHMARK_PREFIXES) and callable(method):
+            @functools.wraps(method)
+            def skipped(*args, _method=method, **kwargs):
+                return _method(*args, **kwargs)
+
+            skipped.skip_benchmark = True
+            setattr(cls, name, skipped)
+    return cls
 
 
 def _cupy():
@@ -77,6 +105,7 @@ class _EventTracks:
     track_copy_fraction.unit = "fraction of copy bandwidth"
 
 
+@_needs_gpu
 class CupyForward(_EventTracks):
     """anynorm on CuPy arrays, and a device-to-device copy of the same bytes."""
 
@@ -135,6 +164,7 @@ class _TorchCudaMixin:
         return _event_ms(start, stop, lambda e: e.record(), fn, 1 if TINY else 20)
 
 
+@_needs_gpu
 class TorchCudaForward(_TorchCudaMixin, _EventTracks, torch_cpu.TorchCPUForward):
     """anynorm on CUDA torch tensors vs torch.nn.functional (no autograd)."""
 
@@ -151,6 +181,7 @@ class TorchCudaForward(_TorchCudaMixin, _EventTracks, torch_cpu.TorchCPUForward)
     track_peer_ratio.unit = "anynorm time / torch time"
 
 
+@_needs_gpu
 class TorchCudaBackward(_TorchCudaMixin, torch_cpu.TorchCPUBackward):
     """Forward + autograd backward on CUDA tensors."""
 
