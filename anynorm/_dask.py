@@ -2,18 +2,22 @@
 
 Two paths, chosen per call from ``x``'s chunks:
 
-* **blockwise** (every normalized axis inside one chunk): ``map_blocks`` runs the chunk's own
-  executor (NumPy's for NumPy chunks, the CUDA kernels or the array-API core for CuPy chunks)
-  on each chunk, one pass, as if the chunk were the whole array.
+* **blockwise** (every normalized axis inside one chunk; for group norm also every chunk of
+  the channel axis made of whole groups): ``map_blocks`` runs the chunk's own executor
+  (NumPy's for NumPy chunks; for CuPy chunks whatever ``choose`` picks, the CUDA kernels
+  where they apply) on each chunk, one pass, as if the chunk were the whole array.
 * **two passes** (a normalized axis spans chunks):
 
   1. statistics as a tree reduction (``dask.array.reduction``) of small per-chunk partials
-     ``(count, mean, M2)`` per normalized slice, merged with Chan's formula in float64 (the
-     partials are slice-sized, not chunk-sized); per chunk the partial is the corrected
-     two-pass of the array-API core, in the accumulation dtype (float32 for half inputs);
-  2. an elementwise pass over ``x`` read again from its source: ``dask.graph_manipulation.bind``
-     clones ``x``'s graph and makes the clone's roots wait for the statistics, so the source
-     chunks are recomputed or re-read after the statistics rather than held from pass 1.
+     ``(count, shift, correction, M2)`` per normalized slice, merged with Chan's formula in
+     float64 (the partials are slice-sized, not chunk-sized); per chunk the partial is the
+     corrected two-pass of the array-API core, in the accumulation dtype (float32 for half
+     inputs).  Group norm takes partials per channel and merges each group's channels the
+     same way, so its channel axis may be cut anywhere: no rechunk of ``x``.
+  2. an elementwise pass over ``x`` read again from its source: :func:`reread` clones ``x``'s
+     graph (as ``dask.graph_manipulation.bind`` does) and makes the clone's roots wait for
+     the statistics, so the source chunks are recomputed or re-read after the statistics
+     rather than held from pass 1.
 
   The mean is carried into pass 2 as ``hi + lo`` (``hi`` its rounding to the accumulation
   dtype, ``lo`` the remainder), and ``y = (x - hi) * a + (b - lo * a)`` with
@@ -21,14 +25,14 @@ Two paths, chosen per call from ``x``'s chunks:
   exact near the mean), never ``E[x^2] - E[x]^2``.
 
   Backward is the same shape: one reduction of per-chunk sums of ``g = dy * weight`` and
-  ``g * (x - mean)`` (with the statistics themselves when ``stats`` is None, the centred sums
-  shifted by Chan's correction), then one elementwise pass over re-read ``x`` and ``dy``;
-  ``dweight``/``dbias`` are ordinary Dask sums over the non-parameter axes.
+  ``g * (x - mean)`` (with the statistics themselves when ``stats`` is None, the centred
+  sums moved by Chan's correction), then one elementwise pass over re-read ``x`` and ``dy``
+  whose tasks also give each chunk's ``dweight``/``dbias`` partials (a tree reduction over
+  the non-parameter axes sums them).
 
-Group norm works in ``x``'s own axes: the channel axis is rechunked to whole groups, and each
-chunk is viewed as ``(..., groups, channels/group, ...)`` inside the chunk function.  Chunk
-arithmetic goes through the chunk's own array namespace (``array_api_compat``), so the same
-graph serves NumPy and CuPy chunks.  Results stay lazy.
+Chunk arithmetic goes through the chunk's own array namespace (``array_api_compat``), so the
+same graph serves NumPy and CuPy chunks.  Results stay lazy.  Memory: a few chunks per worker
+thread plus the statistics (one float64 value per slice per row).
 """
 
 from __future__ import annotations
@@ -37,194 +41,198 @@ import math
 
 import array_api_compat
 import dask.array as da
-from dask.graph_manipulation import bind
+import numpy as np
+from dask._task_spec import Task, TaskRef, convert_legacy_graph
+from dask.base import clone_key, tokenize
+from dask.core import flatten
+from dask.graph_manipulation import checkpoint
+from dask.highlevelgraph import HighLevelGraph
 
-__all__ = ["forward", "backward", "spans_chunks"]
+__all__ = ["forward", "backward", "spans_chunks", "reread"]
 
 
 # --- geometry ------------------------------------------------------------------------------
 
 class _ChunkPlan:
-    """What the chunk functions need from a :class:`~anynorm._plan.Plan`, picklable."""
+    """What the chunk functions need, as plain picklable values (tasks travel to workers).
+
+    ``red``: axes of ``x`` each chunk's partials reduce over (group norm: every axis but the
+    batch and the channels, partials per channel); ``par``: axes weight/bias lie along.
+    """
 
     def __init__(self, plan):
-        import numpy as np
-        self.op, self.shape, self.eps, self.count = plan.op, plan.shape, plan.eps, plan.count
+        shape, c = plan.shape, plan.channel_axis
+        self.op, self.eps, self.count = plan.op, plan.eps, plan.count
         self.dtype, self.acc_dtype = np.dtype(plan.dtype), np.dtype(plan.acc_dtype)
         self.center, self.reduce_axes = plan.center, plan.reduce_axes
-        self.channel_axis, self.num_groups = plan.channel_axis, plan.num_groups
+        self.channel_axis, self.num_groups = c, plan.num_groups
+        self.group = plan.op == "group_norm"
+        self.gs = shape[c] // plan.num_groups if self.group else 1
+        layer = plan.op in ("layer_norm", "rms_norm")
+        self.red = plan.reduce_axes if layer else tuple(a for a in range(len(shape)) if a not in (0, c))
+        self.par = plan.param_axes if layer else (c,)
+        self.nonpar = tuple(a for a in range(len(shape)) if a not in self.par)
 
 
 class _Geom:
-    """How one plan lies on ``x``'s axes and chunks.
-
-    ``red``: axes of ``x`` that the statistics run over across chunks (group norm: every axis
-    but the batch and the channels; the channels are cut into whole groups per chunk);
-    ``par``: axes of ``x`` that weight/bias lie along; ``s_shape``/``s_chunks``: the
-    statistics laid on ``x``'s axes (size 1 on ``red``, groups on group norm's channel axis).
-    """
+    """How one plan lies on ``x``'s chunks (built per call, at graph time)."""
 
     def __init__(self, plan, chunks):
-        # plain values only (no namespace module): the chunk functions travel to workers
-        self.plan = _ChunkPlan(plan)
+        cp = self.cp = _ChunkPlan(plan)
+        self.plan, self.chunks = plan, chunks
         shape = plan.shape
-        ndim = len(shape)
-        self.group = plan.op == "group_norm"
-        c = plan.channel_axis
-        if self.group:
-            self.gs = shape[c] // plan.num_groups
-            self.red = tuple(a for a in range(ndim) if a not in (0, c))
-        else:
-            self.gs = 1
-            self.red = plan.reduce_axes
-        self.par = plan.param_axes if plan.op in ("layer_norm", "rms_norm") else (c,)
-        self.nonpar = tuple(a for a in range(ndim) if a not in self.par)
-        self.chunks = chunks
-        self.s_shape = tuple(1 if a in self.red else (plan.num_groups if self.group and a == c else s)
+        # statistics on x's axes: size 1 on the reduced axes (group norm: per channel)
+        self.s_chunks = tuple((1,) if a in cp.red else ch for a, ch in enumerate(chunks))
+        self.part_chunks = tuple((1,) * len(ch) if a in cp.red else ch for a, ch in enumerate(chunks))
+        self.p_shape = tuple(s if a in cp.par else 1 for a, s in enumerate(shape))
+        self.p_chunks = tuple(ch if a in cp.par else (1,) for a, ch in enumerate(chunks))
+        c = cp.channel_axis
+        self.g_shape = tuple(1 if a in cp.red else (plan.num_groups if cp.group and a == c else s)
                              for a, s in enumerate(shape))
-        self.s_chunks = tuple((1,) if a in self.red else
-                              tuple(k // self.gs for k in ch) if self.group and a == c else ch
-                              for a, ch in enumerate(chunks))
-        self.p_shape = tuple(s if a in self.par else 1 for a, s in enumerate(shape))
-        self.p_chunks = tuple(ch if a in self.par else (1,) for a, ch in enumerate(chunks))
 
-    # chunk-level views (called inside tasks, on the chunk's own arrays)
-    def view(self, arr):
-        """An array on ``x``'s axes viewed as the plan's view (group norm: channels split)."""
-        if not self.group:
-            return arr
-        c, s = self.plan.channel_axis, tuple(arr.shape)
-        xp = array_api_compat.array_namespace(arr)
-        return xp.reshape(arr, s[:c] + (s[c] // self.gs, self.gs) + s[c + 1:])
-
-    def unview(self, arr, like_shape):
-        xp = array_api_compat.array_namespace(arr)
-        return arr if not self.group else xp.reshape(arr, tuple(like_shape))
-
-    def s_view(self, arr):
-        """Statistics on ``x``'s axes -> keepdims in the view (group norm: a size-1 axis)."""
-        if not self.group:
-            return arr
-        xp = array_api_compat.array_namespace(arr)
-        return xp.expand_dims(arr, axis=self.plan.channel_axis + 1)
-
-    def s_unview(self, arr):
-        if not self.group:
-            return arr
-        xp = array_api_compat.array_namespace(arr)
-        return xp.squeeze(arr, axis=self.plan.channel_axis + 1)
-
-    # Dask-level conversions between public arrays and arrays on x's axes
     def param_on_x(self, w):
         return None if w is None else da.reshape(w, self.p_shape).rechunk(self.p_chunks)
 
-    def stats_on_x(self, s):
-        return da.reshape(s, self.s_shape).rechunk(self.s_chunks)
+    def per_channel(self, s):
+        """Group-level statistics on x's axes -> one value per channel, in x's chunks."""
+        if s is None:
+            return None
+        if self.cp.group:
+            s = da.repeat(s, self.cp.gs, axis=self.cp.channel_axis)
+        return s.rechunk(self.s_chunks)
 
-    def stats_public(self, s, plan):
-        return da.reshape(s, plan.stats_shape)
+    def given(self, s):
+        """Caller's statistics (public shape) -> per channel on x's axes, in x's chunks."""
+        return self.per_channel(da.reshape(s, self.g_shape))
+
+    def public(self, s):
+        return None if s is None else da.reshape(s, self.plan.stats_shape)
+
+
+def _blockwise(plan, x) -> bool:
+    """True when each chunk holds whole normalized slices (the one-pass path)."""
+    cp = _ChunkPlan(plan)
+    if any(len(x.chunks[a]) > 1 for a in cp.red):
+        return False
+    return not cp.group or all(k % cp.gs == 0 for k in x.chunks[cp.channel_axis])
 
 
 def spans_chunks(plan, x) -> bool:
-    """True when a normalized axis of ``x`` is cut into several chunks (the two-pass path)."""
-    red = (tuple(a for a in range(len(plan.shape)) if a not in (0, plan.channel_axis))
-           if plan.op == "group_norm" else plan.reduce_axes)
-    return any(len(x.chunks[a]) > 1 for a in red)
-
-
-def _whole_groups(plan, x):
-    """Group norm: rechunk the channel axis so that every chunk holds whole groups."""
-    if plan.op != "group_norm":
-        return x
-    c = plan.channel_axis
-    gs = plan.shape[c] // plan.num_groups
-    if all(k % gs == 0 for k in x.chunks[c]):
-        return x
-    per = max(1, round(max(x.chunks[c]) / gs))
-    return x.rechunk({c: per * gs})
+    """True when a normalized slice of ``x`` is cut by chunk boundaries (the two-pass path)."""
+    return not _blockwise(plan, x)
 
 
 def _meta(x, dtype, ndim=None):
-    meta = x._meta
-    xp = array_api_compat.array_namespace(meta)
-    shape = (0,) * (x.ndim if ndim is None else ndim)
-    return xp.empty(shape, dtype=dtype)
+    xp = array_api_compat.array_namespace(x._meta)
+    return xp.empty((0,) * (x.ndim if ndim is None else ndim), dtype=dtype)
 
 
-def _f64(xp):
-    return xp.float64
+# --- reading the source again ------------------------------------------------------------------
+
+def _after(value, _blocker):
+    return value
+
+
+def reread(arrays, after):
+    """Copies of ``arrays`` whose whole graphs are cloned (new keys, so their chunks are
+    recomputed or re-read, never held from an earlier use) and whose root tasks wait for
+    ``after`` (the statistics).
+
+    ``dask.graph_manipulation.bind`` does this for Blockwise layers, but (dask 2026.8) it does
+    not rename the keys inside the ``Task`` objects of materialized layers such as
+    ``rechunk``: the clone's tasks then still point at the original chunks, which stay alive
+    from the statistics pass to the end.  So the low-level graph is cloned here, node by node.
+    """
+    blocker = checkpoint(*after)
+    seed = tokenize(blocker.key, *(a.name for a in arrays))
+    graph = {}
+    for a in arrays:
+        graph.update(a.__dask_graph__())
+    graph = convert_legacy_graph(graph)
+    todo = [k for a in arrays for k in flatten(a.__dask_keys__())]
+    reached = set()
+    while todo:
+        k = todo.pop()
+        if k not in reached:
+            reached.add(k)
+            todo.extend(graph[k].dependencies)
+    subs = {k: clone_key(k, seed) for k in reached}
+    cloned = {}
+    for k in reached:
+        node, new = graph[k], subs[k]
+        if node.dependencies:
+            cloned[new] = node.substitute(subs, key=new)
+        else:  # a root: reads or makes the source; wait for the statistics first
+            cloned[new] = Task(new, _after, node, TaskRef(blocker.key))
+    out = []
+    for a in arrays:
+        name = clone_key(a.name, seed)
+        hlg = HighLevelGraph.from_collections(name, cloned, dependencies=[blocker])
+        out.append(da.Array(hlg, name, chunks=a.chunks, meta=a._meta))
+    return out
 
 
 # --- per-chunk partials (run inside tasks) -----------------------------------------------------
 
-def _acc(plan, xp, arr):
-    return xp.astype(arr, plan.acc_dtype, copy=False)
+def _acc(cp, xp, arr):
+    return xp.astype(arr, cp.acc_dtype, copy=False)
 
 
-def _count(plan, xv):
-    return math.prod(xv.shape[a] for a in plan.reduce_axes)
+def _centred(cp, xp, xa):
+    """The chunk's corrected two-pass: ``(shift, correction, x - shift - correction)``."""
+    shift = xp.mean(xa, axis=cp.red, keepdims=True)
+    diff = xa - shift
+    corr = xp.mean(diff, axis=cp.red, keepdims=True)
+    return shift, corr, diff - corr
 
 
-def _stat_partial(xc, *, g, kind):
-    """Rows of one chunk's statistics partial, stacked on a new axis 0, float64, on x's axes.
+def _stat_partial(xc, *, cp, kind):
+    """One chunk's statistics partial, rows stacked on a new axis 0, float64.
 
     ``kind``: "chan" -> (count, shift, correction, M2), the chunk's mean being
     ``shift + correction`` (kept apart: their sum would round); "sumsq" -> (sum(x^2),).
     """
-    plan = g.plan
     xp = array_api_compat.array_namespace(xc)
-    xv = _acc(plan, xp, g.view(xc))
-    axes = plan.reduce_axes
-    f64 = _f64(xp)
+    f64 = xp.float64
+    xa = _acc(cp, xp, xc)
     if kind == "sumsq":
-        rows = [xp.astype(xp.sum(xv * xv, axis=axes, keepdims=True), f64)]
+        rows = [xp.astype(xp.sum(xa * xa, axis=cp.red, keepdims=True), f64)]
     else:
-        shift = xp.mean(xv, axis=axes, keepdims=True)
-        diff = xv - shift
-        corr = xp.mean(diff, axis=axes, keepdims=True)
-        d = diff - corr
-        del diff
-        m2 = xp.astype(xp.sum(d * d, axis=axes, keepdims=True), f64)
-        shift, corr = xp.astype(shift, f64), xp.astype(corr, f64)
-        rows = [xp.full_like(m2, float(_count(plan, xv))), shift, corr, m2]
-    return xp.stack([g.s_unview(r) for r in rows], axis=0)
+        shift, corr, d = _centred(cp, xp, xa)
+        m2 = xp.astype(xp.sum(d * d, axis=cp.red, keepdims=True), f64)
+        n = float(math.prod(xa.shape[a] for a in cp.red))
+        rows = [xp.full_like(m2, n), xp.astype(shift, f64), xp.astype(corr, f64), m2]
+    return xp.stack(rows, axis=0)
 
 
-def _grad_partial(dyc, xc, wc, *stats, g, kind):
-    """Rows of one chunk's backward partial (float64, stacked on axis 0, on x's axes).
+def _grad_partial(dyc, xc, wc, *stats, cp, kind):
+    """One chunk's backward partial, rows stacked on axis 0, float64.
 
     ``kind``: "given" -> (sum(g), sum(g * xhat)) with the caller's mean/rstd;
     "chan" -> (count, shift, correction, M2, sum(g), sum(g * (x - chunk mean)));
     "sumsq" (RMS norm, no stats) -> (sum(x^2), sum(g * x)).
     """
-    plan = g.plan
     xp = array_api_compat.array_namespace(xc)
-    f64 = _f64(xp)
-    axes = plan.reduce_axes
-    xv = _acc(plan, xp, g.view(xc))
-    gv = _acc(plan, xp, g.view(dyc))
+    f64 = xp.float64
+    xa = _acc(cp, xp, xc)
+    ga = _acc(cp, xp, dyc)
     if wc is not None:
-        gv = gv * _acc(plan, xp, g.view(wc))
+        ga = ga * _acc(cp, xp, wc)
 
     def s(arr):
-        return xp.astype(xp.sum(arr, axis=axes, keepdims=True), f64)
+        return xp.astype(xp.sum(arr, axis=cp.red, keepdims=True), f64)
 
     if kind == "given":
-        rstd = _acc(plan, xp, g.s_view(stats[-1]))
-        xc_ = xv - _acc(plan, xp, g.s_view(stats[0])) if plan.center else xv
-        rows = [s(gv), s(gv * (xc_ * rstd))]
+        xcen = xa - _acc(cp, xp, stats[0]) if cp.center else xa
+        rows = [s(ga), s(ga * (xcen * _acc(cp, xp, stats[-1])))]
     elif kind == "sumsq":
-        rows = [s(xv * xv), s(gv * xv)]
+        rows = [s(xa * xa), s(ga * xa)]
     else:
-        shift = xp.mean(xv, axis=axes, keepdims=True)
-        diff = xv - shift
-        corr = xp.mean(diff, axis=axes, keepdims=True)
-        d = diff - corr
-        del diff
+        shift, corr, d = _centred(cp, xp, xa)
         m2 = s(d * d)
-        rows = [xp.full_like(m2, float(_count(plan, xv))), xp.astype(shift, f64), xp.astype(corr, f64),
-                m2, s(gv), s(gv * d)]
-    return xp.stack([g.s_unview(r) for r in rows], axis=0)
+        n = float(math.prod(xa.shape[a] for a in cp.red))
+        rows = [xp.full_like(m2, n), xp.astype(shift, f64), xp.astype(corr, f64), m2, s(ga), s(ga * d)]
+    return xp.stack(rows, axis=0)
 
 
 def _identity(a, axis=None, keepdims=True, **kwargs):
@@ -264,38 +272,37 @@ def _merge_chan(a, axis=None, keepdims=True, **kwargs):
     return xp.stack(rows, axis=0)
 
 
-def _reduce(parts, g, merge, nrows):
-    """Tree-reduce per-chunk partials (rows on axis 0) over the normalized axes."""
-    if all(len(parts.chunks[a + 1]) == 1 for a in g.red):
+def _tree(parts, axes, merge):
+    """Tree-reduce stacked partials (rows on axis 0) over ``axes`` of x (keepdims)."""
+    if all(parts.numblocks[a + 1] == 1 and parts.shape[a + 1] == 1 for a in axes):
         return parts
-    return da.reduction(parts, _identity, merge, combine=merge, axis=tuple(a + 1 for a in g.red),
+    return da.reduction(parts, _identity, merge, combine=merge, axis=tuple(a + 1 for a in axes),
                         keepdims=True, dtype=parts.dtype, concatenate=True,
                         meta=_meta(parts, parts.dtype))
 
 
 def _partials(fn, g, arrays, nrows, x, **kwargs):
-    # one size-1 block per chunk along the reduced axes, the statistics' blocks elsewhere
-    chunks = ((nrows,),) + tuple((1,) * len(g.chunks[a]) if a in g.red else ch
-                                 for a, ch in enumerate(g.s_chunks))
-    return da.map_blocks(fn, *arrays, g=g, new_axis=0, chunks=chunks, dtype="float64",
-                         meta=_meta(x, _f64(array_api_compat.array_namespace(x._meta)), x.ndim + 1),
-                         **kwargs)
+    """Per-chunk partials of ``fn``: one size-1 block per chunk along the reduced axes."""
+    xp = array_api_compat.array_namespace(x._meta)
+    return da.map_blocks(fn, *arrays, cp=g.cp, new_axis=0, chunks=((nrows,),) + g.part_chunks,
+                         dtype="float64", meta=_meta(x, xp.float64, x.ndim + 1), **kwargs)
+
+
+def _merged(g, parts, merge):
+    """Partials -> one set of rows per normalized slice (group norm: per group)."""
+    cp = g.cp
+    s = _tree(parts, cp.red, merge)
+    if not cp.group:
+        return s
+    # per channel -> per group: split the channel axis into (groups, channels per group)
+    c = cp.channel_axis + 1
+    shp = s.shape
+    s = da.reshape(s, shp[:c] + (cp.num_groups, cp.gs) + shp[c + 1:])
+    s = _tree(s, (c,), merge)  # axis c + 1 of the split array (the channels of a group)
+    return s[(slice(None),) * (c + 1) + (0,)]
 
 
 # --- statistics ----------------------------------------------------------------------------
-
-def _statistics(plan, g, h):
-    """``(hi, lo, rstd)`` on x's axes (Dask, accumulation dtype); ``hi`` None for RMS norm."""
-    if plan.center:
-        s = _reduce(_partials(_stat_partial, g, (h,), 4, h, kind="chan"), g, _merge_chan, 4)
-        hi, lo = _split_mean(plan, s[1], s[2])
-        var = s[3] / s[0]
-    else:
-        s = _reduce(_partials(_stat_partial, g, (h,), 1, h, kind="sumsq"), g, _merge_sum, 1)
-        hi = lo = None
-        var = s[0] / plan.count
-    return hi, lo, (1.0 / da.sqrt(var + plan.eps)).astype(plan.acc_dtype)
-
 
 def _split_mean(plan, big, small):
     """The float64 pair ``big + small`` as ``hi + lo`` in the accumulation dtype."""
@@ -303,93 +310,114 @@ def _split_mean(plan, big, small):
     return hi, ((big - hi.astype(big.dtype)) + small).astype(plan.acc_dtype)
 
 
+def _statistics(plan, g, x):
+    """``(hi, lo, rstd)`` at group level on x's axes (Dask, accumulation dtype)."""
+    if plan.center:
+        s = _merged(g, _partials(_stat_partial, g, (x,), 4, x, kind="chan"), _merge_chan)
+        hi, lo = _split_mean(plan, s[1], s[2])
+        var = s[3] / s[0]
+    else:
+        s = _merged(g, _partials(_stat_partial, g, (x,), 1, x, kind="sumsq"), _merge_sum)
+        hi = lo = None
+        var = s[0] / plan.count
+    return hi, lo, (1.0 / da.sqrt(var + plan.eps)).astype(plan.acc_dtype)
+
+
 # --- elementwise passes (run inside tasks) ---------------------------------------------------
 
-def _apply_chunk(xc, hi, lo, rstd, wc, bc, *, g):
+def _apply_chunk(xc, hi, lo, rstd, wc, bc, *, cp):
     """``y = (x - hi) * a + (b - lo * a)`` with ``a = rstd * weight`` for one chunk."""
-    plan = g.plan
     xp = array_api_compat.array_namespace(xc)
-    xv = _acc(plan, xp, g.view(xc))
-    a = _acc(plan, xp, g.s_view(rstd))
-    if wc is not None:
-        a = a * _acc(plan, xp, g.view(wc))
-    if plan.center:
-        shift = g.s_view(hi)
-        c = -(g.s_view(lo) * a)
+    xa = _acc(cp, xp, xc)
+    a = rstd if wc is None else rstd * _acc(cp, xp, wc)
+    if cp.center:
+        c = -(lo * a)
         if bc is not None:
-            c = c + _acc(plan, xp, g.view(bc))
-        y = (xv - shift) * a + c
+            c = c + _acc(cp, xp, bc)
+        y = (xa - hi) * a + c
     else:
-        y = xv * a
+        y = xa * a
         if bc is not None:
-            y = y + _acc(plan, xp, g.view(bc))
-    return g.unview(xp.astype(y, plan.dtype, copy=False), xc.shape)
+            y = y + _acc(cp, xp, bc)
+    return xp.astype(y, cp.dtype, copy=False)
 
 
-def _xhat_chunk(xc, hi, lo, rstd, *, g):
-    """``xhat = ((x - hi) - lo) * rstd`` of one chunk, accumulation dtype, on x's axes."""
-    plan = g.plan
+def _param_rows(dyc, xhat, cp):
+    """One chunk's ``(sum(dy * xhat), sum(dy))`` over the non-parameter axes (keepdims,
+    float64, stacked on a new axis 0): the partials of dweight and dbias."""
+    xp = array_api_compat.array_namespace(dyc)
+    dya = _acc(cp, xp, dyc)
+
+    def s(arr):
+        return xp.astype(xp.sum(arr, axis=cp.nonpar, keepdims=True) if cp.nonpar else arr, xp.float64)
+
+    return xp.stack([s(dya * xhat), s(dya)], axis=0)
+
+
+def _dx_chunk(dyc, xc, hi, lo, rstd, mg, mgx, wc, *, cp, param_rows):
+    """``dx = rstd * (g - xhat * mean(g * xhat) - mean(g))`` of one chunk; with
+    ``param_rows`` also the chunk's dweight/dbias partials: ``(dx, rows)`` from one task."""
     xp = array_api_compat.array_namespace(xc)
-    xv = _acc(plan, xp, g.view(xc))
-    if plan.center:
-        xv = (xv - g.s_view(hi)) - g.s_view(lo)
-    return g.unview(xv * g.s_view(rstd), xc.shape)
-
-
-def _dx_chunk(dyc, xc, hi, lo, rstd, mg, mgx, wc, *, g):
-    """``dx = rstd * (g - xhat * mean(g * xhat) - mean(g))`` of one chunk."""
-    plan = g.plan
-    xp = array_api_compat.array_namespace(xc)
-    xv = _acc(plan, xp, g.view(xc))
-    r = g.s_view(rstd)
-    if plan.center:
-        xv = (xv - g.s_view(hi)) - g.s_view(lo)
-    xhat = xv * r
-    gv = _acc(plan, xp, g.view(dyc))
+    xhat = _acc(cp, xp, xc)
+    if cp.center:
+        xhat = (xhat - hi) - lo
+    xhat = xhat * rstd
+    ga = _acc(cp, xp, dyc)
     if wc is not None:
-        gv = gv * _acc(plan, xp, g.view(wc))
-    inner = gv - xhat * g.s_view(mgx)
-    if plan.center:
-        inner = inner - g.s_view(mg)
-    return g.unview(xp.astype(r * inner, plan.dtype, copy=False), xc.shape)
+        ga = ga * _acc(cp, xp, wc)
+    inner = ga - xhat * mgx
+    del ga
+    if cp.center:
+        inner = inner - mg
+    dx = xp.astype(rstd * inner, cp.dtype, copy=False)
+    return (dx, _param_rows(dyc, xhat, cp)) if param_rows else dx
 
 
 # --- blockwise path: the chunk's own executor --------------------------------------------------
 
-def _run_chunk(plan, g, xc, wc, bc, *, which, dyc=None, mean=None, rstd=None):
-    """Run the chunk's own executor on one chunk (x's axes); return one of its results."""
+def _chunk_call(cp, xc, wc, bc, stats):
+    """The plan, executor and arguments that run one chunk as a whole array."""
     from ._backend import choose
     from ._plan import namespace_of, plan_for
     xp = namespace_of(xc)
     shape = tuple(xc.shape)
-    groups = shape[plan.channel_axis] // g.gs if g.group else None
-    pshape = tuple(shape[a] for a in g.par)
-    layer = plan.op in ("layer_norm", "rms_norm")
-    cplan = plan_for(plan.op, xp, shape, plan.dtype, plan.reduce_axes if layer else -1,
-                     1 if layer else plan.channel_axis, groups, plan.eps,
+    layer = cp.op in ("layer_norm", "rms_norm")
+    groups = shape[cp.channel_axis] // cp.gs if cp.group else None
+    pshape = tuple(shape[a] for a in cp.par)
+    cplan = plan_for(cp.op, xp, shape, cp.dtype, cp.reduce_axes if layer else -1,
+                     1 if layer else cp.channel_axis, groups, cp.eps,
                      None if wc is None else pshape, None if bc is None else pshape, False)
-    if wc is not None:
-        wc = xp.reshape(wc, pshape)
-    if bc is not None:
-        bc = xp.reshape(bc, pshape)
-    ex = choose(cplan, xc)
-    if which == "y":
-        return ex.forward(cplan, xc, wc, bc, None)[0]
-    if mean is not None:
-        mean = xp.reshape(mean, cplan.stats_shape)
-    if rstd is not None:
-        rstd = xp.reshape(rstd, cplan.stats_shape)
-    return ex.backward(cplan, dyc, xc, wc, mean, rstd)[0]
+    wc = None if wc is None else xp.reshape(wc, pshape)
+    bc = None if bc is None else xp.reshape(bc, pshape)
+    if cp.group:  # per-channel statistics -> per group
+        stats = [s[(slice(None),) * cp.channel_axis + (slice(None, None, cp.gs),)] for s in stats]
+    stats = [xp.reshape(s, cplan.stats_shape) for s in stats]
+    return cplan, choose(cplan, xc), wc, bc, stats
 
 
-def _y_chunk(xc, wc, bc, *, g):
-    return _run_chunk(g.plan, g, xc, wc, bc, which="y")
+def _y_chunk(xc, wc, bc, *, cp):
+    cplan, ex, wc, bc, _ = _chunk_call(cp, xc, wc, bc, [])
+    return ex.forward(cplan, xc, wc, bc, None)[0]
 
 
-def _bwd_chunk(dyc, xc, wc, *stats, g):
-    plan = g.plan
-    mean, rstd = (stats if plan.center else (None,) + stats) if stats else (None, None)
-    return _run_chunk(plan, g, xc, wc, None, which="dx", dyc=dyc, mean=mean, rstd=rstd)
+def _bwd_chunk(dyc, xc, wc, *stats, cp):
+    """The chunk executor's backward: ``dx``, or ``(dx, dweight/dbias partial rows)``.
+
+    The weight comes in the accumulation dtype, so that the chunk's dweight/dbias partials
+    are summed as the in-memory path sums them (not rounded to a float16 weight's dtype).
+    """
+    cplan, ex, wc, _, stats = _chunk_call(cp, xc, wc, None, list(stats))
+    mean, rstd = (stats if cp.center else [None] + stats) if stats else (None, None)
+    dx, dw, db = ex.backward(cplan, dyc, xc, wc, mean, rstd)
+    if dw is None:
+        return dx
+    xp = array_api_compat.array_namespace(dx)
+    pshape = tuple(s if a in cp.par else 1 for a, s in enumerate(xc.shape))
+    return dx, xp.stack([xp.astype(xp.reshape(v, pshape), xp.float64) for v in (dw, db)], axis=0)
+
+
+def _pick(pair, i):
+    return pair[i]
 
 
 # --- the executor interface ------------------------------------------------------------------
@@ -397,81 +425,76 @@ def _bwd_chunk(dyc, xc, wc, *stats, g):
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as lazy Dask arrays (see the module docstring)."""
     h = x + residual if residual is not None else None
-    src = _whole_groups(plan, h if h is not None else x)
+    src = h if h is not None else x
     g = _Geom(plan, src.chunks)
     w, b = g.param_on_x(weight), g.param_on_x(bias)
     hi, lo, rstd = _statistics(plan, g, src)
-    if spans_chunks(plan, src):
-        # pass 2 reads the source again, after the statistics: bind clones src's graph
-        again = bind(src, [r for r in (hi, lo, rstd) if r is not None])
-        args = [again, hi, lo, rstd, w, b]
-        y = da.map_blocks(_apply_chunk, *args, g=g, dtype=plan.dtype, meta=_meta(src, plan.dtype))
+    meta = _meta(src, plan.dtype)
+    if _blockwise(plan, src):
+        y = da.map_blocks(_y_chunk, src, w, b, cp=g.cp, dtype=plan.dtype, meta=meta)
     else:
-        y = da.map_blocks(_y_chunk, src, w, b, g=g, dtype=plan.dtype,
-                          meta=_meta(src, plan.dtype))
-    mean = g.stats_public(hi, plan) if hi is not None else None
-    return y, h, mean, g.stats_public(rstd, plan)
+        small = [g.per_channel(a) for a in (hi, lo, rstd)]
+        # the parameters count as statistics: in memory before the source is read again
+        (again,) = reread([src], [a for a in small + [w, b] if a is not None])
+        y = da.map_blocks(_apply_chunk, again, *small, w, b, cp=g.cp, dtype=plan.dtype, meta=meta)
+    return y, h, g.public(hi), g.public(rstd)
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
-    """Return ``(dx, dweight, dbias)`` as lazy Dask arrays; stats in public shape or None."""
-    x = _whole_groups(plan, x)
-    dy = dy.rechunk(x.chunks)
-    g = _Geom(plan, x.chunks)
-    w = g.param_on_x(weight)
-    given = rstd is not None
-    if given:
-        s_given = [g.stats_on_x(s) for s in ((mean, rstd) if plan.center else (rstd,))]
-    spans = spans_chunks(plan, x)
+    """Return ``(dx, dweight, dbias)`` as lazy Dask arrays; stats in public shape or None.
 
-    if spans:
+    One task per chunk makes both ``dx`` and the chunk's dweight/dbias partials (a tree
+    reduction sums them), so each chunk of ``x`` and ``dy`` has one consumer in the last
+    pass and is freed as soon as it has been used.
+    """
+    if dy.chunks != x.chunks:
+        dy = dy.rechunk(x.chunks)
+    g = _Geom(plan, x.chunks)
+    cp = g.cp
+    w = g.param_on_x(weight)
+    given = [] if rstd is None else [g.given(s) for s in ((mean, rstd) if plan.center else (rstd,))]
+    rows = weight is not None
+    out_dtype, out_meta = (object, np.empty((0,) * x.ndim, object)) if rows else (plan.dtype, _meta(x, plan.dtype))
+
+    if _blockwise(plan, x):
+        wa = None if w is None else w.astype(plan.acc_dtype)
+        out = da.map_blocks(_bwd_chunk, dy, x, wa, *given, cp=cp, dtype=out_dtype, meta=out_meta)
+    else:
+        acc = plan.acc_dtype
         if given:
-            parts = _partials(_grad_partial, g, [dy, x, w] + s_given, 2, x, kind="given")
-            s = _reduce(parts, g, _merge_sum, 2)
+            s = _merged(g, _partials(_grad_partial, g, [dy, x, w] + given, 2, x, kind="given"), _merge_sum)
             mg, mgx = s[0] / plan.count, s[1] / plan.count
-            hi = s_given[0].astype(plan.acc_dtype) if plan.center else None
+            hi = given[0].astype(acc) if plan.center else None
             lo = da.zeros_like(hi) if plan.center else None
-            r = s_given[-1].astype(plan.acc_dtype)
+            r = given[-1].astype(acc)
         elif plan.center:
-            parts = _partials(_grad_partial, g, [dy, x, w], 6, x, kind="chan")
-            s = _reduce(parts, g, _merge_chan, 6)
+            s = _merged(g, _partials(_grad_partial, g, [dy, x, w], 6, x, kind="chan"), _merge_chan)
             r64 = 1.0 / da.sqrt(s[3] / s[0] + plan.eps)
             hi, lo = _split_mean(plan, s[1], s[2])
-            r = r64.astype(plan.acc_dtype)
+            r = r64.astype(acc)
             mg, mgx = s[4] / plan.count, r64 * s[5] / plan.count
         else:
-            parts = _partials(_grad_partial, g, [dy, x, w], 2, x, kind="sumsq")
-            s = _reduce(parts, g, _merge_sum, 2)
+            s = _merged(g, _partials(_grad_partial, g, [dy, x, w], 2, x, kind="sumsq"), _merge_sum)
             r64 = 1.0 / da.sqrt(s[0] / plan.count + plan.eps)
-            hi = lo = None
-            r = r64.astype(plan.acc_dtype)
-            mg, mgx = None, r64 * s[1] / plan.count
-        mg = mg.astype(plan.acc_dtype) if mg is not None else None
-        mgx = mgx.astype(plan.acc_dtype)
-        small = [a for a in (hi, lo, r, mg, mgx) if a is not None]
-        dy2, x2 = bind([dy, x], small)
-        dx = da.map_blocks(_dx_chunk, dy2, x2, hi, lo, r, mg, mgx, w, g=g, dtype=plan.dtype,
-                           meta=_meta(x, plan.dtype))
-    else:
-        if given:
-            hi = s_given[0].astype(plan.acc_dtype) if plan.center else None
-            lo = da.zeros_like(hi) if plan.center else None
-            r = s_given[-1].astype(plan.acc_dtype)
-            stats_args = s_given
-        else:
-            hi, lo, r = _statistics(plan, g, x) if weight is not None else (None, None, None)
-            stats_args = []
-        x2, dy2 = x, dy
-        dx = da.map_blocks(_bwd_chunk, dy, x, w, *stats_args, g=g, dtype=plan.dtype,
-                           meta=_meta(x, plan.dtype))
-    if weight is None:
-        return dx, None, None
-    xhat = da.map_blocks(_xhat_chunk, x2, hi, lo, r, g=g, dtype=plan.acc_dtype,
-                         meta=_meta(x, plan.acc_dtype))
-    dya = dy2.astype(plan.acc_dtype)
+            hi = lo = mg = None
+            r = r64.astype(acc)
+            mgx = r64 * s[1] / plan.count
+        # per channel on x's chunks (the caller's statistics already are)
+        small = [a if given or a is None else g.per_channel(a) for a in (hi, lo, r)]
+        small += [None if a is None else g.per_channel(a.astype(acc)) for a in (mg, mgx)]
+        dy2, x2 = reread([dy, x], [a for a in small + [w] if a is not None])
+        out = da.map_blocks(_dx_chunk, dy2, x2, *small, w, cp=cp, param_rows=rows,
+                            dtype=out_dtype, meta=out_meta)
+    if not rows:
+        return out, None, None
+    dx = da.map_blocks(_pick, out, 0, dtype=plan.dtype, meta=_meta(x, plan.dtype))
+    xp = array_api_compat.array_namespace(x._meta)
+    chunks = ((2,),) + tuple((1,) * len(ch) if a in cp.nonpar else ch for a, ch in enumerate(x.chunks))
+    parts = da.map_blocks(_pick, out, 1, new_axis=0, chunks=chunks, dtype="float64",
+                          meta=_meta(x, xp.float64, x.ndim + 1))
+    parts = _tree(parts, cp.nonpar, _merge_sum)
 
-    def param_sum(arr):
-        summed = da.sum(arr, axis=g.nonpar) if g.nonpar else arr
-        return da.reshape(summed.astype(weight.dtype), plan.param_shape)
+    def param(row):
+        return da.reshape(row.astype(weight.dtype), plan.param_shape)
 
-    return dx, param_sum(dya * xhat), param_sum(dya)
+    return dx, param(parts[0]), param(parts[1])
