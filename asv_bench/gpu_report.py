@@ -107,7 +107,7 @@ class Settings:
         quick = args.quick or args.tiny
         return cls(device=args.device, tiny=args.tiny, quick=args.quick,
                    repeats=3 if args.quick else 7, region_ms=region,
-                   overhead_calls=100 if args.tiny else 1000, budget_s=args.budget_s,
+                   overhead_calls=30 if args.tiny else 1000, budget_s=args.budget_s,
                    sections=tuple(args.sections),
                    kernel_calls=3 if args.tiny else 10, call_calls=5 if args.tiny else (20 if args.quick else 50),
                    overhead_rounds=3 if args.tiny else (5 if args.quick else 11),
@@ -926,7 +926,7 @@ def run_overhead_case(env, shape, mode):
                 row["check_error"] = f"no torch reference: {exc}"
             samples = {name: [] for name in variants}
             for fn in variants.values():  # warm-up: compiles kernels, fills caches
-                wall_us_per_call(env, fn, 50)
+                wall_us_per_call(env, fn, 5 if s.tiny else 50)
             for _ in range(s.overhead_rounds):
                 for name, fn in variants.items():
                     samples[name].append(wall_us_per_call(env, fn, s.overhead_calls))

@@ -368,3 +368,20 @@ def test_prenorm_stack_is_the_transformer_encoder(gr, an_nn):
     torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(fused.layers[0].norm1.weight.grad, native.layers[0].norm1.weight.grad,
                                rtol=1e-4, atol=1e-6)
+
+
+def test_bare_kernel_compiles(gr):
+    """The overhead section's floor, a RawKernel launch of BARE_KERNEL, compiles with NVRTC (no GPU
+    needed; the GPU run launches it with two CuPy arrays, an int64 and a float32)."""
+    import io
+
+    cupy = pytest.importorskip("cupy", exc_type=ImportError)
+    try:
+        program = cupy.cuda.compiler._NVRTCProgram(gr.BARE_KERNEL, "bare.cu", method="cubin")
+        log = io.StringIO()
+        program.compile(("--gpu-architecture=sm_90",), log)
+    except (AttributeError, OSError, RuntimeError) as exc:  # NVRTC missing, or CuPy's private API moved
+        if type(exc).__name__ == "CompileException":
+            raise
+        pytest.skip(f"NVRTC not usable here: {exc}")
+    assert "error" not in log.getvalue().lower()
