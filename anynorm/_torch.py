@@ -69,85 +69,105 @@ def _trailing(plan):
 _ONES: dict = {}
 
 
-def _float_params(plan, weight, bias, size):
+def _float_params(plan, weight, bias, shape):
     """For half inputs: weight/bias as float32 (ones when absent), so that torch's kernels
     accumulate and return the statistics in float32 (its mixed-dtype path)."""
     if plan.dtype not in _HALF:
         return weight, bias
     if weight is None:
-        key = (size, plan.dtype)
-        weight = _ONES.get(key)
+        weight = _ONES.get(shape)
         if weight is None:
-            weight = _ONES[key] = torch.ones(size, dtype=torch.float32)
+            weight = _ONES[shape] = torch.ones(shape, dtype=torch.float32)
     else:
         weight = weight.to(torch.float32)
     return weight, (None if bias is None else bias.to(torch.float32))
 
 
-def _runner(plan, src, weight, bias):
-    """``(run, channels_last)``: ``run(t)`` gives ``(y, mean, rstd)`` (stats in the public
-    shape) of torch's kernel on a tensor ``t`` laid out as ``src``; None when no kernel fits."""
-    ndim = len(plan.shape)
-    if plan.op in ("layer_norm", "rms_norm"):
-        order = [a for a in range(ndim) if a not in plan.reduce_axes] + list(plan.reduce_axes)
-        inverse = sorted(range(ndim), key=order.__getitem__)
-        moved = not _trailing(plan)
-        normalized = list(plan.param_shape)
-        w, b = _float_params(plan, weight, bias, math.prod(normalized))
-        if w is not None and plan.dtype not in _HALF:
-            w = w if w.dim() == len(normalized) else w.reshape(normalized)
+class _Layout:
+    """How a plan maps onto torch's kernels (made once per plan and memory layout).
 
-        def run(t):
-            t = t.permute(order) if moved else t
-            if plan.op == "rms_norm":
-                y, rstd = torch._fused_rms_norm(t, normalized, w.reshape(normalized) if w is not None else None,
-                                                plan.eps)
-                mean = None
-            else:
-                y, mean, rstd = torch.native_layer_norm(
-                    t, normalized, None if w is None else w.reshape(normalized),
-                    None if b is None else b.reshape(normalized), plan.eps)
-            if moved:
-                y, rstd = y.permute(inverse), rstd.permute(inverse)
-                mean = None if mean is None else mean.permute(inverse)
-            return y, _stats(plan, mean), _stats(plan, rstd)
+    ``kind``: "rows" (layer/RMS norm, the normalized axes moved last when they are not),
+    "groups" (group/instance norm on the NCHW view, channels on axis 1); ``channels_last``:
+    the NCHW view is channels-last memory (torch's E[x^2] - E[x]^2 kernel)."""
 
-        return run, False
-    n, c = plan.shape[0], plan.shape[plan.channel_axis]
-    spatial = math.prod(plan.shape) // (n * c)
-    groups = c if plan.op == "instance_norm" else plan.num_groups
-    order = _channels_first(plan)
-    view = src if order is None else src.permute(order)
-    if view.is_contiguous():
-        channels_last = False
-    elif _channels_last_memory(view):
-        channels_last = True
-    else:
-        return None, False
-    inverse = None if order is None else sorted(range(len(order)), key=order.__getitem__)
-    w, b = _float_params(plan, weight, bias, c)
+    __slots__ = ("kind", "order", "inverse", "normalized", "n", "c", "spatial", "groups",
+                 "channels_last")
 
-    def run(t):
-        t = t if order is None else t.permute(order)
-        y, mean, rstd = torch.native_group_norm(t, w, b, n, c, spatial, groups, plan.eps)
-        return (y if inverse is None else y.permute(inverse)), _stats(plan, mean), _stats(plan, rstd)
+    def __init__(self, plan, src):
+        ndim = len(plan.shape)
+        self.channels_last = False
+        if plan.op in ("layer_norm", "rms_norm"):
+            self.kind = "rows"
+            order = [a for a in range(ndim) if a not in plan.reduce_axes] + list(plan.reduce_axes)
+            moved = not _trailing(plan)
+            self.order = order if moved else None
+            self.inverse = sorted(range(ndim), key=order.__getitem__) if moved else None
+            self.normalized = list(plan.param_shape)
+            return
+        self.kind = "groups"
+        self.n, self.c = plan.shape[0], plan.shape[plan.channel_axis]
+        self.spatial = math.prod(plan.shape) // (self.n * self.c)
+        self.groups = self.c if plan.op == "instance_norm" else plan.num_groups
+        self.order = _channels_first(plan)
+        self.inverse = None if self.order is None else sorted(range(ndim), key=self.order.__getitem__)
+        view = src if self.order is None else src.permute(self.order)
+        if view.is_contiguous():
+            pass
+        elif _channels_last_memory(view):
+            self.channels_last = True
+        else:
+            self.kind = None
 
-    return run, channels_last
+
+def _layout(plan, src):
+    """The plan's :class:`_Layout` for ``src``'s memory (memoized per plan and strides)."""
+    key = ("torch",) if plan.op in ("layer_norm", "rms_norm") else ("torch", src.stride())
+    lay = plan.memo.get(key)
+    if lay is None:
+        lay = plan.memo[key] = _Layout(plan, src)
+    return lay
+
+
+def _run(plan, lay, t, w, b):
+    """``(y, mean, rstd)`` (statistics in the public shape) of torch's kernel on ``t``
+    (laid out as the plan's input); ``w``/``b`` as :func:`_float_params` gives them."""
+    if lay.kind == "rows":
+        if lay.order is not None:
+            t = t.permute(lay.order)
+        normalized = lay.normalized
+        if w is not None and w.dim() != len(normalized):
+            w = w.reshape(normalized)
+        if b is not None and b.dim() != len(normalized):
+            b = b.reshape(normalized)
+        if plan.op == "rms_norm":
+            y, rstd = torch._fused_rms_norm(t, normalized, w, plan.eps)
+            mean = None
+        else:
+            y, mean, rstd = torch.native_layer_norm(t, normalized, w, b, plan.eps)
+        if lay.inverse is not None:
+            y, rstd = y.permute(lay.inverse), rstd.permute(lay.inverse)
+            mean = None if mean is None else mean.permute(lay.inverse)
+        return y, _stats(plan, mean), _stats(plan, rstd)
+    if lay.order is not None:
+        t = t.permute(lay.order)
+    y, mean, rstd = torch.native_group_norm(t, w, b, lay.n, lay.c, lay.spatial, lay.groups, plan.eps)
+    if lay.inverse is not None:
+        y = y.permute(lay.inverse)
+    return y, _stats(plan, mean), _stats(plan, rstd)
 
 
 def _conditioned(mean, rstd, limit):
     """True unless some slice's ``|mean| * rstd`` exceeds ``limit`` (NaN rows pass: the
     result is NaN on every path)."""
-    with torch.no_grad():
-        worst = float(torch.amax(mean.abs() * rstd))
+    worst = float((mean.detach() * rstd.detach()).abs_().max())
     return not worst > limit
 
 
-def _shifted(plan, run, src, shift):
-    """``run`` on ``src - shift`` (``shift``: detached, x's dtype, statistics' view shape),
-    the shift added back to the mean."""
+def _shifted(plan, lay, src, shift, w, b):
+    """Torch's kernel on ``src - shift`` (``shift``: detached, x's dtype, statistics' view
+    shape), the shift added back to the mean."""
     moved = (src.reshape(plan.view_shape) - shift).reshape(plan.shape)
-    y, mean, rstd = run(moved)
+    y, mean, rstd = _run(plan, lay, moved, w, b)
     mean = mean + shift.reshape(plan.stats_shape).to(mean.dtype)
     return y, mean, rstd
 
@@ -164,23 +184,25 @@ def native_forward(plan, src, weight, bias):
     they cannot give that (the caller then takes an exact executor)."""
     if not _params_ok(plan, weight, bias) or src.numel() == 0:
         return None
-    run, channels_last = _runner(plan, src, weight, bias)
-    if run is None:
+    lay = _layout(plan, src)
+    if lay.kind is None:
         return None
+    w, b = _float_params(plan, weight, bias, plan.param_shape)
     if not plan.center:  # RMS norm: x * rstd, no cancellation
-        return run(src)
-    limit = _LIMITS[plan.dtype][1 if channels_last else 0]
+        return _run(plan, lay, src, w, b)
+    limit = _LIMITS[plan.dtype][1 if lay.channels_last else 0]
     if torch.compiler.is_compiling():
-        if channels_last:
+        if lay.channels_last:
             return None
-        return _shifted(plan, run, src, _first_elements(plan, src))
-    out = run(src)
+        return _shifted(plan, lay, src, _first_elements(plan, src), w, b)
+    out = _run(plan, lay, src, w, b)
     if _conditioned(out[1], out[2], limit):
         return out
     # far from zero: again on x - mean (exact there), which is centred to a few ulps
     shift = out[1].detach().reshape(plan.stats_view_shape).to(src.dtype)
-    out = _shifted(plan, run, src, shift)
-    if _conditioned(out[1] - shift.reshape(plan.stats_shape).to(out[1].dtype), out[2], limit):
+    out = _shifted(plan, lay, src, shift, w, b)
+    centred = out[1] - shift.reshape(plan.stats_shape).to(out[1].dtype)
+    if _conditioned(centred, out[2], limit):
         return out
     return None
 
@@ -245,6 +267,14 @@ def _as_torch(a):
 
 
 def _prefers_native(plan):
+    """Memoized :func:`_native_first`."""
+    first = plan.memo.get("torch native first")
+    if first is None:
+        first = plan.memo["torch native first"] = _native_first(plan)
+    return first
+
+
+def _native_first(plan):
     """Where torch's own routine beats the NumPy executor on the CPU (measured, see
     asv_bench/README.md): half dtypes (NumPy's float16 conversions are slow, bfloat16 it
     lacks); group and instance norm; layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond
@@ -267,15 +297,16 @@ def _numpy_forward(plan, x, weight, bias, residual):
 
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
-    eligible = _numpy_eligible(plan, x, weight, bias, residual)
-    if eligible and not _prefers_native(plan):
+    native_first = _prefers_native(plan)
+    if not native_first and _numpy_eligible(plan, x, weight, bias, residual):
         return _numpy_forward(plan, x, weight, bias, residual)
     h = _reference.add_residual(plan, x, residual) if residual is not None else None
     native = native_forward(plan, h if h is not None else x, weight, bias)
     if native is not None:
         y, mean, rstd = native
         return y, h, mean, rstd
-    if eligible and plan.dtype != torch.float16:  # NumPy's float16 arithmetic is slow
+    # NumPy's float16 arithmetic is slow: the array-API core (torch ops) serves it
+    if plan.dtype != torch.float16 and _numpy_eligible(plan, x, weight, bias, residual):
         return _numpy_forward(plan, x, weight, bias, residual)
     return _reference.forward(plan, x, weight, bias, residual)
 

@@ -195,9 +195,10 @@ def test_gradcheck_through_the_shift(op, shape, kw, offset):
     if offset:  # this data must take the shifted run (the first one is ill-conditioned)
         from anynorm._plan import make_plan
         plan = make_plan(op, x, w, b, **{k: v for k, v in kw.items()})
-        run, channels_last = _torch._runner(plan, x, w, b)
-        y, mean, rstd = run(x)
-        assert not _torch._conditioned(mean, rstd, _torch._LIMITS[torch.float64][int(channels_last)])
+        lay = _torch._layout(plan, x)
+        with torch.no_grad():
+            y, mean, rstd = _torch._run(plan, lay, x, w, b)
+        assert not _torch._conditioned(mean, rstd, _torch._LIMITS[torch.float64][int(lay.channels_last)])
     torch.autograd.gradcheck(lambda x, w, b: call(op, x, w, b, **kw), (x, w, b))
 
 
