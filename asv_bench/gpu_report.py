@@ -2,8 +2,9 @@
 """Every GPU figure the open issues ask for, from one command (for a session with a borrowed GPU).
 
     python asv_bench/gpu_report.py [--out DIR] [--quick] [--device cuda|cpu] [--tiny]
+                                   [--sections rows,strided,overhead,e2e] [--budget-s S]
 
-Sections, each a markdown table:
+Sections, each a markdown table (``--sections`` picks some; ``kernels`` = rows,strided):
 
 1. rows (issue 3): layer_norm and rms_norm over the last axis of M x N (M*N = 2^25), forward and
    autograd backward on CUDA torch tensors (bfloat16, float32), layer_norm forward on CuPy arrays
@@ -11,7 +12,16 @@ Sections, each a markdown table:
    torch.nn.functional and a device-to-device copy of the same bytes.
 2. strided (issue 4): ConvNeXt's channels-first layer_norm (axis=1), channels-last (NHWC)
    instance_norm and 32-group group_norm, forward and backward, against torch's best equivalent.
-3. overhead: wall-clock microseconds per call of small layer norms (1000 calls, one synchronize).
+   Rows and strided cases also give each variant's kernel-only time (every kernel, memcpy and
+   memset of one call, from CUPTI records through torch.profiler) next to its call time (wall
+   clock of a loop of calls and one synchronize), and the fraction of copy bandwidth from those.
+3. overhead (issue 13): wall-clock microseconds per call of small float32 layer norms (1000 calls,
+   one synchronize; interleaved rounds, median and spread): torch forward without grad, forward +
+   autograd backward, CuPy forward, next to a bare CuPy RawKernel launch and torch.empty_like;
+   the targets with pass/miss.
+4. e2e (issue 13): a bf16-autocast training step of timm's convnext_tiny (NCHW, channels_last),
+   a pre-norm nn.TransformerEncoder, and the same pre-norm layers with anynorm's fused residual,
+   native vs anynorm.nn.LayerNorm swapped in: ms per step, ratio, target, output differences.
 
 Each anynorm result is checked against torch (max abs error) before it is timed. All variants
 of a case are timed in this process, their repeats interleaved: CUDA events around a loop of
@@ -936,6 +946,7 @@ def run_overhead_case(env, shape, mode):
         for floor in ("rawkernel", "empty_like"):
             if floor in row["times_us"]:
                 row[f"ratio_{floor}"] = row["times_us"]["ours"]["median_us"] / row["times_us"][floor]["median_us"]
+                row["notes"].append(f"ours/{floor} {row[f'ratio_{floor}']:.1f}x")
     except Exception as exc:
         row["error"] = short_error(exc)
         row["traceback"] = traceback.format_exc(limit=8)
