@@ -2,7 +2,9 @@
 
 ``track_copy_fraction``: achieved bandwidth as a fraction of ``np.copyto`` on the same
 data, both timed in the same run (1.0 = as fast as a copy; x read once and y written once
-is the most any normalization can do).  ``track_extra_memory``: peak memory allocated
+is the most any normalization can do).  ``track_torch_ratio``: anynorm's time / that of
+``torch.nn.functional`` on the same memory (``torch.from_numpy``, zero-copy), when torch is
+installed (float32/float64; torch's float16 CPU kernels compute in float32 too).  ``track_extra_memory``: peak memory allocated
 during the call (tracemalloc, which NumPy reports to) in units of the output's size.
 """
 
@@ -64,6 +66,19 @@ class NumpyForward(_NumpyCase):
         return best_time(lambda: naive_numpy(self.name, self.x, self.weight, self.bias)) / best_time(self.ours)
 
     track_naive_speedup.unit = "tutorial time / anynorm time"
+
+    def track_torch_ratio(self, name, dtype):
+        try:
+            import torch
+        except ImportError:
+            return float("nan")
+        from .peers import torch_functional
+
+        x, w, b = (torch.from_numpy(a) for a in (self.x, self.weight, self.bias))
+        with torch.no_grad():
+            return best_time(self.ours) / best_time(lambda: torch_functional(self.name, x, w, b))
+
+    track_torch_ratio.unit = "anynorm time / torch time"
 
     def track_extra_memory(self, name, dtype):
         self.ours()

@@ -1,7 +1,8 @@
 """anynorm on torch CPU tensors vs torch.nn.functional, forward and autograd backward.
 
 ``track_peer_ratio``: anynorm's time / torch.nn.functional's, both timed in the same run
-(<= 1 means anynorm is at least as fast).  ``track_copy_fraction``: as in ``numpy_cpu``.
+(<= 1 means anynorm is at least as fast); float16 and bfloat16 run torch's kernels with
+float32 statistics, float32 also the NumPy executor on long rows.  ``track_copy_fraction``: as in ``numpy_cpu``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import anynorm
 from .common import CASE_NAMES, MAIN_CASES, best_time, call_anynorm, numpy_inputs
 from .peers import torch_functional
 
-DTYPES = ["float32", "bfloat16"]
+DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def _torch():
@@ -95,7 +96,7 @@ class TorchCPUForward(_TorchCase):
 class TorchCPUBackward(_TorchCase):
     """Forward + autograd backward to x, weight and bias."""
 
-    params = [MAIN_CASES + ["ln rows 8192x768"], ["float32"]]
+    params = [MAIN_CASES + ["ln rows 8192x768"], ["float32", "bfloat16"]]
 
     def setup(self, name, dtype):
         super().setup(name, dtype)
