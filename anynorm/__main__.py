@@ -125,7 +125,7 @@ def report_parity(rng):
         print(f"{label:<17} executor={executor:<10} max |error| vs float64: " + ", ".join(errors))
     for label, why in absent:
         extra = EXTRAS.get(label)
-        hint = f' (pip install "anynorm[{extra}]")' if extra and why == "not installed" else ""
+        hint = f' (pip install "anynorm[{extra}]")' if extra and why.startswith("not installed") else ""
         print(f"{label:<17} skipped: {why}{hint}")
 
 

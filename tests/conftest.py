@@ -34,10 +34,13 @@ def _restore_backend():
     anynorm.set_backend(before)
 
 
-# The tests marked ``slow``: most of the suite's time on a CPU-only machine, for checks that
-# matter to whoever edits kernels/*.cu.  ``python -m pytest -m "not slow"`` leaves them out
-# (the quick subset the README gives); CI and a plain ``python -m pytest`` run everything.
+# The tests marked ``slow``: most of the suite's time on a CPU-only machine, spent checking the
+# CUDA kernels without a GPU, which matters to whoever edits kernels/*.cu.  ``python -m pytest
+# -m "not slow"`` leaves them out (the quick subset the README gives); CI and a plain
+# ``python -m pytest`` run everything.
 SLOW_FILES = {
+    # every kernel instantiation through NVRTC (with CuPy installed), in worker processes
+    "test_kernels_compile.py",
     # the CUDA kernels run on the CPU under tests/emulation/ (a host compiler build per
     # variant, a thread per CUDA thread)
     "test_kernels_emulated.py",
