@@ -171,8 +171,8 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
         }
     }
     const A r = inv_sqrt(Team::allsum(ss, smem) / n + eps);
-    if (rank == 0) {
-        rstd[row] = r;
+    if (rank == 0) {  // statistics are optional: inference without autograd writes y only
+        if (rstd) rstd[row] = r;
         if (mean) mean[row] = mu;
     }
     if (y == 0) return;

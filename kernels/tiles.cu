@@ -207,7 +207,7 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
         const A rs = inv_sqrt((var > A(0) ? var : A(0)) + A(eps));
         if (t.valid && t.k == 0 && t.c == t.stat_col) {
             const long long s = o * (inner / group) + i / group;
-            rstd[s] = rs;
+            if (rstd) rstd[s] = rs;  // optional, as in rows.cu
             if (mean) mean[s] = mu;
         }
         if (y && t.valid)

@@ -25,7 +25,7 @@ pytest.importorskip("cupy", exc_type=ImportError)  # anynorm._cuda imports CuPy 
 _launch = pytest.importorskip("anynorm._cuda._launch", exc_type=ImportError)
 
 from anynorm import _reference  # noqa: E402
-from anynorm._cuda import _compile, _layout  # noqa: E402
+from anynorm._cuda import _bound, _compile, _layout  # noqa: E402
 from anynorm._plan import make_plan  # noqa: E402
 
 _HERE = Path(__file__).resolve().parent
@@ -158,9 +158,41 @@ def _assert_scaled(got, want, rtol, what):
     assert err <= rtol * max(1.0, float(np.abs(want).max(initial=0))), (what, err)
 
 
-def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True, as_ref=None):
+def _replay(record, plan, dtype, layout, names, buffers):
+    """Record a schedule (``_bound``) for the buffers given (``names`` -> DeviceArray or None)
+    and replay it with their addresses, as the hot path does."""
+    present = {name for name, d in zip(names, buffers) if d is not None}
+    bound = record(plan, dtype, layout, present)
+    scratch = emu.empty(max(1, bound.scratch_bytes), "uint8") if bound.scratch_bytes else None
+    ptrs = [0 if d is None else d.ptr for d in buffers] + [0 if scratch is None else scratch.ptr]
+    bound.run(ptrs, None)
+    return bound
+
+
+def _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, md, sd):
+    if not bound:
+        _launch.forward(plan, dtype, xd, wd, bd, rd, yd, hd, md, sd)
+        return
+    layout = _layout.plan_layout(plan, xd.elem_strides)
+    _replay(_bound.record_forward, plan, dtype, layout, _bound.FORWARD_SLOTS[:-1],
+            (xd, rd, hd, yd, wd, bd, md, sd))
+
+
+def _backward(bound, plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd):
+    if not bound:
+        _launch.backward(plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd)
+        return
+    layout = _layout.plan_layout(plan, xd.elem_strides, plan.has_weight or dwd is not None)
+    _replay(_bound.record_backward, plan, dtype, layout, _bound.BACKWARD_SLOTS[:-1],
+            (dyd, xd, wd, md, sd, dxd, dwd, dbd))
+
+
+def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True, as_ref=None,
+           bound=False, stats=True):
     """Run forward and backward through ``_launch`` against the reference; with ``as_ref``,
-    every buffer is handed over as a torch TensorRef (``emulated_torch``)."""
+    every buffer is handed over as a torch TensorRef (``emulated_torch``); with ``bound``, the
+    schedules are recorded once and replayed on the buffers' addresses (``_bound``), the
+    forward without statistics unless ``stats``."""
     big = (lambda d: d) if as_ref is None else (lambda d: as_ref(d, shape, order))
     small = (lambda d: d) if as_ref is None else as_ref
     rng = np.random.default_rng(abs(hash((op, shape, dtype, residual))) % 2**32)
@@ -182,12 +214,18 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     sd = emu.empty(nstats, acc)
     wd = None if w is None else emu.to_device(w.reshape(-1), acc)
     bd = None if b is None else emu.to_device(b.reshape(-1), acc)
-    _launch.forward(plan, dtype, big(xd), small(wd), small(bd), big(rd), big(yd), big(hd), small(md),
-                    small(sd))
+    y_alone = None
+    if not stats:  # inference: y (and h) alone, no statistics written
+        _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, None, None)
+        y_alone = _host(yd, shape, order).copy()
+    _forward(bound, plan, dtype, big(xd), small(wd), small(bd), big(rd), big(yd), big(hd), small(md),
+             small(sd))
 
     h = _rounded(x + res, dtype) if residual else x
     ry, _, rmean, rrstd = _reference.forward(make_plan(op, h, w, b, **kw), h, w, b)
     _assert_scaled(_host(yd, shape, order), ry, TOL[dtype], "y")
+    if y_alone is not None:
+        np.testing.assert_array_equal(y_alone, _host(yd, shape, order))
     stat_tol = 1e-14 if acc == "float64" else 2e-6
     _assert_scaled(sd.get_float().reshape(plan.stats_shape), rrstd, stat_tol, "rstd")
     if plan.center:
@@ -205,8 +243,8 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
         dwd = emu.empty(plen, acc) if w is not None else None
         dbd = emu.empty(plen, acc) if w is not None else None
         mean, rstd = ((md if plan.center else None), sd) if given_stats else (None, None)
-        _launch.backward(bplan, dtype, big(dydev), big(hdev), small(wd), small(mean), small(rstd),
-                         big(dxd), small(dwd), small(dbd))
+        _backward(bound, bplan, dtype, big(dydev), big(hdev), small(wd), small(mean), small(rstd),
+                  big(dxd), small(dwd), small(dbd))
         _assert_scaled(_host(dxd, shape, order), rdx, 1.5 * TOL[dtype], "dx")
         if w is not None:
             grad_tol = 1e-13 if acc == "float64" else 2e-5  # float32 sums of ~1e4 terms: 5e-6 seen
@@ -396,3 +434,60 @@ def test_launch_with_torch_tensor_refs(emulated_torch, case, dtype):
     _check(op, shape, kw, dtype, order, offset=1 if dtype == "float32" else 0, as_ref=emulated_torch)
     if op in ("layer_norm", "rms_norm"):
         _check(op, shape, kw, dtype, order, residual=True, as_ref=emulated_torch)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bound_schedules_replay(emulated, case, dtype):
+    """The hot path: each schedule recorded once with placeholder buffers (``_bound``), then
+    replayed with the buffers' addresses and one scratch allocation; the forward also without
+    statistics (inference writes y only, whichever kernel path the shape takes)."""
+    op, shape, kw, order = case
+    _check(op, shape, kw, dtype, order, bound=True, stats=False)
+    if op in ("layer_norm", "rms_norm") and order is None:
+        _check(op, shape, kw, dtype, order, residual=True, bound=True, stats=False)
+
+
+def test_bound_schedule_matches_eager_launches(emulated, monkeypatch):
+    """A recorded schedule holds the same kernels, grids, blocks and shared memory as the
+    eager launcher, and its workspaces fit in its scratch at 256-byte boundaries."""
+    calls = []
+    fetch = _launch.get_kernel
+
+    class Spy:
+        """The kernel, noting each launch as the GPU would see it."""
+
+        def __init__(self, name, function):
+            self.name, self.function = name, function
+
+        def __call__(self, grid, block, args, shared_mem=0, stream=None):
+            calls.append((self.name, tuple(grid), tuple(block), shared_mem))
+            return self.function(grid, block, args, shared_mem=shared_mem)
+
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            return self.function.max_dynamic_shared_size_bytes
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, n):
+            self.function.max_dynamic_shared_size_bytes = n
+
+    monkeypatch.setattr(_launch, "get_kernel", lambda k, dtype, items=None: Spy(k, fetch(k, dtype, items)))
+    for op, shape, kw, _ in CASES:
+        calls.clear()
+        _check(op, shape, kw, "float32")
+        eager = list(calls)
+        calls.clear()
+        _check(op, shape, kw, "float32", bound=True)
+        assert calls == eager, (op, shape)
+    x = np.zeros((2, 17000), np.float32)
+    plan = make_plan("layer_norm", x)
+    layout = _layout.plan_layout(plan, (17000, 1))
+    bound = _bound.record_forward(plan, "float32", layout, {"rstd", "mean"})
+    assert bound.names == ("rows_stats_partial", "stats_finalize", "apply_fwd")
+    # one workspace of partial sums (3 rows), 256-byte aligned
+    assert bound.scratch_bytes % _bound.ALIGN == 0 and bound.scratch_bytes >= _bound.ALIGN
+    offsets = [off for step in bound.steps for _, index, off in step.slots if index == 8]
+    assert offsets and max(offsets) < bound.scratch_bytes
+    inference = _bound.record_forward(plan, "float32", layout, set())  # stats in scratch then
+    assert inference.scratch_bytes == bound.scratch_bytes + 2 * _bound.ALIGN

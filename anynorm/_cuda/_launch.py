@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import cupy
 import numpy as np
@@ -94,6 +95,17 @@ def _split(length, parallel, target, min_chunk, align=1):
 
 
 _smem_allowed: dict = {}
+# While a schedule is recorded (``_bound``), the recorder of this thread: launches and
+# workspaces are noted instead of run and allocated.
+_recording = threading.local()
+
+
+def _workspace(shape, dtype):
+    """Scratch memory for partial sums: a CuPy array, or a slot of the recorded call's scratch."""
+    recorder = getattr(_recording, "recorder", None)
+    if recorder is not None:
+        return recorder.workspace(shape, dtype)
+    return cupy.empty(shape, dtype=dtype)
 
 
 def _launch(kernel, dtype, grid, block, args, items=None, smem=0):
@@ -102,6 +114,10 @@ def _launch(kernel, dtype, grid, block, args, items=None, smem=0):
         # near or past the default limit: opt the kernel in (cuFuncSetAttribute)
         function.max_dynamic_shared_size_bytes = smem
         _smem_allowed[id(function)] = smem
+    recorder = getattr(_recording, "recorder", None)
+    if recorder is not None:
+        recorder.launch(kernel, function, grid, block, args, smem)
+        return
     function(grid, block, tuple([a.kernel_arg if type(a) is TensorRef else a for a in args]),
              shared_mem=smem)
 
@@ -178,7 +194,8 @@ def _tile(layout, dtype, copies):
 # ---- statistics --------------------------------------------------------------------------
 
 def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
-    """Fill ``mean``/``rstd`` (and ``h``, ``y`` unless None) from the buffer ``src``."""
+    """Fill ``mean``/``rstd`` (and ``h``, ``y`` unless None) from the buffer ``src``;
+    ``rstd`` None (with ``mean``): no statistics are written, only ``y``."""
     acc = acc_dtype(dtype)
     center, eps = i32(plan.center), f64(plan.eps)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
@@ -186,26 +203,29 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
     if row is not None:
         kernel, grid, block, items = row
         _launch(kernel, dtype, grid, block,
-                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, i64(outer),
+                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps), items=items)
         return
     tile = _tile(layout, dtype, 1)
     if tile is not None:
         width, grid, smem = tile
         _launch("cols_fwd_tile", dtype, grid, (_TILE_THREADS,),
-                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), rstd, i64(outer),
+                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), i64(inner), i64(group), i64(width), i64(layout.p_div),
                  i64(layout.p_len), center, eps), smem=smem)
         return
+    if rstd is None:  # no statistics wanted, but apply_fwd reads them
+        rstd = _workspace(layout.slices, acc)
+        mean = _workspace(layout.slices, acc) if plan.center else None
     if layout.rows:
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
-        ws = cupy.empty((3, outer * nchunk), dtype=acc)
+        ws = _workspace((3, outer * nchunk), dtype=acc)
         _launch("rows_stats_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
                 (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced), i64(chunk)))
     else:
         tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
         chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
-        ws = cupy.empty((3, outer * nchunk * inner), dtype=acc)
+        ws = _workspace((3, outer * nchunk * inner), dtype=acc)
         _launch("cols_stats_partial", dtype, (tiles, nchunk, zdim), (32, 8),
                 (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced),
                  i64(inner), i64(chunk)))
@@ -283,7 +303,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
         fused = None if param_grads is None else _row_params(layout, dtype, kernel, grid, block, items)
         if fused is not None:
             kernel, grid, smem, nchunk, extra = fused
-            part = cupy.empty((2, nchunk * layout.p_len), dtype=acc)
+            part = _workspace((2, nchunk * layout.p_len), dtype=acc)
             _launch(kernel, dtype, grid, block,
                     (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, part[0], _ptr(part[1] if param_grads else None),
                      i64(outer), i64(reduced)) + extra + (center,), items=items, smem=smem)
@@ -299,7 +319,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
         part, part_w, part_b, nchunk = None, None, None, 0
         if mode is not None:  # partial sums per o (p = i) or per (o, tile) (p = r)
             nchunk = outer if mode == 0 else outer * grid[0]
-            part = cupy.empty((2, nchunk * layout.p_len), dtype=acc)
+            part = _workspace((2, nchunk * layout.p_len), dtype=acc)
             part_w, part_b = part[0], (part[1] if param_grads else None)
         _launch("cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(part_w), _ptr(part_b), i64(outer),
@@ -314,20 +334,20 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
         if param_grads is not None and _segmented(layout):
             return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads)
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
-        ws = cupy.empty((2, outer * nchunk), dtype=acc)
+        ws = _workspace((2, outer * nchunk), dtype=acc)
         _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer), i64(reduced),
                  i64(chunk), pdiv, plen, i64(1), center))
     else:
         tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
         chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
-        ws = cupy.empty((2, outer * nchunk * inner), dtype=acc)
+        ws = _workspace((2, outer * nchunk * inner), dtype=acc)
         _launch("cols_grad_partial", dtype, (tiles, nchunk, zdim), (32, 8),
                 (dyb, xb, NULL if by_column else _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer),
                  i64(reduced), i64(inner), i64(group), i64(chunk), pdiv, plen, center))
     slices = layout.slices
-    means = cupy.empty((2, slices), dtype=acc)
-    part = cupy.empty((2, outer * inner), dtype=acc) if by_column else None
+    means = _workspace((2, slices), dtype=acc)
+    part = _workspace((2, outer * inner), dtype=acc) if by_column else None
     _launch("grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], _ptr(w) if by_column else NULL, means[0], means[1],
              part[0] if by_column else NULL, part[1] if by_column and param_grads else NULL,
@@ -361,13 +381,13 @@ def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias)
     seg, per_row = layout.p_div, layout.reduced // layout.p_div
     segs = layout.outer * per_row
     chunk, nchunk = _split(seg, min(segs, _MAX_Y), _target_blocks(), 4096, align=256)
-    ws = cupy.empty((2, segs * nchunk), dtype=acc)
+    ws = _workspace((2, segs * nchunk), dtype=acc)
     _launch("rows_grad_partial", dtype, (nchunk, min(segs, _MAX_Y)), (_BLOCK,),
             (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], i64(segs), i64(seg), i64(chunk),
              i64(1), i64(1), i64(per_row), i32(plan.center)))
     slices = layout.slices
-    means = cupy.empty((2, slices), dtype=acc)
-    part = cupy.empty((2, segs), dtype=acc)
+    means = _workspace((2, slices), dtype=acc)
+    part = _workspace((2, segs), dtype=acc)
     _launch("segment_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], _ptr(w), means[0], means[1], part[0], _ptr(part[1] if with_bias else None),
              i64(slices), i64(per_row), i64(nchunk), i64(layout.p_len), f64(plan.count)))
@@ -391,13 +411,13 @@ def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias):
     if b_len == 1:
         tiles = _ceil(p_len, 32)
         chunk, nchunk = _split(a_len, tiles, target, 32)
-        part = cupy.empty((2, nchunk * p_len), dtype=acc)
+        part = _workspace((2, nchunk * p_len), dtype=acc)
         _launch("param_grad_cols", dtype, (tiles, nchunk), (32, 8),
                 (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
                  i64(a_len), i64(p_len)) + geometry + (i64(chunk), center))
     else:
         chunk, nchunk = _split(a_len, p_len, target, 1)
-        part = cupy.empty((2, nchunk * p_len), dtype=acc)
+        part = _workspace((2, nchunk * p_len), dtype=acc)
         _launch("param_grad_rows", dtype, (p_len, nchunk), (_BLOCK,),
                 (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
                  i64(a_len), i64(p_len), i64(b_len)) + geometry + (i64(chunk), center))
@@ -412,8 +432,8 @@ def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias):
     dyb = _buffers.input_buffer(plan, layout, dy)
     if rstd is None:
         acc = acc_dtype(dtype)
-        mean = cupy.empty(layout.slices, dtype=acc) if plan.center else None
-        rstd = cupy.empty(layout.slices, dtype=acc)
+        mean = _workspace(layout.slices, dtype=acc) if plan.center else None
+        rstd = _workspace(layout.slices, dtype=acc)
         _stats(plan, layout, dtype, xb, None, None, None, None, None, mean, rstd)
     dxb = _buffers.output_buffer(plan, layout, dx)
     fused = _dx(plan, layout, dtype, dyb, xb, weight, mean, rstd, dxb,

@@ -273,7 +273,7 @@ class CupyLaunched:
     def __init__(self, kernel):
         self.kernel = kernel
 
-    def __call__(self, grid, block, args, shared_mem=0):
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
         return self.kernel(grid, block, args, shared_mem, cupy_widths=True)
 
     @property

@@ -1,0 +1,165 @@
+"""A call's launch schedule, recorded once and replayed per call with new pointers.
+
+``_launch`` decides, from a plan, a layout and the device, which kernels run with which
+grid, block, shared memory, sizes and workspaces. None of that depends on the data, so it
+is worked out once per call signature: :func:`record_forward` / :func:`record_backward` run
+``_launch``'s schedule code with :class:`Slot` placeholders for the buffers and note each
+launch instead of running it (``_launch._recording``). The result, a :class:`BoundLaunch`,
+holds per step the compiled function, grid, block, shared memory and an argument template
+whose constants (sizes, flags, eps, NULL) are CuPy holders already; a call fills in only
+the pointers (``ptrs[slot] + offset``) and the stream:
+
+    forward slots:  x, res, h, y, w, b, mean, rstd, scratch
+    backward slots: dy, x, w, mean, rstd, dx, dw, db, scratch
+
+Workspaces of all steps share one scratch allocation of ``scratch_bytes`` (each part
+256-byte aligned), which the caller allocates from its own allocator (torch's caching
+allocator for tensors: CUDA graphs capture it). Layouts that need copies (``Layout.copy``)
+are not recorded; they take ``_launch.forward``/``backward`` as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from . import _launch
+from ._args import address
+
+__all__ = ["Slot", "BoundLaunch", "record_forward", "record_backward", "FORWARD_SLOTS",
+           "BACKWARD_SLOTS", "ALIGN"]
+
+FORWARD_SLOTS = ("x", "res", "h", "y", "w", "b", "mean", "rstd", "scratch")
+BACKWARD_SLOTS = ("dy", "x", "w", "mean", "rstd", "dx", "dw", "db", "scratch")
+ALIGN = 256  # bytes: every workspace starts on a 256-byte boundary of the scratch buffer
+
+
+class Slot:
+    """A buffer of the call (``index`` into its pointer list) at a byte ``offset``."""
+
+    __slots__ = ("index", "offset", "row_bytes")
+
+    def __init__(self, index, offset=0, row_bytes=0):
+        self.index, self.offset, self.row_bytes = index, offset, row_bytes
+
+    def __getitem__(self, row):
+        """Row ``row`` of a 2-D workspace (``ws[0]``, ``part[1]`` in ``_launch``)."""
+        return Slot(self.index, self.offset + row * self.row_bytes)
+
+    def __repr__(self):
+        return f"Slot({self.index}, +{self.offset})"
+
+
+class _Recorder:
+    """Collects the steps and workspaces of one schedule (see ``_launch._recording``)."""
+
+    def __init__(self, scratch_index):
+        self.scratch_index = scratch_index
+        self.scratch_bytes = 0
+        self.steps = []
+
+    def workspace(self, shape, dtype):
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        itemsize = np.dtype(dtype).itemsize
+        offset = self.scratch_bytes
+        self.scratch_bytes += -(-math.prod(shape) * itemsize // ALIGN) * ALIGN
+        row_bytes = shape[-1] * itemsize if len(shape) == 2 else 0
+        return Slot(self.scratch_index, offset, row_bytes)
+
+    def launch(self, name, function, grid, block, args, smem):
+        template, slots = [], []
+        for position, arg in enumerate(args):
+            if type(arg) is Slot:
+                slots.append((position, arg.index, arg.offset))
+                template.append(None)
+            else:
+                template.append(arg)
+        if isinstance(function, cupy.RawKernel):
+            # the current device's CUDA function behind it (what RawKernel.__call__ calls),
+            # which also takes the stream
+            function = function.kernel
+        self.steps.append(Step(name, function, tuple(grid), tuple(block), smem, template,
+                               tuple(slots)))
+
+
+class Step:
+    """One kernel launch of a schedule."""
+
+    __slots__ = ("name", "function", "grid", "block", "smem", "template", "slots")
+
+    def __init__(self, name, function, grid, block, smem, template, slots):
+        self.name, self.function, self.grid, self.block = name, function, grid, block
+        self.smem, self.template, self.slots = smem, template, slots
+
+    def __repr__(self):
+        return f"Step({self.name}, grid={self.grid}, block={self.block}, smem={self.smem})"
+
+
+class BoundLaunch:
+    """The steps of one call signature; :meth:`run` launches them on new buffers."""
+
+    __slots__ = ("steps", "scratch_bytes", "names")
+
+    def __init__(self, steps, scratch_bytes):
+        self.steps = tuple(steps)
+        self.scratch_bytes = scratch_bytes
+        self.names = tuple(step.name for step in steps)
+
+    def run(self, ptrs, stream):
+        """Launch every step on ``stream`` (an object with ``.ptr``, as CuPy's functions
+        take it) with the buffers at the integer addresses ``ptrs`` (slot order)."""
+        for step in self.steps:
+            args = step.template.copy()
+            for position, index, offset in step.slots:
+                args[position] = address(ptrs[index] + offset)
+            step.function(step.grid, step.block, tuple(args), shared_mem=step.smem, stream=stream)
+
+
+def _record(scratch_index, schedule):
+    recorder = _Recorder(scratch_index)
+    _launch._recording.recorder = recorder
+    try:
+        schedule()
+    finally:
+        _launch._recording.recorder = None
+    return BoundLaunch(recorder.steps, recorder.scratch_bytes)
+
+
+def _slots(names, present):
+    """A Slot per name in ``present``, None for the others."""
+    return [Slot(i) if name in present else None for i, name in enumerate(names)]
+
+
+def record_forward(plan, dtype, layout, present) -> BoundLaunch:
+    """The forward of ``plan`` on buffers laid out as ``layout`` (no copies); ``present``:
+    the forward slot names the call has (``mean``/``rstd`` absent: statistics not written)."""
+    assert not layout.copy
+    x, res, h, y, w, b, mean, rstd, _ = _slots(FORWARD_SLOTS, set(present) | {"x", "y"})
+    return _record(FORWARD_SLOTS.index("scratch"), lambda: _launch._stats(
+        plan, layout, dtype, x, res, h, y, w, b, mean, rstd))
+
+
+def record_backward(plan, dtype, layout, present) -> BoundLaunch:
+    """The backward of ``plan`` (``_launch.backward``'s schedule, no copies); ``present``:
+    the backward slot names the call has (no ``rstd``: statistics recomputed; no ``dw``:
+    no parameter gradients; ``db`` only with ``dw``)."""
+    assert not layout.copy
+    dy, x, w, mean, rstd, dx, dw, db, _ = _slots(BACKWARD_SLOTS, set(present) | {"dy", "x", "dx"})
+
+    def schedule():
+        nonlocal mean, rstd
+        if rstd is None:
+            acc = _launch.acc_dtype(dtype)
+            mean = _launch._workspace(layout.slices, acc) if plan.center else None
+            rstd = _launch._workspace(layout.slices, acc)
+            _launch._stats(plan, layout, dtype, x, None, None, None, None, None, mean, rstd)
+        fused = _launch._dx(plan, layout, dtype, dy, x, w, mean, rstd, dx,
+                            None if dw is None else db is not None)
+        if fused is not None:
+            _launch._finish_param_grads(*fused, layout.p_len, dtype, dw, db)
+        elif dw is not None:
+            _launch._param_grads(plan, layout, dtype, dy, x, mean, rstd, dw, db)
+
+    return _record(BACKWARD_SLOTS.index("scratch"), schedule)
