@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import pathlib
+import statistics
 import sys
 import timeit
 
@@ -37,13 +38,33 @@ from anynorm import _backend  # noqa: E402
 from anynorm._cuda import _executor, _interop, _launch  # noqa: E402
 
 
+_STUBBED = {"launches": 0, "stream lookups": 0, "device checks": 0}
+
+
 class _ConvertingKernel:
-    """Stands in for a RawKernel: converts the arguments as CuPy's launch does, no driver."""
+    """Stands in for a CUDA function: converts the arguments as CuPy's launch does (every
+    argument that is not already a holder becomes a ``CScalar``), reads the stream's pointer
+    as CuPy does, no driver call (counted)."""
 
     max_dynamic_shared_size_bytes = 0
 
-    def __call__(self, grid, block, args, shared_mem=0):
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        _STUBBED["launches"] += 1
+        if stream is not None:
+            stream.ptr  # noqa: B018 - CuPy's _get_stream reads it
         return [a if isinstance(a, CPointer) else CScalar(a) for a in args]
+
+
+def _raw_stream(device):
+    """torch._C._cuda_getCurrentRawStream: a C call returning the legacy stream (0) here."""
+    _STUBBED["stream lookups"] += 1
+    return 0
+
+
+def _device_now():
+    """cupy.cuda.runtime.getDevice: a C call; x.get_device() is -1 for CPU tensors."""
+    _STUBBED["device checks"] += 1
+    return -1
 
 
 class _NoCupy:
@@ -74,6 +95,9 @@ def _stub_cuda():
     _launch._smem_optin = lambda device: 227 * 1024
     _launch.cupy = _NoCupy
     _interop.on_torch_stream = lambda device: contextlib.nullcontext()
+    _interop.on_device = lambda device: contextlib.nullcontext()
+    _interop.torch_stream = _raw_stream
+    _interop.current_device = _device_now
     _backend.on_cuda = lambda x: True
     _executor._runtime_problem = lambda: None
     ops = _executor._torch_ops()
@@ -83,19 +107,42 @@ def _stub_cuda():
     return ops
 
 
-def _per_call_us(fn, number):
-    return min(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
+def _interleaved_us(fns, number, rounds):
+    """Per function: the median and the (min, max) over ``rounds`` of microseconds per call,
+    the functions timed in turn within each round (shared machines drift between rounds)."""
+    samples = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            samples[key].append(timeit.timeit(fn, number=number) / number * 1e6)
+    return {key: (statistics.median(v), min(v), max(v)) for key, v in samples.items()}
+
+
+def _op_route(ops, fn):
+    """``fn`` with every call sent through the registered custom op."""
+    def through_op():
+        route = ops._route
+        ops._route = lambda *tensors: ops.OP
+        try:
+            fn()
+        finally:
+            ops._route = route
+    return through_op
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--number", type=int, default=2000)
+    parser.add_argument("--number", type=int, default=2000, help="calls per function in all")
+    parser.add_argument("--rounds", type=int, default=11, help="interleaved rounds (median taken)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the inference and training calls")
     args = parser.parse_args(argv)
     ops = _stub_cuda()
+    # the stubbed kernels leave outputs uninitialised; gradients accumulate them call after
+    # call, and denormal garbage would make the CPU's additions, not the host path, the cost
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(1)  # host cost is one Python thread's; keep torch's arithmetic off the other core
     torch.manual_seed(0)
     m, n = args.rows, args.hidden
     x, w, b = torch.randn(m, n), torch.ones(n), torch.zeros(n)
@@ -116,18 +163,33 @@ def main(argv=None):
         F.layer_norm(xg, (n,), wg, bg).backward(dy)
 
     rows = [("inference", infer, torch_infer), ("training forward + backward", train, torch_train)]
-    eager = {name: _per_call_us(fn, args.number) for name, fn, _ in rows}
-    route = ops._route
-    ops._route = lambda *tensors: ops.OP
-    via_op = {name: _per_call_us(fn, args.number) for name, fn, _ in rows}
-    ops._route = route
-    peer = {name: _per_call_us(fn, args.number) for name, _, fn in rows}
+    fns = {}
+    for name, mine, theirs in rows:
+        fns[name, "eager"] = mine
+        fns[name, "op"] = _op_route(ops, mine)
+        fns[name, "torch"] = theirs
+    times = _interleaved_us(fns, max(1, args.number // args.rounds), args.rounds)
+    eager = {name: times[name, "eager"][0] for name, _, _ in rows}
+    via_op = {name: times[name, "op"][0] for name, _, _ in rows}
+    peer = {name: times[name, "torch"][0] for name, _, _ in rows}
+    _STUBBED.update(dict.fromkeys(_STUBBED, 0))
+    infer()
+    per_infer = dict(_STUBBED)
+    _STUBBED.update(dict.fromkeys(_STUBBED, 0))
+    train()
+    per_train = dict(_STUBBED)
     print(f"host microseconds per call, layer_norm of {m} x {n} float32 (torch {torch.__version__})")
-    print(f"| call | anynorm eager route | through the custom op | eager / op | F.layer_norm on CPU (incl. arithmetic) |")
-    print("|---|---|---|---|---|")
+    print("stubbed per call (a C call or driver launch each on a GPU host): "
+          f"inference {per_infer}, training {per_train}; allocations are torch CPU ones")
+    print(f"medians of {args.rounds} interleaved rounds")
+    print(f"| call | anynorm eager route | through the custom op | eager / op | F.layer_norm on CPU (incl. arithmetic) | spread (min-max: eager / op / torch) |")
+    print("|---|---|---|---|---|---|")
     for name, _, _ in rows:
+        spread = " / ".join(f"{times[name, k][1]:.0f}-{times[name, k][2]:.0f}" for k in ("eager", "op", "torch"))
         print(f"| {name} | {eager[name]:.1f} | {via_op[name]:.1f} | {eager[name] / via_op[name]:.2f} | "
-              f"{peer[name]:.1f} |")
+              f"{peer[name]:.1f} | {spread} |")
+    print(f"host ratio: inference {eager['inference'] / peer['inference']:.2f}x, "
+          f"training {eager['training forward + backward'] / peer['training forward + backward']:.2f}x")
     if args.profile:
         import cProfile
         import pstats

@@ -24,5 +24,9 @@ def test_prints_both_routes_for_inference_and_training():
     assert len(rows) == 2, done.stdout
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        values = [float(c) for c in cells[1:]]
-        assert len(values) == 4 and all(v > 0 and re.fullmatch(r"[\d.]+", c) for v, c in zip(values, cells[1:]))
+        values = [float(c) for c in cells[1:5]]
+        assert len(values) == 4 and all(v > 0 and re.fullmatch(r"[\d.]+", c) for v, c in zip(values, cells[1:5]))
+    # the stand-in says what it stubbed: one launch for a short row's inference, 3 for training
+    assert "inference {'launches': 1," in done.stdout, done.stdout
+    assert "training {'launches': 3," in done.stdout, done.stdout
+    assert re.search(r"^host ratio: inference \d+\.\d\dx, training \d+\.\d\dx$", done.stdout, re.M), done.stdout

@@ -2,7 +2,8 @@
 torch tensors.
 
 ``unsupported(plan, x)`` -> None or the reason the kernels cannot take the call;
-``forward(plan, x, weight, bias, residual)`` -> ``(y, h, mean, rstd)``;
+``forward(plan, x, weight, bias, residual, stats=True)`` -> ``(y, h, mean, rstd)`` (with
+``stats=False`` the statistics may be None: inference writes y only);
 ``backward(plan, dy, x, weight, mean, rstd)`` -> ``(dx, dweight, dbias)``.
 
 Importing needs CuPy only (no GPU); without a usable CuPy it raises ImportError.
@@ -15,4 +16,6 @@ except Exception as exc:  # CuPy missing, or present but broken (wrong CUDA whee
 
 from ._executor import backward, forward, unsupported
 
-__all__ = ["forward", "backward", "unsupported"]
+__all__ = ["forward", "backward", "unsupported", "FORWARD_STATS_OPTIONAL"]
+
+FORWARD_STATS_OPTIONAL = True  # forward takes stats=False (anynorm._calls)

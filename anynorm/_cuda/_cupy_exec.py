@@ -1,7 +1,9 @@
 """The CUDA executor for CuPy arrays: allocate outputs, launch on CuPy's current stream.
 
 Outputs follow ``x``'s memory layout (``cupy.empty_like``); statistics are contiguous in the
-public statistics shape, float32 for float16/bfloat16 inputs (float64 for float64).
+public statistics shape, float32 for float16/bfloat16 inputs (float64 for float64). Where
+the buffers need no copies, a call replays the schedule recorded for its signature
+(``_bound``); otherwise ``_launch`` runs with its copies.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ import math
 
 import cupy
 
-from . import _launch
-from ._interop import dtype_key
+from . import _bound, _buffers, _launch, _layout
+from ._interop import dtype_key, run_on_cupy_stream
 
 __all__ = ["forward", "backward"]
 
@@ -23,18 +25,80 @@ def _param(arr, acc):
     return cupy.ascontiguousarray(arr.astype(acc, copy=False))
 
 
-def forward(plan, x, weight=None, bias=None, residual=None):
-    """``(y, h, mean, rstd)``; ``h`` None without residual, ``mean`` None for RMS norm."""
+def _ptr(arr):
+    return 0 if arr is None else arr.data.ptr
+
+
+def _scratch(bound):
+    return cupy.empty(bound.scratch_bytes, dtype=cupy.uint8) if bound.scratch_bytes else None
+
+
+def _bound_forward(plan, x, residual, weight, bias, stats):
+    key = ("bound-forward", x.strides, None if residual is None else residual.strides,
+           weight is not None, bias is not None, stats, x.data.device_id)
+    try:
+        return plan.memo[key]
+    except KeyError:
+        pass
+    bound = None
+    layout = _layout.plan_layout(plan, _buffers.element_strides(x))
+    if not layout.copy and (residual is None or _buffers.is_buffer(plan, layout, residual)):
+        present = {name for name, a in (("res", residual), ("h", residual), ("w", weight),
+                                        ("b", bias)) if a is not None}
+        if stats:
+            present |= {"rstd", "mean"} if plan.center else {"rstd"}
+        with x.device:
+            bound = _bound.record_forward(plan, dtype_key(x.dtype), layout, present)
+    plan.memo[key] = bound
+    return bound
+
+
+def _bound_backward(plan, x, dy, weight, has_stats, param_grads):
+    key = ("bound-backward", x.strides, dy.strides, weight is not None, has_stats, param_grads,
+           x.data.device_id)
+    try:
+        return plan.memo[key]
+    except KeyError:
+        pass
+    bound = None
+    layout = _layout.plan_layout(plan, _buffers.element_strides(x), plan.has_weight or param_grads)
+    if not layout.copy and _buffers.is_buffer(plan, layout, dy):
+        present = {"w"} if weight is not None else set()
+        if has_stats:
+            present |= {"rstd", "mean"} if plan.center else {"rstd"}
+        if param_grads:
+            present |= {"dw", "db"}
+        with x.device:
+            bound = _bound.record_backward(plan, dtype_key(x.dtype), layout, present)
+    plan.memo[key] = bound
+    return bound
+
+
+def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
+    """``(y, h, mean, rstd)``; ``h`` None without residual, ``mean`` None for RMS norm, both
+    statistics None with ``stats=False`` where the kernels need not write them."""
     key = dtype_key(x.dtype)
     acc = _launch.acc_dtype(key)
     y = cupy.empty_like(x)
     h = cupy.empty_like(x) if residual is not None else None
-    mean = cupy.empty(plan.stats_shape, dtype=acc) if plan.center else None
-    rstd = cupy.empty(plan.stats_shape, dtype=acc)
-    if x.size:
+    mean = rstd = None
+    if stats:
+        mean = cupy.empty(plan.stats_shape, dtype=acc) if plan.center else None
+        rstd = cupy.empty(plan.stats_shape, dtype=acc)
+    if not x.size:
+        return y, h, mean, rstd
+    weight, bias = _param(weight, acc), _param(bias, acc)
+    bound = _bound_forward(plan, x, residual, weight, bias, stats)
+    if bound is None:
+        if rstd is None:
+            mean = cupy.empty(plan.stats_shape, dtype=acc) if plan.center else None
+            rstd = cupy.empty(plan.stats_shape, dtype=acc)
         with x.device:
-            _launch.forward(plan, key, x, _param(weight, acc), _param(bias, acc), residual, y, h,
-                            mean, rstd)
+            _launch.forward(plan, key, x, weight, bias, residual, y, h, mean, rstd)
+        return y, h, mean, rstd
+    scratch = _scratch(bound)
+    run_on_cupy_stream(bound, (x.data.ptr, _ptr(residual), _ptr(h), y.data.ptr, _ptr(weight),
+                               _ptr(bias), _ptr(mean), _ptr(rstd), _ptr(scratch)), x.data.device_id)
     return y, h, mean, rstd
 
 
@@ -51,9 +115,17 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     if x.size:
         rstd = _param(rstd, acc)
         mean = _param(mean, acc) if plan.center and rstd is not None else None
-        with x.device:
-            _launch.backward(plan, key, dy.astype(x.dtype, copy=False), x, _param(weight, acc),
-                             mean, rstd, dx, dw, db)
+        dy = dy.astype(x.dtype, copy=False)
+        w = _param(weight, acc)
+        bound = _bound_backward(plan, x, dy, w, rstd is not None, dw is not None)
+        if bound is None:
+            with x.device:
+                _launch.backward(plan, key, dy, x, w, mean, rstd, dx, dw, db)
+        else:
+            scratch = _scratch(bound)
+            run_on_cupy_stream(bound, (dy.data.ptr, x.data.ptr, _ptr(w), _ptr(mean), _ptr(rstd),
+                                       dx.data.ptr, _ptr(dw), _ptr(db), _ptr(scratch)),
+                               x.data.device_id)
     if weight is None:
         return dx, None, None
     return (dx, dw.reshape(plan.param_shape).astype(weight.dtype, copy=False),

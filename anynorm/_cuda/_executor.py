@@ -80,11 +80,12 @@ def _fake_test():
     return is_fake
 
 
-def forward(plan, x, weight=None, bias=None, residual=None):
-    """``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` returns them."""
+def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
+    """``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` returns them; with
+    ``stats=False`` the statistics may be None (not written) where nothing needs them."""
     if array_api_compat.is_torch_array(x):
-        return _torch_ops().forward(plan, x, weight, bias, residual)
-    return _cupy_exec.forward(plan, x, weight, bias, residual)
+        return _torch_ops().forward(plan, x, weight, bias, residual, stats)
+    return _cupy_exec.forward(plan, x, weight, bias, residual, stats)
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):

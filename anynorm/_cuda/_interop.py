@@ -17,7 +17,8 @@ import numpy as np
 
 from ._args import address
 
-__all__ = ["TensorRef", "ref", "as_cupy", "to_cupy", "on_torch_stream", "dtype_key"]
+__all__ = ["TensorRef", "ref", "as_cupy", "to_cupy", "on_torch_stream", "dtype_key", "on_device",
+           "cupy_stream", "torch_stream", "current_device", "run_on_torch_stream", "run_on_cupy_stream"]
 
 _KEYS = ("float16", "bfloat16", "float32", "float64")
 _KEY_OF: dict = {}  # dtype object -> key, filled as dtypes are seen (str() costs per call)
@@ -133,3 +134,60 @@ def on_torch_stream(device):
             stream = cupy.cuda.Stream.from_external(_StreamHandle(current))
         with stream:
             yield
+
+
+# ---- the hot path: a recorded schedule launched with no context switches ---------------------
+
+def current_device() -> int:
+    """The CUDA runtime's current device of this thread (torch and CuPy share it)."""
+    return cupy.cuda.runtime.getDevice()
+
+
+def torch_stream(device: int) -> int:
+    """torch's current stream of ``device`` as a raw pointer (no Stream object is built)."""
+    import torch
+
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+_STREAMS: dict = {}  # (pointer, device) -> a CuPy stream over it
+
+
+def cupy_stream(pointer: int, device: int):
+    """A CuPy stream object for a raw stream pointer, made once per pointer (wrapping one
+    costs microseconds): the legacy NULL stream is ``Stream.null``."""
+    key = (pointer, device)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if len(_STREAMS) > 64:  # streams made and dropped in a loop: forget the old ones
+            _STREAMS.clear()
+        stream = cupy.cuda.Stream.null if pointer == 0 else cupy.cuda.ExternalStream(pointer, device)
+        _STREAMS[key] = stream
+    return stream
+
+
+@contextlib.contextmanager
+def on_device(device: int):
+    """``device`` as CuPy's (and the runtime's) current device, for compiling and recording."""
+    with cupy.cuda.Device(device):
+        yield
+
+
+def run_on_torch_stream(bound, ptrs, device: int) -> None:
+    """Launch a ``_bound.BoundLaunch`` on torch's current stream of ``device``; the current
+    device is switched only when it is another one."""
+    stream = cupy_stream(torch_stream(device), device)
+    if current_device() == device:
+        bound.run(ptrs, stream)
+    else:
+        with cupy.cuda.Device(device):
+            bound.run(ptrs, stream)
+
+
+def run_on_cupy_stream(bound, ptrs, device: int) -> None:
+    """Launch a ``_bound.BoundLaunch`` on CuPy's current stream (of ``device``)."""
+    if current_device() == device:
+        bound.run(ptrs, cupy.cuda.get_current_stream())
+    else:
+        with cupy.cuda.Device(device):
+            bound.run(ptrs, cupy.cuda.get_current_stream())

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import _interop, _launch
+from . import _bound, _buffers, _interop, _launch, _layout
 from .._plan import namespace_of, plan_for
 
 __all__ = ["forward", "backward", "RUNNERS"]
@@ -79,15 +79,33 @@ def _param(t, acc):
 
 # ---- runners: outputs allocated, kernels launched on torch's current stream ------------------
 
-def _forward_run(plan, x, weight, bias, residual):
-    """``(y, h, mean, rstd)`` of ``plan``; ``h`` None without residual, ``mean`` None for RMS norm."""
-    y, h, mean, rstd = _forward_outputs(x, residual, plan.stats_shape, plan.center)
-    if x.numel():
-        acc = rstd.dtype
+def _forward_run(plan, x, weight, bias, residual, stats=True):
+    """``(y, h, mean, rstd)`` of ``plan``; ``h`` None without residual, ``mean`` None for RMS
+    norm, both statistics None when ``stats`` is False (inference: only y is written)."""
+    acc = _acc(x.dtype)
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else None
+    mean = rstd = None
+    if stats:
+        mean = x.new_empty(plan.stats_shape, dtype=acc) if plan.center else None
+        rstd = x.new_empty(plan.stats_shape, dtype=acc)
+    if not x.numel():
+        return y, h, mean, rstd
+    weight, bias = _param(weight, acc), _param(bias, acc)
+    device = x.get_device()
+    bound = _bound_forward(plan, x, residual, weight, bias, stats, device)
+    if bound is None:  # a layout that needs copies: the eager launcher
+        if rstd is None:
+            mean, rstd = _forward_outputs(x, None, plan.stats_shape, plan.center)[2:]
         ref = _interop.ref
         with _interop.on_torch_stream(x.device):
-            _launch.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(_param(weight, acc)),
-                            ref(_param(bias, acc)), ref(residual), ref(y), ref(h), ref(mean), ref(rstd))
+            _launch.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(weight), ref(bias),
+                            ref(residual), ref(y), ref(h), ref(mean), ref(rstd))
+        return y, h, mean, rstd
+    scratch = _scratch(bound, x)
+    _interop.run_on_torch_stream(bound, (
+        x.data_ptr(), _data_ptr(residual), _data_ptr(h), y.data_ptr(), _data_ptr(weight),
+        _data_ptr(bias), _data_ptr(mean), _data_ptr(rstd), _data_ptr(scratch)), device)
     return y, h, mean, rstd
 
 
@@ -99,18 +117,87 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads):
     alloc = x.new_empty if x.numel() else x.new_zeros  # the kernels write every element
     dw = alloc(shape, dtype=acc)
     db = alloc(shape, dtype=acc)
-    if x.numel():
-        if rstd is None:
-            mean = None
-        else:
-            rstd = _param(rstd, acc)
-            mean = _param(mean, acc) if plan.center else None
+    if not x.numel():
+        return dx, dw, db
+    if rstd is None:
+        mean = None
+    else:
+        rstd = _param(rstd, acc)
+        mean = _param(mean, acc) if plan.center else None
+    dy = dy.to(x.dtype)
+    weight = _param(weight, acc)
+    device = x.get_device()
+    bound = _bound_backward(plan, x, dy, weight, rstd is not None, param_grads, device)
+    if bound is None:
         ref = _interop.ref
         with _interop.on_torch_stream(x.device):
-            _launch.backward(plan, _interop.dtype_key(x.dtype), ref(dy.to(x.dtype)), ref(x),
-                             ref(_param(weight, acc)), ref(mean), ref(rstd), ref(dx),
-                             ref(dw) if param_grads else None, ref(db) if param_grads else None)
+            _launch.backward(plan, _interop.dtype_key(x.dtype), ref(dy), ref(x), ref(weight),
+                             ref(mean), ref(rstd), ref(dx), ref(dw) if param_grads else None,
+                             ref(db) if param_grads else None)
+        return dx, dw, db
+    scratch = _scratch(bound, x)
+    _interop.run_on_torch_stream(bound, (
+        dy.data_ptr(), x.data_ptr(), _data_ptr(weight), _data_ptr(mean), _data_ptr(rstd),
+        dx.data_ptr(), dw.data_ptr() if param_grads else 0, db.data_ptr() if param_grads else 0,
+        _data_ptr(scratch)), device)
     return dx, dw, db
+
+
+def _data_ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+def _scratch(bound, x):
+    """The schedule's workspaces, from torch's caching allocator on x's device (so that CUDA
+    graph captures own it), or None."""
+    n = bound.scratch_bytes
+    return x.new_empty((n,), dtype=torch.uint8) if n else None
+
+
+def _bound_forward(plan, x, residual, weight, bias, stats, device):
+    """The recorded forward schedule for this signature, or None where the layout needs
+    copies (worked out once per plan and strides; ``_bound``)."""
+    key = ("bound-forward", x.stride(), None if residual is None else residual.stride(),
+           weight is not None, bias is not None, stats, device)
+    try:
+        return plan.memo[key]
+    except KeyError:
+        pass
+    bound = None
+    layout = _layout.plan_layout(plan, key[1])
+    ref = _interop.ref
+    if not layout.copy and (residual is None or _buffers.is_buffer(plan, layout, ref(residual))):
+        present = {name for name, t in (("res", residual), ("h", residual), ("w", weight),
+                                        ("b", bias)) if t is not None}
+        if stats:
+            present |= {"rstd", "mean"} if plan.center else {"rstd"}
+        with _interop.on_device(device):
+            bound = _bound.record_forward(plan, _interop.dtype_key(x.dtype), layout, present)
+    plan.memo[key] = bound
+    return bound
+
+
+def _bound_backward(plan, x, dy, weight, has_stats, param_grads, device):
+    """The recorded backward schedule for this signature, or None (copies needed)."""
+    key = ("bound-backward", x.stride(), dy.stride(), weight is not None, has_stats, param_grads,
+           device)
+    try:
+        return plan.memo[key]
+    except KeyError:
+        pass
+    bound = None
+    need_params = plan.has_weight or param_grads
+    layout = _layout.plan_layout(plan, key[1], need_params)
+    if not layout.copy and _buffers.is_buffer(plan, layout, _interop.ref(dy)):
+        present = {"w"} if weight is not None else set()
+        if has_stats:
+            present |= {"rstd", "mean"} if plan.center else {"rstd"}
+        if param_grads:
+            present |= {"dw", "db"}
+        with _interop.on_device(device):
+            bound = _bound.record_backward(plan, _interop.dtype_key(x.dtype), layout, present)
+    plan.memo[key] = bound
+    return bound
 
 
 # Per device type, the (forward, backward) runners that eager calls use without the
@@ -291,11 +378,12 @@ def _route(*tensors) -> str:
     return AUTOGRAD if records else RUN
 
 
-def forward(plan, x, weight=None, bias=None, residual=None):
-    """``(y, h, mean, rstd)`` like the reference executor, differentiable through autograd."""
+def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
+    """``(y, h, mean, rstd)`` like the reference executor, differentiable through autograd;
+    ``stats=False``: mean/rstd may be None where nothing needs them."""
     route = _route(x, weight, bias, residual)
     if route == RUN:
-        y, h, mean, rstd = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual)
+        y, h, mean, rstd = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual, stats)
     elif route == AUTOGRAD:
         norm = _TransformNorm if torch._C._are_functorch_transforms_active() else _EagerNorm
         y, h, mean, rstd = norm.apply(plan, x, weight, bias, residual)
