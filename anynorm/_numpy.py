@@ -42,6 +42,8 @@ PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, handing boxes to threads costs mo
 # below this, the blocking's bookkeeping costs more than the array-API core's extra passes
 SMALL_ELEMENTS = 4096
 SHORT_TAIL = 1024  # elements after the reduced run below which boxes take several samples
+# largest |first-pass mean| * rstd of a box at which the correction pass is skipped
+SKIP_CORRECTION = 0.25
 
 
 class _Layout:
@@ -290,11 +292,19 @@ def _statistics(plan, kernel, xa, xc, mean_out, rstd_out, scratch):
     kernel.sums(xa, mean_out)
     np.divide(mean_out, n, out=mean_out)
     kernel.apply(np.subtract, xa, mean_out, xc)
+    kernel.sum_squares(xc, rstd_out, scratch)
+    np.divide(rstd_out, n, out=rstd_out)
+    # c is the first sum's rounding, |c| <~ k * eps * |shift| (BLAS sums: k small): where
+    # |shift| * rstd <= SKIP_CORRECTION it moves y by a fraction of an ulp, and its pass
+    # (a third of the statistics' work) is skipped
+    ratio = np.sqrt(rstd_out + plan.eps)
+    np.divide(np.abs(mean_out), ratio, out=ratio)
+    if not np.max(ratio) > SKIP_CORRECTION:
+        _rstd_from_var(plan, rstd_out)
+        return xc
     correction = np.empty_like(mean_out)
     kernel.sums(xc, correction)
     np.divide(correction, n, out=correction)
-    kernel.sum_squares(xc, rstd_out, scratch)
-    np.divide(rstd_out, n, out=rstd_out)
     np.subtract(rstd_out, correction * correction, out=rstd_out)
     np.maximum(rstd_out, 0, out=rstd_out)
     _rstd_from_var(plan, rstd_out)
