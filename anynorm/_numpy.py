@@ -426,10 +426,59 @@ def _parallel(x):
     return NUM_THREADS > 1 and x.size >= PARALLEL_MIN_ELEMENTS
 
 
+def _first_index(plan):
+    """Index of each normalized slice's first element (keepdims), memoized per plan."""
+    index = plan.memo.get("numpy first")
+    if index is None:
+        index = plan.memo["numpy first"] = tuple(
+            slice(0, 1) if a in plan.reduce_axes else slice(None) for a in range(len(plan.view_shape)))
+    return index
+
+
+def _small_forward(plan, x, weight, bias, residual):
+    """The reference's arithmetic in plain NumPy calls, for arrays too small to block: on
+    a few dozen elements the cost is per call, and ``add.reduce`` on NumPy arrays costs a
+    fraction of the array-API wrappers' ``mean``.  Same algorithm: shift by
+    ``x0 + mean(x - x0)`` (``x0`` each slice's first element), corrected two-pass."""
+    acc = plan.acc_dtype
+    h = None if residual is None else np.add(x, residual)
+    xv = (x if h is None else h).reshape(plan.view_shape)
+    if xv.dtype != acc:
+        xv = xv.astype(acc)
+    axes, inv_n = plan.reduce_axes, 1.0 / plan.count
+    if plan.center:
+        first = xv[_first_index(plan)]
+        d = np.subtract(xv, first)
+        shift = np.add.reduce(d, axis=axes, keepdims=True)
+        shift *= inv_n
+        shift += first
+        d = np.subtract(xv, shift, out=d)
+        mean = np.add.reduce(d, axis=axes, keepdims=True)
+        mean *= inv_n
+        d -= mean
+        mean += shift
+        sq = np.multiply(d, d)
+    else:
+        d, mean = xv, None
+        sq = np.multiply(xv, xv)
+    rstd = np.add.reduce(sq, axis=axes, keepdims=True)
+    rstd *= inv_n
+    _rstd_from_var(plan, rstd)
+    y = np.multiply(d, rstd, out=sq)
+    if weight is not None:
+        y *= np.asarray(weight, dtype=acc).reshape(plan.param_view_shape)
+    if bias is not None:
+        y += np.asarray(bias, dtype=acc).reshape(plan.param_view_shape)
+    y = y.astype(plan.dtype, copy=False).reshape(plan.shape)
+    if mean is not None:
+        mean = mean.reshape(plan.stats_shape)
+    return y, h, mean, rstd.reshape(plan.stats_shape)
+
+
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
     if x.size < SMALL_ELEMENTS:
-        return _reference.forward(plan, x, weight, bias, residual)
+        return _small_forward(plan, x, weight, bias, residual)
     call = _ForwardCall(plan, x, weight, bias, residual)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
     if _parallel(x):

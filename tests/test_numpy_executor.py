@@ -197,3 +197,32 @@ def test_offset_data_exact_in_every_layout(op, shape, kw, offset, blocking):
     assert np.max(np.abs(y - y_ref)) <= 32 * eps32 * np.max(np.abs(y_ref))
     assert np.max(np.abs(mean.reshape(mean_ref.shape) - mean_ref)) <= 4 * eps32 * offset
     np.testing.assert_allclose(rstd.reshape(rstd_ref.shape), rstd_ref, rtol=64 * eps32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op,shape,kw", [c for c in CASES if np.prod(c[1]) < _numpy.SMALL_ELEMENTS],
+                         ids=lambda v: str(v).replace(" ", ""))
+def test_small_arrays_take_plain_numpy_path(op, shape, kw, dtype):
+    """Arrays under SMALL_ELEMENTS run the reference's arithmetic in plain NumPy calls: the
+    same answers (with and without parameters), and exact on data far from zero."""
+    for affine in (True, False):
+        x, weight, bias, _ = _frozen(*_inputs(op, shape, dtype, kw, affine=affine))
+        plan = make_plan(op, x, weight, bias, **kw)
+        ours = _numpy.forward(plan, x, weight, bias)
+        _assert_same(ours, _reference.forward(plan, x, weight, bias), dtype)
+        assert ours[3].dtype == np.dtype(plan.acc_dtype) and ours[3].shape == plan.stats_shape
+    if op in ("layer_norm", "rms_norm"):
+        x, weight, bias, res = _frozen(*_inputs(op, shape, dtype, kw, residual=True))
+        plan = make_plan(op, x, weight, bias, res, **kw)
+        ours = _numpy.forward(plan, x, weight, bias, res)
+        _assert_same(ours, _reference.forward(plan, x, weight, bias, res), dtype)
+    if dtype == np.float32 and op != "rms_norm":
+        import reference
+
+        x = (1e6 + np.random.default_rng(7).standard_normal(shape)).astype(np.float32)
+        plan = make_plan(op, x, **kw)
+        y, _, mean, _ = _numpy.forward(plan, x)
+        y_ref, mean_ref, _ = reference.forward(op, x.astype(np.float64), eps=1e-5, **kw)
+        eps32 = float(np.finfo(np.float32).eps)
+        assert np.max(np.abs(y - y_ref)) <= 32 * eps32 * max(1.0, np.max(np.abs(y_ref)))
+        assert np.max(np.abs(mean.reshape(mean_ref.shape) - mean_ref)) <= 4 * eps32 * 1e6
