@@ -66,6 +66,7 @@ class LayerNorm(_AxisInput, torch.nn.LayerNorm):
         >>> import torch, anynorm.nn
         >>> norm = anynorm.nn.LayerNorm(768)            # same arguments and state_dict as torch's
         >>> norm.load_state_dict(torch.nn.LayerNorm(768).state_dict())
+        <All keys matched successfully>
         >>> x, r = torch.randn(4, 128, 768), torch.randn(4, 128, 768)
         >>> y = norm(x)
         >>> y, h = norm(x, residual=r)                  # y = LN(x + r), h = x + r
@@ -101,6 +102,7 @@ class LayerNorm(_AxisInput, torch.nn.LayerNorm):
         return f"anynorm.nn.LayerNorm({self.extra_repr()})"
 
     def extra_repr(self):
+        """torch's description of the module, plus the anynorm keyword."""
         return f"{super().extra_repr()}, axis={self.axis}"
 
 
@@ -126,6 +128,7 @@ class RMSNorm(_AxisInput, torch.nn.RMSNorm):
         >>> import torch, anynorm.nn
         >>> norm = anynorm.nn.RMSNorm(4096)
         >>> norm.load_state_dict(torch.nn.RMSNorm(4096).state_dict())
+        <All keys matched successfully>
         >>> y, h = norm(torch.randn(2, 16, 4096), residual=torch.randn(2, 16, 4096))
         >>> import numpy as np, anynorm                 # NumPy: anynorm.RMSNorm, no autograd
         >>> anynorm.RMSNorm(4096)(np.ones((2, 4096), dtype=np.float32)).shape
@@ -156,6 +159,7 @@ class RMSNorm(_AxisInput, torch.nn.RMSNorm):
         return f"anynorm.nn.RMSNorm({self.extra_repr()})"
 
     def extra_repr(self):
+        """torch's description of the module, plus the anynorm keyword."""
         return f"{super().extra_repr()}, axis={self.axis}"
 
 
@@ -183,6 +187,7 @@ class GroupNorm(torch.nn.GroupNorm):
         >>> import torch, anynorm.nn
         >>> gn = anynorm.nn.GroupNorm(32, 256)
         >>> gn.load_state_dict(torch.nn.GroupNorm(32, 256).state_dict())
+        <All keys matched successfully>
         >>> gn(torch.randn(2, 256, 16, 16)).shape
         torch.Size([2, 256, 16, 16])
         >>> anynorm.nn.GroupNorm(32, 256, channel_axis=-1)(torch.randn(2, 16, 16, 256)).shape
@@ -218,6 +223,7 @@ class GroupNorm(torch.nn.GroupNorm):
         return f"anynorm.nn.GroupNorm({self.extra_repr()})"
 
     def extra_repr(self):
+        """torch's description of the module, plus the anynorm keyword."""
         return f"{super().extra_repr()}, channel_axis={self.channel_axis}"
 
 
@@ -248,6 +254,7 @@ class InstanceNorm(_InstanceNorm):
         >>> import torch, anynorm.nn
         >>> inorm = anynorm.nn.InstanceNorm(64, affine=True)       # InstanceNorm1d/2d/3d
         >>> inorm.load_state_dict(torch.nn.InstanceNorm2d(64, affine=True).state_dict())
+        <All keys matched successfully>
         >>> inorm(torch.randn(2, 64, 32, 32)).shape
         torch.Size([2, 64, 32, 32])
         >>> inorm(torch.randn(2, 64, 8, 8, 8)).shape                  # 3-d images too
@@ -285,4 +292,5 @@ class InstanceNorm(_InstanceNorm):
         return f"anynorm.nn.InstanceNorm(num_features={self.num_features}, channel_axis={self.channel_axis})"
 
     def extra_repr(self):
+        """torch's description of the module, plus the anynorm keyword."""
         return f"{super().extra_repr()}, channel_axis={self.channel_axis}"

@@ -35,7 +35,7 @@ def _restore_backend():
 
 
 # The tests marked ``slow``: most of the suite's time on a CPU-only machine, spent checking the
-# CUDA kernels without a GPU, which matters to whoever edits kernels/*.cu.  ``python -m pytest
+# CUDA kernels and the GPU tools without a GPU, which matters to whoever edits kernels/*.cu.  ``python -m pytest
 # -m "not slow"`` leaves them out (the quick subset the README gives); CI and a plain
 # ``python -m pytest`` run everything.
 SLOW_FILES = {
@@ -45,6 +45,8 @@ SLOW_FILES = {
     # variant, a thread per CUDA thread)
     "test_kernels_emulated.py",
     "test_kernels_launch_emulated.py",
+    # asv_bench/gpu_report.py, a tool for GPU machines, run end to end on the CPU
+    "test_gpu_report_smoke.py",
 }
 
 
