@@ -44,6 +44,7 @@ _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np
                  torch.float64: np.dtype(np.float64)}
 _HALF = (torch.float16, torch.bfloat16)
 NATIVE_MAX_ROW = 2048
+_NUMPY_CHECK = 16384  # statistics from which the conditioning check runs in NumPy
 SHORT_RUN = 1024
 # Largest max |mean| * rstd at which a kernel's output stays within an ulp or so of the
 # exact one (measured: float32 rows at ratio 2 err 7e-7, ratio 8 1.5e-6; the channels-last
@@ -159,7 +160,14 @@ def _run(plan, lay, t, w, b):
 def _conditioned(mean, rstd, limit):
     """True unless some slice's ``|mean| * rstd`` exceeds ``limit`` (NaN rows pass: the
     result is NaN on every path)."""
-    worst = float((mean.detach() * rstd.detach()).abs_().max())
+    mean, rstd = mean.detach(), rstd.detach()
+    if mean.numel() >= _NUMPY_CHECK and mean.device.type == "cpu":
+        # many statistics: NumPy's single-threaded loops, no OpenMP region per torch op
+        # (on a busy machine each of those waits for its threads: milliseconds)
+        ratio = np.multiply(mean.numpy(), rstd.numpy())
+        worst = float(np.abs(ratio, out=ratio).max())
+    else:
+        worst = float((mean * rstd).abs_().max())
     return not worst > limit
 
 
