@@ -1,6 +1,8 @@
 """anynorm: layer, RMS, instance and group normalization over arbitrary axes, for any
 array-API library (NumPy, PyTorch, CuPy, Dask, JAX, ...), with CUDA kernels on GPU."""
 
+import sys as _sys
+
 from ._backend import get_backend, set_backend, use_backend
 from ._functional import (
     group_norm,
@@ -22,6 +24,26 @@ __all__ = [
     "LayerNorm", "RMSNorm", "InstanceNorm", "GroupNorm",
     "set_backend", "get_backend", "use_backend",
 ]
+
+
+def _register_torch_ops():
+    """Register ``torch.ops.anynorm.forward``/``backward`` (CUDA kernels behind them) when
+    torch is loaded and CuPy importable, so that they exist before anynorm's first call
+    (torch.library.opcheck, torch.compile in a fresh process)."""
+    try:
+        from ._cuda._executor import _torch_ops
+    except ImportError:  # no usable CuPy: the ops would have no kernels to run
+        return
+    try:
+        _torch_ops()
+    except Exception:  # torch without torch.library.custom_op: the kernels take no torch ops
+        pass
+
+
+if "torch" in _sys.modules:  # importing torch here would slow NumPy-only users by seconds
+    from ._calls import bind_torch as _bind_torch
+
+    _bind_torch()
 
 
 def __getattr__(name):

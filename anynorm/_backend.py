@@ -14,7 +14,7 @@ import os
 
 import array_api_compat
 
-from . import _dask, _numpy, _reference, _torch
+from . import _numpy, _reference
 from ._plan import array_kind
 
 __all__ = ["set_backend", "get_backend", "use_backend", "choose", "BACKENDS"]
@@ -69,9 +69,10 @@ def _cuda_executor():
     return _cuda
 
 
-def choose(plan, x):
-    """Return the executor module (``forward``/``backward``) that runs ``plan`` on ``x``."""
-    backend = get_backend()
+def choose(plan, x, backend=None):
+    """Return the executor module (``forward``/``backward``) that runs ``plan`` on ``x``
+    under ``backend`` (default: the one in force)."""
+    backend = backend or get_backend()
     if backend == "reference":
         return _reference
     if on_cuda(x):
@@ -88,8 +89,12 @@ def choose(plan, x):
     kind = array_kind(x)
     if kind == "numpy":
         return _numpy
-    if kind == "torch":
+    if kind == "torch":  # imported on first use: torch and Dask take seconds to import
+        from . import _torch
+
         return _torch
     if kind == "dask":
+        from . import _dask
+
         return _dask
     return _reference

@@ -89,7 +89,7 @@ def namespace_of(x, **others):
         xp = array_api_compat.array_namespace(x)
         _NAMESPACES[type(x)] = xp
     for name, arr in others.items():
-        if arr is None or type(arr) is type(x):
+        if arr is None or type(arr) is type(x) or _NAMESPACES.get(type(arr)) is xp:
             continue
         if not array_api_compat.is_array_api_obj(arr):
             raise TypeError(f"{name} must be an array of the same library as x, got {_describe(arr)}")
@@ -125,6 +125,12 @@ def _check_float(xp, name, arr):
 # Array type -> "cupy" | "torch" | "numpy" | "other": array_api_compat decides by type, so
 # each type is asked once (its checks cost microseconds per call).
 _KINDS: dict = {}
+
+
+def remember_type(array_type, xp, kind) -> None:
+    """Seed the per-type caches (torch.compile traces through array_api_compat's otherwise)."""
+    _NAMESPACES[array_type] = xp
+    _KINDS[array_type] = kind
 
 
 def array_kind(x) -> str:
@@ -188,11 +194,12 @@ def check_eps(eps) -> float:
 
 
 def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_axis=1,
-              num_groups=None, eps=1e-5) -> Plan:
+              num_groups=None, eps=1e-5, cache=True) -> Plan:
     """Validate the arguments of ``op`` and canonicalize its axes into a :class:`Plan`.
 
     The arrays are checked on every call; the rest depends on shapes and arguments only
-    and is planned once per distinct call (:func:`plan_for`).
+    and is planned once per distinct call (:func:`plan_for`; ``cache=False``: planned anew,
+    as torch.compile's tracing needs, which would trace through the cache).
     """
     assert op in _OPS
     xp = namespace_of(x, weight=weight, bias=bias, residual=residual)
@@ -211,7 +218,9 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
     args = (op, xp, shape, x.dtype, axis, channel_axis, num_groups, eps,
             None if weight is None else tuple(weight.shape),
             None if bias is None else tuple(bias.shape), residual is not None)
-    return plan_for(*args) if _cacheable(axis, channel_axis, num_groups, x.dtype) else _build_plan(*args)
+    if cache and _cacheable(axis, channel_axis, num_groups, x.dtype):
+        return plan_for(*args)
+    return _build_plan(*args)
 
 
 def _int_shape(x) -> tuple:
@@ -294,7 +303,7 @@ def _build_plan(op, xp, shape, dtype, axis=-1, channel_axis=1, num_groups=None, 
         param_shape = (channels,)
 
     param_view_shape = tuple(s if a in param_axes else 1 for a, s in enumerate(view_shape))
-    count = math.prod(view_shape[a] for a in reduce_axes)
+    count = math.prod([view_shape[a] for a in reduce_axes])
     if count == 0:
         raise ValueError(f"the normalized extent of x is empty: x.shape={shape}, "
                          f"normalized axes {reduce_axes if op in ('layer_norm', 'rms_norm') else 'of each slice'} "

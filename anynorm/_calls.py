@@ -1,0 +1,191 @@
+"""What a call's signature decides, worked out once: validation, plan and executor.
+
+A call's *signature* is everything the validation, the plan and the choice of executor
+depend on: the op, its keyword values, the backend in force, and per array its library
+(type), shape, strides, dtype and device. The first call of a signature validates and plans
+(:func:`anynorm._plan.make_plan`), chooses its executor and keeps the pair; a repeat call
+builds the key from array attributes and goes straight to the executor. A changed stride,
+dtype, device or library makes another key, never a stale hit.
+
+Arguments that would make a key ambiguous (``True`` hashes like ``1``; lists do not hash)
+and traced calls (torch.compile) take the uncached path, which checks everything.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import _backend
+from ._plan import array_kind, make_plan, remember_type
+
+__all__ = ["forward_call", "backward_call", "signature", "clear", "bind_torch"]
+
+# key -> (plan, executor); a plain dict (atomic get/set under the GIL; two threads that
+# miss together both build the same value)
+_CALLS: dict = {}
+_MAX_CALLS = 4096  # a program with more distinct signatures than this starts over
+_lock = threading.Lock()
+
+
+def clear() -> None:
+    """Forget every cached call (tests; ``set_backend`` does not need it: the backend is keyed)."""
+    _CALLS.clear()
+
+
+def _numpy_signature(a):
+    return a.shape, a.strides, a.dtype
+
+
+def _cupy_signature(a):
+    return a.shape, a.strides, a.dtype, a.data.device_id
+
+
+def _other_signature(a):
+    import array_api_compat
+
+    shape = a.shape
+    try:
+        hash(shape)
+    except TypeError:
+        return None
+    return shape, a.dtype, str(array_api_compat.device(a))
+
+
+_is_compiling = None  # torch.compiler.is_compiling, bound when the first tensor is seen
+_backend_now = _backend.get_backend  # the backend in force, as torch.compile may read it
+
+
+def bind_torch():
+    """Ready the torch-specific parts once torch is loaded (at ``import anynorm`` when torch
+    already is, else at the first call on a tensor)."""
+    global _is_compiling, _backend_now
+    import torch
+
+    if _is_compiling is not None or torch.compiler.is_compiling():
+        return  # done already, or inside a trace, which must not register anything
+    from . import _register_torch_ops
+
+    def backend_in_force():
+        return _backend.get_backend()
+
+    # Dynamo cannot trace ContextVar.get: while tracing, the backend is a constant of the graph
+    _backend_now = torch.compiler.assume_constant_result(backend_in_force)
+    import array_api_compat.torch as torch_namespace
+
+    for tensor_type in (torch.Tensor, torch.nn.Parameter):
+        remember_type(tensor_type, torch_namespace, "torch")
+    _is_compiling = torch.compiler.is_compiling
+    _register_torch_ops()  # torch was imported after anynorm: the ops exist from this call on
+
+
+def _torch_signature(t):
+    if _is_compiling is None:
+        bind_torch()
+    if _is_compiling is None or _is_compiling():  # traced: shapes may be symbolic
+        return None
+    return t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device()
+
+
+_SIGNERS = {}  # array type -> its signature function
+
+
+def _sign(a):
+    """The signature of one array, or None when it cannot key a cache (a traced tensor,
+    an unhashable shape, an object that is no array: the uncached path reports it)."""
+    if a is None:
+        return None
+    sign = _SIGNERS.get(type(a))
+    if sign is None:
+        try:
+            kind = array_kind(a)
+        except Exception:  # not an array at all: the uncached path raises the TypeError
+            return False
+        sign = {"numpy": _numpy_signature, "cupy": _cupy_signature,
+                "torch": _torch_signature}.get(kind, _other_signature)
+        _SIGNERS[type(a)] = sign
+    try:
+        signature = sign(a)
+    except Exception:  # an array-like whose attributes do not answer: uncached path
+        return False
+    return False if signature is None else (type(a), signature)
+
+
+def _exact_ints(axis) -> bool:
+    if type(axis) is int:
+        return True
+    if type(axis) is not tuple:
+        return False
+    for a in axis:
+        if type(a) is not int:
+            return False
+    return True
+
+
+def _keyable(axis, channel_axis, num_groups, eps) -> bool:
+    return (_exact_ints(axis) and type(channel_axis) is int
+            and (num_groups is None or type(num_groups) is int)
+            and (eps is None or type(eps) is float or type(eps) is int))
+
+
+def signature(*arrays):
+    """The arrays' part of a call's key, or None when one of them cannot key it."""
+    out = []
+    for a in arrays:
+        s = _sign(a)
+        if s is False:
+            return None
+        out.append(s)
+    return tuple(out)
+
+
+def _remember(key, value):
+    if len(_CALLS) >= _MAX_CALLS:
+        with _lock:
+            if len(_CALLS) >= _MAX_CALLS:
+                _CALLS.clear()
+    _CALLS[key] = value
+    return value
+
+
+def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_groups, eps):
+    """``(plan, run)`` for a forward call: ``run(x, weight, bias, residual) -> (y, h, mean,
+    rstd)`` (statistics possibly None unless ``stats``)."""
+    key = None
+    if _keyable(axis, channel_axis, num_groups, eps):
+        arrays = signature(x, weight, bias, residual)
+        if arrays is not None:
+            key = ("forward", op, _backend.get_backend(), axis, channel_axis, num_groups, eps,
+                   stats, arrays)
+            call = _CALLS.get(key)
+            if call is not None:
+                return call
+    plan = make_plan(op, x, weight, bias, residual, axis=axis, channel_axis=channel_axis,
+                     num_groups=num_groups, eps=eps, cache=key is not None)
+    executor = _backend.choose(plan, x, _backend_now())
+    if getattr(executor, "FORWARD_STATS_OPTIONAL", False):  # the CUDA executor
+        def run(x, weight, bias, residual, _forward=executor.forward, _plan=plan):
+            return _forward(_plan, x, weight, bias, residual, stats)
+    else:
+        def run(x, weight, bias, residual, _forward=executor.forward, _plan=plan):
+            return _forward(_plan, x, weight, bias, residual)
+    call = (plan, run)
+    return call if key is None else _remember(key, call)
+
+
+def backward_call(op, dy, x, weight, stats, axis, channel_axis, num_groups, eps, validate):
+    """``(plan, executor)`` for a ``*_backward`` call; ``validate(plan, x, dy, stats)`` checks
+    dy and stats on the first call of a signature (and on every uncached one)."""
+    key = None
+    if _keyable(axis, channel_axis, num_groups, eps) and (stats is None or type(stats) is tuple):
+        arrays = signature(x, dy, weight, *(stats or ()))
+        if arrays is not None:
+            key = ("backward", op, _backend.get_backend(), axis, channel_axis, num_groups, eps,
+                   stats is None, arrays)
+            call = _CALLS.get(key)
+            if call is not None:
+                return call
+    plan = make_plan(op, x, weight, axis=axis, channel_axis=channel_axis, num_groups=num_groups,
+                     eps=eps, cache=key is not None)
+    validate(plan, x, dy, stats)
+    call = (plan, _backend.choose(plan, x, _backend_now()))
+    return call if key is None else _remember(key, call)
