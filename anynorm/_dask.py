@@ -11,8 +11,8 @@ Two paths, chosen per call from ``x``'s chunks:
   1. statistics as a tree reduction (``dask.array.reduction``) of small per-chunk partials
      ``(count, shift, correction, M2)`` per normalized slice, merged with Chan's formula in
      float64 (the partials are slice-sized, not chunk-sized); per chunk the partial is the
-     corrected two-pass of the array-API core, in the accumulation dtype (float32 for half
-     inputs).  Group norm takes partials per channel and merges each group's channels the
+     corrected two-pass of the array-API core on the chunk in the accumulation dtype (float32
+     for half inputs), its sums accumulated in float64.  Group norm takes partials per channel and merges each group's channels the
      same way, so its channel axis may be cut anywhere: no rechunk of ``x``.
   2. an elementwise pass over ``x`` read again from its source: :func:`reread` clones ``x``'s
      graph (as ``dask.graph_manipulation.bind`` does) and makes the clone's roots wait for
@@ -178,12 +178,24 @@ def _acc(cp, xp, arr):
     return xp.astype(arr, cp.acc_dtype, copy=False)
 
 
+def _sum64(cp, xp, arr, axes=None):
+    """Sum over ``axes`` (default: the reduced ones), keepdims, accumulated in float64.
+
+    A chunk's rows are summed one after another when the reduced axis is not the last
+    (NumPy is pairwise only along a contiguous run), so a float32 accumulator would lose
+    sqrt(rows) ulps; a float64 one costs a cast in NumPy's buffer, not a float64 copy."""
+    return xp.sum(arr, axis=cp.red if axes is None else axes, keepdims=True, dtype=xp.float64)
+
+
 def _centred(cp, xp, xa):
-    """The chunk's corrected two-pass: ``(shift, correction, x - shift - correction)``."""
-    shift = xp.mean(xa, axis=cp.red, keepdims=True)
+    """The chunk's corrected two-pass: ``(shift, correction, x - shift - correction)``;
+    ``shift`` in the accumulation dtype (so ``x - shift`` is exact near the mean), the
+    correction (the mean of those differences) in float64."""
+    n = math.prod(xa.shape[a] for a in cp.red)
+    shift = xp.astype(_sum64(cp, xp, xa) / n, cp.acc_dtype)
     diff = xa - shift
-    corr = xp.mean(diff, axis=cp.red, keepdims=True)
-    return shift, corr, diff - corr
+    corr = _sum64(cp, xp, diff) / n
+    return shift, corr, diff - xp.astype(corr, cp.acc_dtype)
 
 
 def _stat_partial(xc, *, cp, kind):
@@ -196,12 +208,12 @@ def _stat_partial(xc, *, cp, kind):
     f64 = xp.float64
     xa = _acc(cp, xp, xc)
     if kind == "sumsq":
-        rows = [xp.astype(xp.sum(xa * xa, axis=cp.red, keepdims=True), f64)]
+        rows = [_sum64(cp, xp, xa * xa)]
     else:
         shift, corr, d = _centred(cp, xp, xa)
-        m2 = xp.astype(xp.sum(d * d, axis=cp.red, keepdims=True), f64)
+        m2 = _sum64(cp, xp, d * d)
         n = float(math.prod(xa.shape[a] for a in cp.red))
-        rows = [xp.full_like(m2, n), xp.astype(shift, f64), xp.astype(corr, f64), m2]
+        rows = [xp.full_like(m2, n), xp.astype(shift, f64), corr, m2]
     return xp.stack(rows, axis=0)
 
 
@@ -220,7 +232,7 @@ def _grad_partial(dyc, xc, wc, *stats, cp, kind):
         ga = ga * _acc(cp, xp, wc)
 
     def s(arr):
-        return xp.astype(xp.sum(arr, axis=cp.red, keepdims=True), f64)
+        return _sum64(cp, xp, arr)
 
     if kind == "given":
         xcen = xa - _acc(cp, xp, stats[0]) if cp.center else xa
@@ -231,7 +243,7 @@ def _grad_partial(dyc, xc, wc, *stats, cp, kind):
         shift, corr, d = _centred(cp, xp, xa)
         m2 = s(d * d)
         n = float(math.prod(xa.shape[a] for a in cp.red))
-        rows = [xp.full_like(m2, n), xp.astype(shift, f64), xp.astype(corr, f64), m2, s(ga), s(ga * d)]
+        rows = [xp.full_like(m2, n), xp.astype(shift, f64), corr, m2, s(ga), s(ga * d)]
     return xp.stack(rows, axis=0)
 
 
@@ -349,7 +361,7 @@ def _param_rows(dyc, xhat, cp):
     dya = _acc(cp, xp, dyc)
 
     def s(arr):
-        return xp.astype(xp.sum(arr, axis=cp.nonpar, keepdims=True) if cp.nonpar else arr, xp.float64)
+        return _sum64(cp, xp, arr, cp.nonpar) if cp.nonpar else xp.astype(arr, xp.float64)
 
     return xp.stack([s(dya * xhat), s(dya)], axis=0)
 
