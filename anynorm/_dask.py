@@ -42,11 +42,15 @@ import math
 import array_api_compat
 import dask.array as da
 import numpy as np
-from dask._task_spec import Task, TaskRef, convert_legacy_graph
 from dask.base import clone_key, tokenize
 from dask.core import flatten
-from dask.graph_manipulation import checkpoint
+from dask.graph_manipulation import bind, checkpoint
 from dask.highlevelgraph import HighLevelGraph
+
+try:  # dask's task spec (2025 on): clone the low-level graph ourselves
+    from dask._task_spec import Task, TaskRef, convert_legacy_graph
+except ImportError:  # older dask: graph_manipulation.bind (right for Blockwise layers)
+    Task = None
 
 __all__ = ["forward", "backward", "spans_chunks", "reread"]
 
@@ -143,6 +147,8 @@ def reread(arrays, after):
     ``rechunk``: the clone's tasks then still point at the original chunks, which stay alive
     from the statistics pass to the end.  So the low-level graph is cloned here, node by node.
     """
+    if Task is None:
+        return list(bind(list(arrays), list(after)))
     blocker = checkpoint(*after)
     seed = tokenize(blocker.key, *(a.name for a in arrays))
     graph = {}

@@ -254,7 +254,7 @@ def test_float16_accumulates_in_float32():
 def client():
     distributed = pytest.importorskip("distributed")
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
-                                       dashboard_address=None, memory_limit="1GiB")
+                                       dashboard_address=":0", memory_limit="1GiB")
     cl = distributed.Client(cluster)
     try:
         yield cl
