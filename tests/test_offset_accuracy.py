@@ -223,3 +223,27 @@ def test_torch_kernels_serve_shifted_rows(name, op, shape, kw, offset):
         assert np.max(np.abs(y - y_ref)) <= _ulp_bound(y_ref)
         assert np.max(np.abs(mean - mean_ref.reshape(mean.shape))) <= 4 * F32_EPS * offset
         np.testing.assert_allclose(rstd, rstd_ref.reshape(rstd.shape), rtol=64 * F32_EPS)
+
+
+HALF_ULP = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+@pytest.mark.parametrize("offset", [100.0, 1e3])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name,op,shape,kw", CASES, ids=[c[0] for c in CASES])
+def test_half_dtypes_far_from_zero_on_torch(name, op, shape, kw, dtype, offset):
+    """float16/bfloat16 torch CPU tensors: statistics in float32 from the rounded input, y
+    within its dtype's rounding (torch's kernels run with float32 parameters)."""
+    tdtype = getattr(torch, dtype)
+    xt = torch.from_numpy(offset + 8 * np.random.default_rng(8).standard_normal(shape)).to(tdtype)
+    x = xt.double().numpy()  # the rounded input the float64 reference sees
+    y_ref, mean_ref, rstd_ref = reference.forward(op, x, eps=_eps(op) if op != "rms_norm" else
+                                                  float(torch.finfo(tdtype).eps), **kw)
+    for requires_grad in (False, True):
+        out = call(op, xt.clone().requires_grad_(requires_grad), return_stats=True, **kw)
+        assert out[0].dtype == tdtype and out[-1].dtype == torch.float32
+        y = out[0].detach().double().numpy()
+        assert np.max(np.abs(y - y_ref)) <= HALF_ULP[dtype] * np.max(np.abs(y_ref)), name
+        if mean_ref is not None:
+            assert np.max(np.abs(out[1].detach().numpy() - mean_ref)) <= 8 * F32_EPS * offset
+        np.testing.assert_allclose(out[-1].detach().numpy(), rstd_ref, rtol=1e-5)
