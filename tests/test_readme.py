@@ -10,8 +10,9 @@ BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
 def test_readme_has_examples_for_numpy_torch_cupy():
-    assert len(BLOCKS) == 3
-    assert [("numpy" in b, "torch" in b, "cupy" in b) for b in BLOCKS] == [
+    """The API tour's first three blocks: NumPy, torch, CuPy (later sections may add more)."""
+    assert len(BLOCKS) >= 3
+    assert [("numpy" in b, "torch" in b, "cupy" in b) for b in BLOCKS[:3]] == [
         (True, False, False), (False, True, False), (False, False, True)]
 
 
