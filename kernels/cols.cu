@@ -62,11 +62,12 @@ __global__ void cols_stats_partial(const T* __restrict__ x, const T* __restrict_
 // sum(g) and sum(g * xhat) of column i over reduced[c*chunk : (c+1)*chunk] for each o.
 template <typename T>
 __global__ void cols_grad_partial(const T* __restrict__ dy, const T* __restrict__ x,
-                                  const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ mean,
+                                  const void* __restrict__ w_arg, const acc_t<T>* __restrict__ mean,
                                   const acc_t<T>* __restrict__ rstd, acc_t<T>* __restrict__ ws_g,
                                   acc_t<T>* __restrict__ ws_gx, long long outer, long long reduced,
                                   long long inner, long long group, long long chunk, long long p_div,
-                                  long long p_len, int center) {
+                                  long long p_len, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
     __shared__ A sg_s[COLS_Y][COLS_X], sgx_s[COLS_Y][COLS_X];
     const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);

@@ -253,12 +253,25 @@ __device__ __forceinline__ long long param_at(const IndexMap& map, long long e) 
     return mod_by(div_by(e, map.p_div), map.p_len);
 }
 
-// Optional weight/bias (null pointer = identity).
-template <typename A> __device__ __forceinline__ A weight_at(const A* w, long long p) {
-    return w ? w[p] : A(1);
+// An optional weight or bias as the caller stored it: null (identity), in the accumulation
+// type, or in the input's own type T (`in_t`: a float16/bfloat16 model's parameters, widened
+// here rather than by a conversion kernel before every call). Kernels take the pointer as
+// `const void*` and the flags as their last argument `param_in_t` (bit 0 weight, bit 1 bias).
+template <typename T> struct Param {
+    const void* ptr;
+    int in_t;
+};
+
+template <typename T> __device__ __forceinline__ acc_t<T> param_value(const Param<T>& q, long long p,
+                                                                      acc_t<T> none) {
+    if (!q.ptr) return none;
+    return q.in_t ? to_acc(static_cast<const T*>(q.ptr)[p]) : static_cast<const acc_t<T>*>(q.ptr)[p];
 }
-template <typename A> __device__ __forceinline__ A bias_at(const A* b, long long p) {
-    return b ? b[p] : A(0);
+template <typename T> __device__ __forceinline__ acc_t<T> weight_at(const Param<T>& w, long long p) {
+    return param_value(w, p, acc_t<T>(1));
+}
+template <typename T> __device__ __forceinline__ acc_t<T> bias_at(const Param<T>& b, long long p) {
+    return param_value(b, p, acc_t<T>(0));
 }
 
 }  // namespace anynorm

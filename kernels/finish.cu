@@ -43,10 +43,11 @@ __global__ void stats_finalize(const acc_t<T>* __restrict__ ws_n, const acc_t<T>
 // they are.
 template <typename T>
 __global__ void grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>* __restrict__ ws_gx,
-                              const acc_t<T>* __restrict__ w, acc_t<T>* __restrict__ mean_g,
+                              const void* __restrict__ w_arg, acc_t<T>* __restrict__ mean_g,
                               acc_t<T>* __restrict__ mean_gx, acc_t<T>* __restrict__ part_w,
                               acc_t<T>* __restrict__ part_b, long long outer, long long nchunk,
-                              long long inner, long long group, double count) {
+                              long long inner, long long group, double count, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
     const long long per_o = inner / group;
     const long long slices = outer * per_o;
@@ -81,11 +82,12 @@ __global__ void grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>*
 // part_b[k] = sum(dy) (param_grad_finish adds them up over the batch).
 template <typename T>
 __global__ void segment_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>* __restrict__ ws_gx,
-                                      const acc_t<T>* __restrict__ w, acc_t<T>* __restrict__ mean_g,
+                                      const void* __restrict__ w_arg, acc_t<T>* __restrict__ mean_g,
                                       acc_t<T>* __restrict__ mean_gx, acc_t<T>* __restrict__ part_w,
                                       acc_t<T>* __restrict__ part_b, long long slices,
                                       long long per_slice, long long nchunk, long long p_len,
-                                      double count) {
+                                      double count, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
     for (long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x; s < slices;
          s += (long long)gridDim.x * blockDim.x) {
@@ -111,7 +113,7 @@ __global__ void segment_grad_finalize(const acc_t<T>* __restrict__ ws_g, const a
 // One element of the forward: (v - mean) * rstd * w + b for element e.
 template <typename T>
 __device__ __forceinline__ T forward_element(T v, long long e, const IndexMap& map,
-                                             const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ b,
+                                             const Param<T> w, const Param<T> b,
                                              const acc_t<T>* __restrict__ mean,
                                              const acc_t<T>* __restrict__ rstd, int center) {
     typedef acc_t<T> A;
@@ -124,7 +126,7 @@ __device__ __forceinline__ T forward_element(T v, long long e, const IndexMap& m
 // One element of the backward: rstd * (g - mean_g - xhat * mean_gx), g = dy * w.
 template <typename T>
 __device__ __forceinline__ T backward_element(T dyv, T xv, long long e, const IndexMap& map,
-                                              const acc_t<T>* __restrict__ w,
+                                              const Param<T> w,
                                               const acc_t<T>* __restrict__ mean,
                                               const acc_t<T>* __restrict__ rstd,
                                               const acc_t<T>* __restrict__ mean_g,
@@ -141,11 +143,13 @@ __device__ __forceinline__ T backward_element(T dyv, T xv, long long e, const In
 // y = (v - mean) * rstd * w + b elementwise (v = x, or h when a residual was added): 16-byte
 // accesses where both buffers start aligned, the last total % V elements one by one.
 template <typename T>
-__global__ void apply_fwd(const T* __restrict__ src, T* __restrict__ y, const acc_t<T>* __restrict__ w,
-                          const acc_t<T>* __restrict__ b, const acc_t<T>* __restrict__ mean,
+__global__ void apply_fwd(const T* __restrict__ src, T* __restrict__ y, const void* __restrict__ w_arg,
+                          const void* __restrict__ b_arg, const acc_t<T>* __restrict__ mean,
                           const acc_t<T>* __restrict__ rstd, long long total, long long reduced,
                           long long inner, long long group, long long p_div, long long p_len,
-                          int center) {
+                          int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
     const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
     const int V = VecLen<T>::value;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -165,11 +169,12 @@ __global__ void apply_fwd(const T* __restrict__ src, T* __restrict__ y, const ac
 // dx = rstd * (g - mean_g - xhat * mean_gx), g = dy * w (RMS: no mean_g term); vectors as
 // apply_fwd.
 template <typename T>
-__global__ void apply_bwd(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+__global__ void apply_bwd(const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
                           const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
                           const acc_t<T>* __restrict__ mean_g, const acc_t<T>* __restrict__ mean_gx,
                           T* __restrict__ dx, long long total, long long reduced, long long inner,
-                          long long group, long long p_div, long long p_len, int center) {
+                          long long group, long long p_div, long long p_len, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
     const int V = VecLen<T>::value;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -134,8 +134,8 @@ __device__ __forceinline__ void store_row(T* __restrict__ y, const acc_t<T> (&v)
 template <typename T, int ITEMS, typename Team>
 __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __restrict__ res,
                                             T* __restrict__ h, T* __restrict__ y,
-                                            const acc_t<T>* __restrict__ w,
-                                            const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
+                                            const Param<T> w,
+                                            const Param<T> b, acc_t<T>* __restrict__ mean,
                                             acc_t<T>* __restrict__ rstd, long long row, int count,
                                             const IndexMap& map, bool plain, int center, acc_t<T> eps,
                                             acc_t<T>* smem) {
@@ -250,7 +250,7 @@ __device__ __forceinline__ bool rows_vec(int count, const T* a, const T* b, cons
 // dy * xhat and dy go to `sums` (plain rows only, unless NoSums).
 template <typename T, int ITEMS, typename Team, typename Sums>
 __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* __restrict__ x,
-                                             const acc_t<T>* __restrict__ w,
+                                             const Param<T> w,
                                              const acc_t<T>* __restrict__ mean,
                                              const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
                                              long long row, int count, const IndexMap& map,
@@ -292,7 +292,7 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
 // The row loop of every backward row kernel.
 template <typename T, int ITEMS, typename Team, typename Sums>
 __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T* __restrict__ x,
-                                              const acc_t<T>* __restrict__ w,
+                                              const Param<T> w,
                                               const acc_t<T>* __restrict__ mean,
                                               const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
                                               long long rows, int count, long long p_div, long long p_len,
@@ -346,9 +346,11 @@ __device__ __forceinline__ void store_register_sums(acc_t<T>* __restrict__ part_
 template <typename T, int ITEMS>
 __global__ void rows_fwd_warp(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
-        const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
+        const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
         acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
-        long long p_len, int center, double eps) {
+        long long p_len, int center, double eps, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
     for (long long row = WarpTeam::first_row(); row < rows; row += WarpTeam::row_stride())
@@ -358,9 +360,10 @@ __global__ void rows_fwd_warp(
 
 template <typename T, int ITEMS>
 __global__ void rows_bwd_warp(
-        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-        long long rows, long long count, long long p_div, long long p_len, int center) {
+        long long rows, long long count, long long p_div, long long p_len, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     NoSums none;
     backward_rows<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, p_div, p_len, center,
                                       (acc_t<T>*)0, none);
@@ -371,10 +374,11 @@ __global__ void rows_bwd_warp(
 // param_grad_finish (nchunk = rows / p_len).
 template <typename T, int ITEMS>
 __global__ void rows_bwd_warp_row_params(
-        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
-        long long p_len, int center) {
+        long long p_len, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     RowSums<acc_t<T> > sums = {part_w, part_b, acc_t<T>(0), acc_t<T>(0)};
     backward_rows<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, count, p_len, center,
                                       (acc_t<T>*)0, sums);
@@ -384,10 +388,11 @@ __global__ void rows_bwd_warp_row_params(
 // part_w/part_b[blockIdx.x * count + p] (part_b nullable), for param_grad_finish.
 template <typename T, int ITEMS>
 __global__ void rows_bwd_warp_params(
-        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
-        int center) {
+        int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
     __shared__ A exchange[2 * 32 * ITEMS];
     RegisterSums<A, ITEMS> sums;
@@ -405,9 +410,11 @@ __global__ void rows_bwd_warp_params(
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(ROW_BLOCK) rows_fwd_block(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
-        const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
+        const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
         acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
-        long long p_len, int center, double eps) {
+        long long p_len, int center, double eps, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
     __shared__ acc_t<T> smem[64];
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
@@ -418,9 +425,10 @@ __global__ void __launch_bounds__(ROW_BLOCK) rows_fwd_block(
 
 template <typename T, int ITEMS>
 __global__ void rows_bwd_block(
-        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-        long long rows, long long count, long long p_div, long long p_len, int center) {
+        long long rows, long long count, long long p_div, long long p_len, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     __shared__ acc_t<T> smem[64];
     NoSums none;
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, p_div, p_len, center,
@@ -430,10 +438,11 @@ __global__ void rows_bwd_block(
 // As rows_bwd_warp_row_params, one block per row.
 template <typename T, int ITEMS>
 __global__ void rows_bwd_block_row_params(
-        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
-        long long p_len, int center) {
+        long long p_len, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     __shared__ acc_t<T> smem[64];
     RowSums<acc_t<T> > sums = {part_w, part_b, acc_t<T>(0), acc_t<T>(0)};
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, count, p_len, center,
@@ -444,10 +453,11 @@ __global__ void rows_bwd_block_row_params(
 // (2 * count values of A), then the block copies them out.
 template <typename T, int ITEMS>
 __global__ void rows_bwd_block_params(
-        const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
-        int center) {
+        int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
     __shared__ A smem[64];
     const int n = (int)count;
@@ -516,11 +526,12 @@ __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict_
 // group norm's backward sums, the segments per slice).
 template <typename T>
 __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict__ x,
-                                  const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ mean,
+                                  const void* __restrict__ w_arg, const acc_t<T>* __restrict__ mean,
                                   const acc_t<T>* __restrict__ rstd, acc_t<T>* __restrict__ ws_g,
                                   acc_t<T>* __restrict__ ws_gx, long long rows, long long count,
                                   long long chunk, long long p_div, long long p_len,
-                                  long long stats_div, int center) {
+                                  long long stats_div, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
     __shared__ A smem[64];
     const IndexMap map = block_index_map(count, 1, 1, p_div, p_len);

@@ -167,10 +167,12 @@ __device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ x, cons
 template <typename T>
 __global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS(T))
 cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
-              const acc_t<T>* __restrict__ w, const acc_t<T>* __restrict__ b, acc_t<T>* __restrict__ mean,
+              const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
               acc_t<T>* __restrict__ rstd, long long outer, long long reduced, long long inner,
               long long group, long long width, long long p_div, long long p_len, int center,
-              double eps) {
+              double eps, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
     typedef acc_t<T> A;
     __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
     T* tile = dynamic_shared<T>();
@@ -231,11 +233,12 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
 // Launch as cols_fwd_tile; dynamic smem 2 * reduced * width * sizeof(T) (dy tile, then x tile).
 template <typename T>
 __global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS(T))
-cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const acc_t<T>* __restrict__ w,
+cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
               const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
               acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long outer,
               long long reduced, long long inner, long long group, long long width, long long p_div,
-              long long p_len, int param_rows, int center) {
+              long long p_len, int param_rows, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
     __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
     T* dy_tile = dynamic_shared<T>();

@@ -463,7 +463,7 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
         width = items
         kernels("cols_fwd_tile", dtype)((_ceil(inner, width), grid or min(outer, 65535)), (BLOCK,),
                                         (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, inner, group,
-                                         width, case.p_div, case.p_len, center, eps),
+                                         width, case.p_div, case.p_len, center, eps, 0),
                                         shared_mem=_tile_bytes(case, dtype, width, 1), **launch)
     elif path in ("warp", "block"):  # rows held in registers: a warp or a 256-thread block per row
         per_row = 32 if path == "warp" else ROW_BLOCK
@@ -471,7 +471,7 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
         kernels(f"rows_fwd_{path}", dtype, items)(
             (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
-            (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps),
+            (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps, 0),
             **launch)
     else:
         nchunk = _ceil(reduced, chunk)
@@ -489,7 +489,7 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
         if want_y:
             kernels("apply_fwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),
                                         (hd if res is not None else xd, yd, wd, bd, mean, rstd, case.total,
-                                         reduced, inner, group, case.p_div, case.p_len, center), **launch)
+                                         reduced, inner, group, case.p_div, case.p_len, center, 0), **launch)
     get = lambda d: None if d is None else d.get_float()  # noqa: E731
     return get(yd), get(hd), get(mean), get(rstd)
 
@@ -509,32 +509,32 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
         width = items
         kernels("cols_bwd_tile", dtype)((_ceil(inner, width), grid or min(outer, 65535)), (BLOCK,),
                                         (dyd, xd, wd, md, rd, dxd, None, None, outer, reduced, inner, group,
-                                         width, case.p_div, case.p_len, 0, center),
+                                         width, case.p_div, case.p_len, 0, center, 0),
                                         shared_mem=_tile_bytes(case, dtype, width, 2), **launch)
         return dxd.get_float()
     if path in ("warp", "block"):
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
         kernels(f"rows_bwd_{path}", dtype, items)(
             (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
-            (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len, center), **launch)
+            (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len, center, 0), **launch)
         return dxd.get_float()
     nchunk = _ceil(reduced, chunk)
     ws = [_acc_buf(outer * nchunk * inner, dtype) for _ in range(2)]
     if path == "rows":
         kernels("rows_grad_partial", dtype)((nchunk, grid or min(outer, 65535)), (BLOCK,),
                                             (dyd, xd, wd, md, rd, *ws, outer, reduced, chunk, case.p_div,
-                                             case.p_len, 1, center), **launch)
+                                             case.p_len, 1, center, 0), **launch)
     else:
         kernels("cols_grad_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)), (32, 8),
                                             (dyd, xd, wd, md, rd, *ws, outer, reduced, inner, group, chunk,
-                                             case.p_div, case.p_len, center), **launch)
+                                             case.p_div, case.p_len, center, 0), **launch)
     means = [_acc_buf(case.slices, dtype) for _ in range(2)]
     kernels("grad_finalize", dtype)((grid or min(_ceil(case.slices, BLOCK), 65535),), (BLOCK,),
                                     (*ws, None, *means, None, None, outer, nchunk, inner, group,
-                                     float(case.reduced * group)), **launch)
+                                     float(case.reduced * group), 0), **launch)
     kernels("apply_bwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),
                                 (dyd, xd, wd, md, rd, *means, dxd, case.total, reduced, inner, group,
-                                 case.p_div, case.p_len, center), **launch)
+                                 case.p_div, case.p_len, center, 0), **launch)
     return dxd.get_float()
 
 
@@ -731,7 +731,7 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     kernel((grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
            (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A) if center else None,
             emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer, case.reduced,
-            *((case.p_len,) if per_row else ()), center), shared_mem=smem, schedule=schedule)
+            *((case.p_len,) if per_row else ()), center, 0), shared_mem=smem, schedule=schedule)
     dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
     kernels("param_grad_finish", dtype)((min(_ceil(case.p_len, 32), 65535),), FINISH_BLOCK,
                                         (parts[0], part_b, dw, db, case.p_len, nchunk), schedule=schedule)
@@ -886,7 +886,7 @@ def test_tile_param_grads(kernels, dtype, name, make, width, with_bias):
                                     (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A),
                                      emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer,
                                      case.reduced, case.inner, case.group, width, case.p_div, case.p_len,
-                                     param_rows, 1), shared_mem=_tile_bytes(case, dtype, width, 2))
+                                     param_rows, 1, 0), shared_mem=_tile_bytes(case, dtype, width, 2))
     dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
     kernels("param_grad_finish", dtype)((1,), FINISH_BLOCK, (parts[0], part_b, dw, db, case.p_len, nchunk))
     dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, w, 1, 1e-5)

@@ -158,41 +158,42 @@ def _assert_scaled(got, want, rtol, what):
     assert err <= rtol * max(1.0, float(np.abs(want).max(initial=0))), (what, err)
 
 
-def _replay(record, plan, dtype, layout, names, buffers):
+def _replay(record, plan, dtype, layout, names, buffers, pin):
     """Record a schedule (``_bound``) for the buffers given (``names`` -> DeviceArray or None)
     and replay it with their addresses, as the hot path does."""
     present = {name for name, d in zip(names, buffers) if d is not None}
-    bound = record(plan, dtype, layout, present)
+    bound = record(plan, dtype, layout, present, pin)
     scratch = emu.empty(max(1, bound.scratch_bytes), "uint8") if bound.scratch_bytes else None
     ptrs = [0 if d is None else d.ptr for d in buffers] + [0 if scratch is None else scratch.ptr]
     bound.run(ptrs, None)
     return bound
 
 
-def _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, md, sd):
+def _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, md, sd, pin=0):
     if not bound:
-        _launch.forward(plan, dtype, xd, wd, bd, rd, yd, hd, md, sd)
+        _launch.forward(plan, dtype, xd, wd, bd, rd, yd, hd, md, sd, pin)
         return
     layout = _layout.plan_layout(plan, xd.elem_strides)
     _replay(_bound.record_forward, plan, dtype, layout, _bound.FORWARD_SLOTS[:-1],
-            (xd, rd, hd, yd, wd, bd, md, sd))
+            (xd, rd, hd, yd, wd, bd, md, sd), pin)
 
 
-def _backward(bound, plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd):
+def _backward(bound, plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin=0):
     if not bound:
-        _launch.backward(plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd)
+        _launch.backward(plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin & 1)
         return
     layout = _layout.plan_layout(plan, xd.elem_strides, plan.has_weight or dwd is not None)
     _replay(_bound.record_backward, plan, dtype, layout, _bound.BACKWARD_SLOTS[:-1],
-            (dyd, xd, wd, md, sd, dxd, dwd, dbd))
+            (dyd, xd, wd, md, sd, dxd, dwd, dbd), pin & 1)
 
 
 def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True, as_ref=None,
-           bound=False, stats=True):
+           bound=False, stats=True, params_in_x=False):
     """Run forward and backward through ``_launch`` against the reference; with ``as_ref``,
     every buffer is handed over as a torch TensorRef (``emulated_torch``); with ``bound``, the
     schedules are recorded once and replayed on the buffers' addresses (``_bound``), the
-    forward without statistics unless ``stats``."""
+    forward without statistics unless ``stats``; with ``params_in_x`` the weight and bias are
+    stored in x's dtype (``param_in_t``), not the accumulation dtype."""
     big = (lambda d: d) if as_ref is None else (lambda d: as_ref(d, shape, order))
     small = (lambda d: d) if as_ref is None else as_ref
     rng = np.random.default_rng(abs(hash((op, shape, dtype, residual))) % 2**32)
@@ -201,8 +202,10 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     x = _rounded(rng.standard_normal(shape) * 3 + 1, dtype)
     res = _rounded(rng.standard_normal(shape), dtype) if residual else None
     pshape = make_plan(op, x, **kw).param_shape
-    w = _rounded(rng.standard_normal(pshape) * 0.5 + 1, acc) if with_params else None
-    b = _rounded(rng.standard_normal(pshape) * 0.5, acc) if with_params and op != "rms_norm" else None
+    pdtype = dtype if params_in_x else acc
+    w = _rounded(rng.standard_normal(pshape) * 0.5 + 1, pdtype) if with_params else None
+    b = _rounded(rng.standard_normal(pshape) * 0.5, pdtype) if with_params and op != "rms_norm" else None
+    pin = (int(w is not None) | 2 * int(b is not None)) if params_in_x else 0
     plan = make_plan(op, x, w, b, res, **kw)
     xd = _device(x, order, dtype, offset)
     assert not _layout.plan_layout(plan, xd.elem_strides).copy
@@ -212,14 +215,14 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     nstats = math.prod(plan.stats_shape)
     md = emu.empty(nstats, acc) if plan.center else None
     sd = emu.empty(nstats, acc)
-    wd = None if w is None else emu.to_device(w.reshape(-1), acc)
-    bd = None if b is None else emu.to_device(b.reshape(-1), acc)
+    wd = None if w is None else emu.to_device(w.reshape(-1), pdtype)
+    bd = None if b is None else emu.to_device(b.reshape(-1), pdtype)
     y_alone = None
     if not stats:  # inference: y (and h) alone, no statistics written
-        _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, None, None)
+        _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, None, None, pin)
         y_alone = _host(yd, shape, order).copy()
     _forward(bound, plan, dtype, big(xd), small(wd), small(bd), big(rd), big(yd), big(hd), small(md),
-             small(sd))
+             small(sd), pin)
 
     h = _rounded(x + res, dtype) if residual else x
     ry, _, rmean, rrstd = _reference.forward(make_plan(op, h, w, b, **kw), h, w, b)
@@ -244,7 +247,7 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
         dbd = emu.empty(plen, acc) if w is not None else None
         mean, rstd = ((md if plan.center else None), sd) if given_stats else (None, None)
         _backward(bound, bplan, dtype, big(dydev), big(hdev), small(wd), small(mean), small(rstd),
-                  big(dxd), small(dwd), small(dbd))
+                  big(dxd), small(dwd), small(dbd), pin)
         _assert_scaled(_host(dxd, shape, order), rdx, 1.5 * TOL[dtype], "dx")
         if w is not None:
             grad_tol = 1e-13 if acc == "float64" else 2e-5  # float32 sums of ~1e4 terms: 5e-6 seen
@@ -335,7 +338,7 @@ def test_launch_tile_past_default_shared_memory(emulated, monkeypatch):
     _check("layer_norm", (2, 1000, 4, 4), {"axis": 1}, "float32")
     assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names
     assert not {"cols_stats_partial", "cols_grad_partial", "param_grad_rows", "param_grad_cols"} & names
-    assert max(_launch._smem_allowed.values()) == 1000 * 16 * 4
+    assert max(smem for _, smem in _launch._smem_allowed.values()) == 1000 * 16 * 4
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -491,3 +494,13 @@ def test_bound_schedule_matches_eager_launches(emulated, monkeypatch):
     assert offsets and max(offsets) < bound.scratch_bytes
     inference = _bound.record_forward(plan, "float32", layout, set())  # stats in scratch then
     assert inference.scratch_bytes == bound.scratch_bytes + 2 * _bound.ALIGN
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_parameters_in_the_input_dtype(emulated, case, dtype):
+    """A half-precision model's own weight and bias (x's dtype, not float32) read and widened
+    by every kernel path, eager and replayed: no conversion before the launch."""
+    op, shape, kw, order = case
+    _check(op, shape, kw, dtype, order, params_in_x=True)
+    _check(op, shape, kw, dtype, order, params_in_x=True, bound=True, stats=False)

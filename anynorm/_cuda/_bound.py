@@ -132,19 +132,21 @@ def _slots(names, present):
     return [Slot(i) if name in present else None for i, name in enumerate(names)]
 
 
-def record_forward(plan, dtype, layout, present) -> BoundLaunch:
+def record_forward(plan, dtype, layout, present, param_in_t=0) -> BoundLaunch:
     """The forward of ``plan`` on buffers laid out as ``layout`` (no copies); ``present``:
-    the forward slot names the call has (``mean``/``rstd`` absent: statistics not written)."""
+    the forward slot names the call has (``mean``/``rstd`` absent: statistics not written);
+    ``param_in_t``: bit 0 / bit 1 when weight / bias hold x's dtype (``_launch._stats``)."""
     assert not layout.copy
     x, res, h, y, w, b, mean, rstd, _ = _slots(FORWARD_SLOTS, set(present) | {"x", "y"})
     return _record(FORWARD_SLOTS.index("scratch"), lambda: _launch._stats(
-        plan, layout, dtype, x, res, h, y, w, b, mean, rstd))
+        plan, layout, dtype, x, res, h, y, w, b, mean, rstd, param_in_t))
 
 
-def record_backward(plan, dtype, layout, present) -> BoundLaunch:
+def record_backward(plan, dtype, layout, present, param_in_t=0) -> BoundLaunch:
     """The backward of ``plan`` (``_launch.backward``'s schedule, no copies); ``present``:
     the backward slot names the call has (no ``rstd``: statistics recomputed; no ``dw``:
-    no parameter gradients; ``db`` only with ``dw``)."""
+    no parameter gradients; ``db`` only with ``dw``); ``param_in_t`` 1 when the weight holds
+    x's dtype."""
     assert not layout.copy
     dy, x, w, mean, rstd, dx, dw, db, _ = _slots(BACKWARD_SLOTS, set(present) | {"dy", "x", "dx"})
 
@@ -156,7 +158,7 @@ def record_backward(plan, dtype, layout, present) -> BoundLaunch:
             rstd = _launch._workspace(layout.slices, acc)
             _launch._stats(plan, layout, dtype, x, None, None, None, None, None, mean, rstd)
         fused = _launch._dx(plan, layout, dtype, dy, x, w, mean, rstd, dx,
-                            None if dw is None else db is not None)
+                            None if dw is None else db is not None, param_in_t)
         if fused is not None:
             _launch._finish_param_grads(*fused, layout.p_len, dtype, dw, db)
         elif dw is not None:

@@ -25,6 +25,20 @@ def _param(arr, acc):
     return cupy.ascontiguousarray(arr.astype(acc, copy=False))
 
 
+def _weights(x, acc, *params):
+    """``(params..., param_in_t)`` as ``_torch_ops._weights``: each weight/bias in its own
+    dtype where that is x's (its bit set) or the accumulation dtype, else converted."""
+    out, flags = [], 0
+    for k, a in enumerate(params):
+        if a is not None and a.dtype == x.dtype and a.dtype != acc:
+            flags |= 1 << k
+            a = cupy.ascontiguousarray(a)
+        else:
+            a = _param(a, acc)
+        out.append(a)
+    return (*out, flags)
+
+
 def _ptr(arr):
     return 0 if arr is None else arr.data.ptr
 
@@ -33,9 +47,9 @@ def _scratch(bound):
     return cupy.empty(bound.scratch_bytes, dtype=cupy.uint8) if bound.scratch_bytes else None
 
 
-def _bound_forward(plan, x, residual, weight, bias, stats):
+def _bound_forward(plan, x, residual, weight, bias, stats, param_in_t):
     key = ("bound-forward", x.strides, None if residual is None else residual.strides,
-           weight is not None, bias is not None, stats, x.data.device_id)
+           weight is not None, bias is not None, stats, x.data.device_id, param_in_t)
     try:
         return plan.memo[key]
     except KeyError:
@@ -48,14 +62,14 @@ def _bound_forward(plan, x, residual, weight, bias, stats):
         if stats:
             present |= {"rstd", "mean"} if plan.center else {"rstd"}
         with x.device:
-            bound = _bound.record_forward(plan, dtype_key(x.dtype), layout, present)
+            bound = _bound.record_forward(plan, dtype_key(x.dtype), layout, present, param_in_t)
     plan.memo[key] = bound
     return bound
 
 
-def _bound_backward(plan, x, dy, weight, has_stats, param_grads):
+def _bound_backward(plan, x, dy, weight, has_stats, param_grads, param_in_t):
     key = ("bound-backward", x.strides, dy.strides, weight is not None, has_stats, param_grads,
-           x.data.device_id)
+           x.data.device_id, param_in_t)
     try:
         return plan.memo[key]
     except KeyError:
@@ -69,7 +83,7 @@ def _bound_backward(plan, x, dy, weight, has_stats, param_grads):
         if param_grads:
             present |= {"dw", "db"}
         with x.device:
-            bound = _bound.record_backward(plan, dtype_key(x.dtype), layout, present)
+            bound = _bound.record_backward(plan, dtype_key(x.dtype), layout, present, param_in_t)
     plan.memo[key] = bound
     return bound
 
@@ -87,14 +101,14 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
         rstd = cupy.empty(plan.stats_shape, dtype=acc)
     if not x.size:
         return y, h, mean, rstd
-    weight, bias = _param(weight, acc), _param(bias, acc)
-    bound = _bound_forward(plan, x, residual, weight, bias, stats)
+    weight, bias, param_in_t = _weights(x, acc, weight, bias)
+    bound = _bound_forward(plan, x, residual, weight, bias, stats, param_in_t)
     if bound is None:
         if rstd is None:
             mean = cupy.empty(plan.stats_shape, dtype=acc) if plan.center else None
             rstd = cupy.empty(plan.stats_shape, dtype=acc)
         with x.device:
-            _launch.forward(plan, key, x, weight, bias, residual, y, h, mean, rstd)
+            _launch.forward(plan, key, x, weight, bias, residual, y, h, mean, rstd, param_in_t)
         return y, h, mean, rstd
     scratch = _scratch(bound)
     run_on_cupy_stream(bound, (x.data.ptr, _ptr(residual), _ptr(h), y.data.ptr, _ptr(weight),
@@ -116,11 +130,11 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
         rstd = _param(rstd, acc)
         mean = _param(mean, acc) if plan.center and rstd is not None else None
         dy = dy.astype(x.dtype, copy=False)
-        w = _param(weight, acc)
-        bound = _bound_backward(plan, x, dy, w, rstd is not None, dw is not None)
+        w, param_in_t = _weights(x, acc, weight)
+        bound = _bound_backward(plan, x, dy, w, rstd is not None, dw is not None, param_in_t)
         if bound is None:
             with x.device:
-                _launch.backward(plan, key, dy, x, w, mean, rstd, dx, dw, db)
+                _launch.backward(plan, key, dy, x, w, mean, rstd, dx, dw, db, param_in_t)
         else:
             scratch = _scratch(bound)
             run_on_cupy_stream(bound, (dy.data.ptr, x.data.ptr, _ptr(w), _ptr(mean), _ptr(rstd),

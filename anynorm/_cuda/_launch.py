@@ -110,10 +110,13 @@ def _workspace(shape, dtype):
 
 def _launch(kernel, dtype, grid, block, args, items=None, smem=0):
     function = get_kernel(kernel, dtype, items)
-    if smem > _DEFAULT_SMEM - _MAX_STATIC_SMEM and _smem_allowed.get(id(function), 0) < smem:
-        # near or past the default limit: opt the kernel in (cuFuncSetAttribute)
-        function.max_dynamic_shared_size_bytes = smem
-        _smem_allowed[id(function)] = smem
+    if smem > _DEFAULT_SMEM - _MAX_STATIC_SMEM:
+        # near or past the default limit: opt the kernel in (cuFuncSetAttribute), once per
+        # function and size; the entry holds the function, so its id cannot be reused
+        allowed = _smem_allowed.get(id(function))
+        if allowed is None or allowed[0] is not function or allowed[1] < smem:
+            function.max_dynamic_shared_size_bytes = smem
+            _smem_allowed[id(function)] = (function, smem)
     recorder = getattr(_recording, "recorder", None)
     if recorder is not None:
         recorder.launch(kernel, function, grid, block, args, smem)
@@ -193,18 +196,19 @@ def _tile(layout, dtype, copies):
 
 # ---- statistics --------------------------------------------------------------------------
 
-def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
+def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
     """Fill ``mean``/``rstd`` (and ``h``, ``y`` unless None) from the buffer ``src``;
-    ``rstd`` None (with ``mean``): no statistics are written, only ``y``."""
+    ``rstd`` None (with ``mean``): no statistics are written, only ``y``. ``param_in_t``:
+    bit 0 when ``w``, bit 1 when ``b`` hold x's dtype rather than the accumulation dtype."""
     acc = acc_dtype(dtype)
-    center, eps = i32(plan.center), f64(plan.eps)
+    center, eps, pin = i32(plan.center), f64(plan.eps), i32(param_in_t)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
     row = _row_kernel("rows_fwd", outer, reduced, dtype) if layout.rows else None
     if row is not None:
         kernel, grid, block, items = row
         _launch(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
-                 i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps), items=items)
+                 i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items)
         return
     tile = _tile(layout, dtype, 1)
     if tile is not None:
@@ -212,7 +216,7 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
         _launch("cols_fwd_tile", dtype, grid, (_TILE_THREADS,),
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), i64(inner), i64(group), i64(width), i64(layout.p_div),
-                 i64(layout.p_len), center, eps), smem=smem)
+                 i64(layout.p_len), center, eps, pin), smem=smem)
         return
     if rstd is None:  # no statistics wanted, but apply_fwd reads them
         rstd = _workspace(layout.slices, acc)
@@ -237,17 +241,18 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd):
         _launch("apply_fwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
                 (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), rstd,
                  i64(layout.total), i64(reduced), i64(inner), i64(group), i64(layout.p_div),
-                 i64(layout.p_len), center))
+                 i64(layout.p_len), center, pin))
 
 
-def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd):
-    """y = (v - mean) * rstd * weight + bias with v = x (+ residual -> h); fills outputs."""
+def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd, param_in_t=0):
+    """y = (v - mean) * rstd * weight + bias with v = x (+ residual -> h); fills outputs.
+    ``param_in_t``: as in :func:`_stats`."""
     layout = plan_layout(plan, _buffers.element_strides(x))
     xb = _buffers.input_buffer(plan, layout, x)
     rb = None if residual is None else _buffers.input_buffer(plan, layout, residual)
     hb = None if h is None else _buffers.output_buffer(plan, layout, h)
     yb = _buffers.output_buffer(plan, layout, y)
-    _stats(plan, layout, dtype, xb, rb, hb, yb, weight, bias, mean, rstd)
+    _stats(plan, layout, dtype, xb, rb, hb, yb, weight, bias, mean, rstd, param_in_t)
     _buffers.store(plan, layout, yb, y)
     if h is not None:
         _buffers.store(plan, layout, hb, h)
@@ -290,10 +295,11 @@ def _row_params(layout, dtype, kernel, grid, block, items):
     return fused, (blocks,), smem, blocks, ()
 
 
-def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
+def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, param_in_t=0):
     """dx into ``dxb``. ``param_grads`` (bool: with dbias) asks the row and tile kernels to add
-    up the parameter gradients' partial sums too: returns (part, nchunk) when they did, else None."""
-    center = i32(plan.center)
+    up the parameter gradients' partial sums too: returns (part, nchunk) when they did, else None.
+    ``param_in_t``: 1 when ``w`` holds x's dtype rather than the accumulation dtype."""
+    center, pin = i32(plan.center), i32(param_in_t)
     acc = acc_dtype(dtype)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
     pdiv, plen = i64(layout.p_div), i64(layout.p_len)
@@ -306,11 +312,11 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
             part = _workspace((2, nchunk * layout.p_len), dtype=acc)
             _launch(kernel, dtype, grid, block,
                     (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, part[0], _ptr(part[1] if param_grads else None),
-                     i64(outer), i64(reduced)) + extra + (center,), items=items, smem=smem)
+                     i64(outer), i64(reduced)) + extra + (center, pin), items=items, smem=smem)
             return part, nchunk
         _launch(kernel, dtype, grid, block,
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, i64(outer), i64(reduced), pdiv, plen,
-                 center), items=items)
+                 center, pin), items=items)
         return None
     tile = _tile(layout, dtype, 2)
     if tile is not None:
@@ -324,7 +330,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
         _launch("cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(part_w), _ptr(part_b), i64(outer),
                  i64(reduced), i64(inner), i64(group), i64(width), pdiv, plen, i32(mode or 0),
-                 center), smem=smem)
+                 center, pin), smem=smem)
         return None if part is None else (part, nchunk)
     # columns whose parameter is the column (p = i: NHWC instance/group norm): the partial sums
     # leave the weight out, so that grad_finalize can also hand them on as dweight/dbias
@@ -332,36 +338,37 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None):
     by_column = param_grads is not None and not layout.rows and _tile_param_mode(layout) == 0
     if layout.rows:
         if param_grads is not None and _segmented(layout):
-            return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads)
+            return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads,
+                                   param_in_t)
         chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
         ws = _workspace((2, outer * nchunk), dtype=acc)
         _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer), i64(reduced),
-                 i64(chunk), pdiv, plen, i64(1), center))
+                 i64(chunk), pdiv, plen, i64(1), center, pin))
     else:
         tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
         chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
         ws = _workspace((2, outer * nchunk * inner), dtype=acc)
         _launch("cols_grad_partial", dtype, (tiles, nchunk, zdim), (32, 8),
                 (dyb, xb, NULL if by_column else _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer),
-                 i64(reduced), i64(inner), i64(group), i64(chunk), pdiv, plen, center))
+                 i64(reduced), i64(inner), i64(group), i64(chunk), pdiv, plen, center, pin))
     slices = layout.slices
     means = _workspace((2, slices), dtype=acc)
     part = _workspace((2, outer * inner), dtype=acc) if by_column else None
     _launch("grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], _ptr(w) if by_column else NULL, means[0], means[1],
              part[0] if by_column else NULL, part[1] if by_column and param_grads else NULL,
-             i64(outer), i64(nchunk), i64(inner), i64(group), f64(plan.count)))
-    _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb)
+             i64(outer), i64(nchunk), i64(inner), i64(group), f64(plan.count), pin))
+    _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
     return (part, outer) if by_column else None
 
 
-def _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb):
+def _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t=0):
     """dx elementwise from the per-slice means of g = dy * w and g * xhat (``means[0]``, ``[1]``)."""
     _launch("apply_bwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
             (dyb, xb, _ptr(w), _ptr(mean), rstd, means[0], means[1], dxb, i64(layout.total),
              i64(layout.reduced), i64(layout.inner), i64(layout.group), i64(layout.p_div),
-             i64(layout.p_len), i32(plan.center)))
+             i64(layout.p_len), i32(plan.center), i32(param_in_t)))
 
 
 def _segmented(layout) -> bool:
@@ -371,7 +378,7 @@ def _segmented(layout) -> bool:
     return layout.p_div >= _BLOCK and layout.reduced % layout.p_div == 0
 
 
-def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias):
+def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias, param_in_t=0):
     """Split rows of parameter segments, with dweight/dbias: rows_grad_partial sums dy and
     dy*xhat per (segment, chunk), unweighted; segment_grad_finalize makes of them both the
     slices' means of g and g*xhat (the weight applied per segment) and per-segment
@@ -384,14 +391,15 @@ def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias)
     ws = _workspace((2, segs * nchunk), dtype=acc)
     _launch("rows_grad_partial", dtype, (nchunk, min(segs, _MAX_Y)), (_BLOCK,),
             (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], i64(segs), i64(seg), i64(chunk),
-             i64(1), i64(1), i64(per_row), i32(plan.center)))
+             i64(1), i64(1), i64(per_row), i32(plan.center), i32(0)))
     slices = layout.slices
     means = _workspace((2, slices), dtype=acc)
     part = _workspace((2, segs), dtype=acc)
     _launch("segment_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], _ptr(w), means[0], means[1], part[0], _ptr(part[1] if with_bias else None),
-             i64(slices), i64(per_row), i64(nchunk), i64(layout.p_len), f64(plan.count)))
-    _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb)
+             i64(slices), i64(per_row), i64(nchunk), i64(layout.p_len), f64(plan.count),
+             i32(param_in_t)))
+    _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
     return part, layout.a_len
 
 
@@ -424,8 +432,9 @@ def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias):
     _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias)
 
 
-def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias):
-    """dx (and dweight/dbias unless None); ``mean``/``rstd`` None to recompute them."""
+def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias, param_in_t=0):
+    """dx (and dweight/dbias unless None); ``mean``/``rstd`` None to recompute them;
+    ``param_in_t`` 1 when ``weight`` holds x's dtype."""
     need_params = plan.has_weight or dweight is not None
     layout = plan_layout(plan, _buffers.element_strides(x), need_params)
     xb = _buffers.input_buffer(plan, layout, x)
@@ -437,7 +446,7 @@ def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias):
         _stats(plan, layout, dtype, xb, None, None, None, None, None, mean, rstd)
     dxb = _buffers.output_buffer(plan, layout, dx)
     fused = _dx(plan, layout, dtype, dyb, xb, weight, mean, rstd, dxb,
-                None if dweight is None else dbias is not None)
+                None if dweight is None else dbias is not None, param_in_t)
     _buffers.store(plan, layout, dxb, dx)
     if fused is not None:
         _finish_param_grads(*fused, layout.p_len, dtype, dweight, dbias)

@@ -77,6 +77,21 @@ def _param(t, acc):
     return t.to(acc).contiguous()
 
 
+def _weights(x, acc, *params):
+    """``(params..., param_in_t)``: each weight/bias as the kernels read it, in its own dtype
+    where that is the accumulation dtype or x's own (bit k of ``param_in_t`` set for the k-th
+    in x's dtype: no conversion kernel per call), else converted to the accumulation dtype."""
+    out, flags = [], 0
+    for k, t in enumerate(params):
+        if t is not None and t.dtype == x.dtype and t.dtype != acc:
+            flags |= 1 << k
+            t = t if t.is_contiguous() else t.contiguous()
+        else:
+            t = _param(t, acc)
+        out.append(t)
+    return (*out, flags)
+
+
 # ---- runners: outputs allocated, kernels launched on torch's current stream ------------------
 
 def _forward_run(plan, x, weight, bias, residual, stats=True):
@@ -91,16 +106,16 @@ def _forward_run(plan, x, weight, bias, residual, stats=True):
         rstd = x.new_empty(plan.stats_shape, dtype=acc)
     if not x.numel():
         return y, h, mean, rstd
-    weight, bias = _param(weight, acc), _param(bias, acc)
+    weight, bias, param_in_t = _weights(x, acc, weight, bias)
     device = x.get_device()
-    bound = _bound_forward(plan, x, residual, weight, bias, stats, device)
+    bound = _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t)
     if bound is None:  # a layout that needs copies: the eager launcher
         if rstd is None:
             mean, rstd = _forward_outputs(x, None, plan.stats_shape, plan.center)[2:]
         ref = _interop.ref
         with _interop.on_torch_stream(x.device):
             _launch.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(weight), ref(bias),
-                            ref(residual), ref(y), ref(h), ref(mean), ref(rstd))
+                            ref(residual), ref(y), ref(h), ref(mean), ref(rstd), param_in_t)
         return y, h, mean, rstd
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
@@ -125,15 +140,15 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads):
         rstd = _param(rstd, acc)
         mean = _param(mean, acc) if plan.center else None
     dy = dy.to(x.dtype)
-    weight = _param(weight, acc)
+    weight, param_in_t = _weights(x, acc, weight)
     device = x.get_device()
-    bound = _bound_backward(plan, x, dy, weight, rstd is not None, param_grads, device)
+    bound = _bound_backward(plan, x, dy, weight, rstd is not None, param_grads, device, param_in_t)
     if bound is None:
         ref = _interop.ref
         with _interop.on_torch_stream(x.device):
             _launch.backward(plan, _interop.dtype_key(x.dtype), ref(dy), ref(x), ref(weight),
                              ref(mean), ref(rstd), ref(dx), ref(dw) if param_grads else None,
-                             ref(db) if param_grads else None)
+                             ref(db) if param_grads else None, param_in_t)
         return dx, dw, db
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
@@ -154,11 +169,11 @@ def _scratch(bound, x):
     return x.new_empty((n,), dtype=torch.uint8) if n else None
 
 
-def _bound_forward(plan, x, residual, weight, bias, stats, device):
+def _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t):
     """The recorded forward schedule for this signature, or None where the layout needs
     copies (worked out once per plan and strides; ``_bound``)."""
     key = ("bound-forward", x.stride(), None if residual is None else residual.stride(),
-           weight is not None, bias is not None, stats, device)
+           weight is not None, bias is not None, stats, device, param_in_t)
     try:
         return plan.memo[key]
     except KeyError:
@@ -172,15 +187,16 @@ def _bound_forward(plan, x, residual, weight, bias, stats, device):
         if stats:
             present |= {"rstd", "mean"} if plan.center else {"rstd"}
         with _interop.on_device(device):
-            bound = _bound.record_forward(plan, _interop.dtype_key(x.dtype), layout, present)
+            bound = _bound.record_forward(plan, _interop.dtype_key(x.dtype), layout, present,
+                                          param_in_t)
     plan.memo[key] = bound
     return bound
 
 
-def _bound_backward(plan, x, dy, weight, has_stats, param_grads, device):
+def _bound_backward(plan, x, dy, weight, has_stats, param_grads, device, param_in_t):
     """The recorded backward schedule for this signature, or None (copies needed)."""
     key = ("bound-backward", x.stride(), dy.stride(), weight is not None, has_stats, param_grads,
-           device)
+           device, param_in_t)
     try:
         return plan.memo[key]
     except KeyError:
@@ -195,7 +211,8 @@ def _bound_backward(plan, x, dy, weight, has_stats, param_grads, device):
         if param_grads:
             present |= {"dw", "db"}
         with _interop.on_device(device):
-            bound = _bound.record_backward(plan, _interop.dtype_key(x.dtype), layout, present)
+            bound = _bound.record_backward(plan, _interop.dtype_key(x.dtype), layout, present,
+                                           param_in_t)
     plan.memo[key] = bound
     return bound
 
