@@ -176,7 +176,9 @@ def test_same_shape_other_strides_dtypes_devices_never_reuse_a_launcher():
 
 
 @pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.float32),
-                                              (torch.bfloat16, torch.float32)])
+                                              (torch.bfloat16, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16),
+                                              (torch.float16, torch.float16)])
 def test_inference_is_one_kernel_and_one_allocation(x_dtype, w_dtype):
     x = _input((64, 768), None, x_dtype)
     w, b = _params("layer_norm", (64, 768), {}, w_dtype)
