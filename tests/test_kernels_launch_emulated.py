@@ -486,13 +486,13 @@ def test_bound_schedule_matches_eager_launches(emulated, monkeypatch):
     x = np.zeros((2, 17000), np.float32)
     plan = make_plan("layer_norm", x)
     layout = _layout.plan_layout(plan, (17000, 1))
-    bound = _bound.record_forward(plan, "float32", layout, {"rstd", "mean"})
+    bound = _bound.schedule_forward(plan, "float32", layout, {"rstd", "mean"})
     assert bound.names == ("rows_stats_partial", "stats_finalize", "apply_fwd")
     # one workspace of partial sums (3 rows), 256-byte aligned
     assert bound.scratch_bytes % _bound.ALIGN == 0 and bound.scratch_bytes >= _bound.ALIGN
     offsets = [off for step in bound.steps for _, index, off in step.slots if index == 8]
     assert offsets and max(offsets) < bound.scratch_bytes
-    inference = _bound.record_forward(plan, "float32", layout, set())  # stats in scratch then
+    inference = _bound.schedule_forward(plan, "float32", layout, set())  # stats in scratch then
     assert inference.scratch_bytes == bound.scratch_bytes + 2 * _bound.ALIGN
 
 

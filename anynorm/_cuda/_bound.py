@@ -1,13 +1,15 @@
-"""A call's launch schedule, recorded once and replayed per call with new pointers.
+"""A call's launch schedule, worked out once and replayed per call with new pointers.
 
 ``_launch`` decides, from a plan, a layout and the device, which kernels run with which
 grid, block, shared memory, sizes and workspaces. None of that depends on the data, so it
-is worked out once per call signature: :func:`record_forward` / :func:`record_backward` run
-``_launch``'s schedule code with :class:`Slot` placeholders for the buffers and note each
-launch instead of running it (``_launch._recording``). The result, a :class:`BoundLaunch`,
-holds per step the compiled function, grid, block, shared memory and an argument template
-whose constants (sizes, flags, eps, NULL) are CuPy holders already; a call fills in only
-the pointers (``ptrs[slot] + offset``) and the stream:
+is worked out once per call signature: :func:`schedule_forward` / :func:`schedule_backward`
+run ``_launch``'s schedule code with :class:`Slot` placeholders for the buffers and note each
+launch instead of running it (``_launch._recording``). A :class:`Schedule` is plain data
+(kernel names, grids, blocks, shared memory, argument templates whose constants are CuPy
+holders already), computed for the current device or for a ``_launch.DeviceInfo``, so tests
+check schedules without a GPU. :class:`BoundLaunch` binds one to the current device's
+compiled functions; a call fills in only the pointers (``ptrs[slot] + offset``) and the
+stream:
 
     forward slots:  x, res, h, y, w, b, mean, rstd, scratch
     backward slots: dy, x, w, mean, rstd, dx, dw, db, scratch
@@ -15,7 +17,7 @@ the pointers (``ptrs[slot] + offset``) and the stream:
 Workspaces of all steps share one scratch allocation of ``scratch_bytes`` (each part
 256-byte aligned), which the caller allocates from its own allocator (torch's caching
 allocator for tensors: CUDA graphs capture it). Layouts that need copies (``Layout.copy``)
-are not recorded; they take ``_launch.forward``/``backward`` as before.
+are not scheduled; they take ``_launch.forward``/``backward`` as before.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import numpy as np
 from . import _launch
 from ._args import address
 
-__all__ = ["Slot", "BoundLaunch", "record_forward", "record_backward", "FORWARD_SLOTS",
-           "BACKWARD_SLOTS", "ALIGN"]
+__all__ = ["Slot", "Schedule", "BoundLaunch", "schedule_forward", "schedule_backward",
+           "record_forward", "record_backward", "FORWARD_SLOTS", "BACKWARD_SLOTS", "ALIGN"]
 
 FORWARD_SLOTS = ("x", "res", "h", "y", "w", "b", "mean", "rstd", "scratch")
 BACKWARD_SLOTS = ("dy", "x", "w", "mean", "rstd", "dx", "dw", "db", "scratch")
@@ -53,10 +55,12 @@ class Slot:
 
 
 class _Recorder:
-    """Collects the steps and workspaces of one schedule (see ``_launch._recording``)."""
+    """Collects the steps and workspaces of one schedule (see ``_launch._recording``);
+    ``device``: the DeviceInfo the schedule is for (None: the current device)."""
 
-    def __init__(self, scratch_index):
+    def __init__(self, scratch_index, device=None):
         self.scratch_index = scratch_index
+        self.device = device
         self.scratch_bytes = 0
         self.steps = []
 
@@ -68,7 +72,7 @@ class _Recorder:
         row_bytes = shape[-1] * itemsize if len(shape) == 2 else 0
         return Slot(self.scratch_index, offset, row_bytes)
 
-    def launch(self, name, function, grid, block, args, smem):
+    def launch(self, name, dtype, items, grid, block, args, smem):
         template, slots = [], []
         for position, arg in enumerate(args):
             if type(arg) is Slot:
@@ -76,55 +80,74 @@ class _Recorder:
                 template.append(None)
             else:
                 template.append(arg)
-        if isinstance(function, cupy.RawKernel):
-            # the current device's CUDA function behind it (what RawKernel.__call__ calls),
-            # which also takes the stream
-            function = function.kernel
-        self.steps.append(Step(name, function, tuple(grid), tuple(block), smem, template,
+        self.steps.append(Step(name, dtype, items, tuple(grid), tuple(block), smem, template,
                                tuple(slots)))
 
 
 class Step:
-    """One kernel launch of a schedule."""
+    """One kernel launch of a schedule: which instantiation, its launch configuration, its
+    argument template (constants as CuPy holders, None where ``slots`` put a pointer)."""
 
-    __slots__ = ("name", "function", "grid", "block", "smem", "template", "slots")
+    __slots__ = ("name", "dtype", "items", "grid", "block", "smem", "template", "slots")
 
-    def __init__(self, name, function, grid, block, smem, template, slots):
-        self.name, self.function, self.grid, self.block = name, function, grid, block
+    def __init__(self, name, dtype, items, grid, block, smem, template, slots):
+        self.name, self.dtype, self.items, self.grid, self.block = name, dtype, items, grid, block
         self.smem, self.template, self.slots = smem, template, slots
 
     def __repr__(self):
         return f"Step({self.name}, grid={self.grid}, block={self.block}, smem={self.smem})"
 
 
+class Schedule:
+    """The launches of one call signature, as data (no compiled code, no device needed)."""
+
+    __slots__ = ("steps", "scratch_bytes")
+
+    def __init__(self, steps, scratch_bytes):
+        self.steps, self.scratch_bytes = tuple(steps), scratch_bytes
+
+    @property
+    def names(self) -> tuple:
+        return tuple(step.name for step in self.steps)
+
+
 class BoundLaunch:
-    """The steps of one call signature; :meth:`run` launches them on new buffers."""
+    """A schedule bound to the current device's compiled functions; :meth:`run` launches it
+    on new buffers."""
 
     __slots__ = ("steps", "scratch_bytes", "names")
 
-    def __init__(self, steps, scratch_bytes):
+    def __init__(self, schedule):
+        self.scratch_bytes, self.names = schedule.scratch_bytes, schedule.names
+        steps = []
+        for step in schedule.steps:
+            function = _launch.get_kernel(step.name, step.dtype, step.items)
+            _launch.opt_in(function, step.smem)
+            if isinstance(function, cupy.RawKernel):
+                # the current device's CUDA function behind it (what RawKernel.__call__
+                # calls), which also takes the stream
+                function = function.kernel
+            steps.append((function, step.grid, step.block, step.smem, step.template, step.slots))
         self.steps = tuple(steps)
-        self.scratch_bytes = scratch_bytes
-        self.names = tuple(step.name for step in steps)
 
     def run(self, ptrs, stream):
         """Launch every step on ``stream`` (an object with ``.ptr``, as CuPy's functions
         take it) with the buffers at the integer addresses ``ptrs`` (slot order)."""
-        for step in self.steps:
-            args = step.template.copy()
-            for position, index, offset in step.slots:
+        for function, grid, block, smem, template, slots in self.steps:
+            args = template.copy()
+            for position, index, offset in slots:
                 args[position] = address(ptrs[index] + offset)
-            step.function(step.grid, step.block, tuple(args), shared_mem=step.smem, stream=stream)
+            function(grid, block, tuple(args), shared_mem=smem, stream=stream)
 
 
-def _record(scratch_index, schedule):
-    recorder = _Recorder(scratch_index)
+def _record(scratch_index, schedule, device):
+    recorder = _Recorder(scratch_index, device)
     _launch._recording.recorder = recorder
     try:
         schedule()
     finally:
         _launch._recording.recorder = None
-    return BoundLaunch(recorder.steps, recorder.scratch_bytes)
+    return Schedule(recorder.steps, recorder.scratch_bytes)
 
 
 def _slots(names, present):
@@ -132,21 +155,22 @@ def _slots(names, present):
     return [Slot(i) if name in present else None for i, name in enumerate(names)]
 
 
-def record_forward(plan, dtype, layout, present, param_in_t=0) -> BoundLaunch:
+def schedule_forward(plan, dtype, layout, present, param_in_t=0, device=None) -> Schedule:
     """The forward of ``plan`` on buffers laid out as ``layout`` (no copies); ``present``:
     the forward slot names the call has (``mean``/``rstd`` absent: statistics not written);
-    ``param_in_t``: bit 0 / bit 1 when weight / bias hold x's dtype (``_launch._stats``)."""
+    ``param_in_t``: bit 0 / bit 1 when weight / bias hold x's dtype (``_launch._stats``);
+    ``device``: a ``_launch.DeviceInfo`` to plan for (default: the current device)."""
     assert not layout.copy
     x, res, h, y, w, b, mean, rstd, _ = _slots(FORWARD_SLOTS, set(present) | {"x", "y"})
     return _record(FORWARD_SLOTS.index("scratch"), lambda: _launch._stats(
-        plan, layout, dtype, x, res, h, y, w, b, mean, rstd, param_in_t))
+        plan, layout, dtype, x, res, h, y, w, b, mean, rstd, param_in_t), device)
 
 
-def record_backward(plan, dtype, layout, present, param_in_t=0) -> BoundLaunch:
+def schedule_backward(plan, dtype, layout, present, param_in_t=0, device=None) -> Schedule:
     """The backward of ``plan`` (``_launch.backward``'s schedule, no copies); ``present``:
     the backward slot names the call has (no ``rstd``: statistics recomputed; no ``dw``:
     no parameter gradients; ``db`` only with ``dw``); ``param_in_t`` 1 when the weight holds
-    x's dtype."""
+    x's dtype; ``device`` as in :func:`schedule_forward`."""
     assert not layout.copy
     dy, x, w, mean, rstd, dx, dw, db, _ = _slots(BACKWARD_SLOTS, set(present) | {"dy", "x", "dx"})
 
@@ -164,4 +188,14 @@ def record_backward(plan, dtype, layout, present, param_in_t=0) -> BoundLaunch:
         elif dw is not None:
             _launch._param_grads(plan, layout, dtype, dy, x, mean, rstd, dw, db)
 
-    return _record(BACKWARD_SLOTS.index("scratch"), schedule)
+    return _record(BACKWARD_SLOTS.index("scratch"), schedule, device)
+
+
+def record_forward(plan, dtype, layout, present, param_in_t=0) -> BoundLaunch:
+    """:func:`schedule_forward` for the current device, bound to its compiled kernels."""
+    return BoundLaunch(schedule_forward(plan, dtype, layout, present, param_in_t))
+
+
+def record_backward(plan, dtype, layout, present, param_in_t=0) -> BoundLaunch:
+    """:func:`schedule_backward` for the current device, bound to its compiled kernels."""
+    return BoundLaunch(schedule_backward(plan, dtype, layout, present, param_in_t))

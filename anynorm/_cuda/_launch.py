@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -24,7 +25,7 @@ from ._compile import WARP_ITEMS, get_kernel, items_of
 from ._interop import TensorRef
 from ._layout import plan_layout
 
-__all__ = ["forward", "backward", "acc_dtype"]
+__all__ = ["forward", "backward", "acc_dtype", "DeviceInfo", "device_info", "opt_in"]
 
 _ROWS_BLOCK, _ROW_BLOCK, _BLOCK = 128, 256, 256  # warp-per-row block, block-per-row, others
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
@@ -55,14 +56,38 @@ def _ptr(arr):
     return NULL if arr is None else arr
 
 
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the schedules depend on of a GPU: its SM count and the shared memory one block
+    may opt in to (an H100: ``DeviceInfo(132, 227 * 1024)``)."""
+
+    sm_count: int
+    smem_optin: int
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
+def _described_device():
+    """The DeviceInfo a schedule is being recorded for (``_bound.schedule_for``), else None."""
+    recorder = getattr(_recording, "recorder", None)
+    return None if recorder is None else recorder.device
+
+
 def _target_blocks() -> int:
     """Enough blocks to fill the device a few times over."""
+    device = _described_device()
+    if device is not None:
+        return _BLOCKS_PER_SM * device.sm_count
     return _BLOCKS_PER_SM * _sm_count(cupy.cuda.runtime.getDevice())
+
+
+def device_info() -> DeviceInfo:
+    """The current CUDA device's DeviceInfo."""
+    device = cupy.cuda.runtime.getDevice()
+    return DeviceInfo(_sm_count(device), _smem_optin(device))
 
 
 def _ceil(a, b):
@@ -109,7 +134,19 @@ def _workspace(shape, dtype):
 
 
 def _launch(kernel, dtype, grid, block, args, items=None, smem=0):
+    recorder = getattr(_recording, "recorder", None)
+    if recorder is not None:  # a schedule: which kernel, not yet which compiled function
+        recorder.launch(kernel, dtype, items, grid, block, args, smem)
+        return
     function = get_kernel(kernel, dtype, items)
+    opt_in(function, smem)
+    function(grid, block, tuple([a.kernel_arg if type(a) is TensorRef else a for a in args]),
+             shared_mem=smem)
+
+
+def opt_in(function, smem) -> None:
+    """Let ``function`` take ``smem`` bytes of dynamic shared memory where that is near or
+    past the default limit (cuFuncSetAttribute)."""
     if smem > _DEFAULT_SMEM - _MAX_STATIC_SMEM:
         # near or past the default limit: opt the kernel in (cuFuncSetAttribute), once per
         # function and size; the entry holds the function, so its id cannot be reused
@@ -117,12 +154,6 @@ def _launch(kernel, dtype, grid, block, args, items=None, smem=0):
         if allowed is None or allowed[0] is not function or allowed[1] < smem:
             function.max_dynamic_shared_size_bytes = smem
             _smem_allowed[id(function)] = (function, smem)
-    recorder = getattr(_recording, "recorder", None)
-    if recorder is not None:
-        recorder.launch(kernel, function, grid, block, args, smem)
-        return
-    function(grid, block, tuple([a.kernel_arg if type(a) is TensorRef else a for a in args]),
-             shared_mem=smem)
 
 
 # ---- shared-memory tiles of the columns family (tiles.cu) ---------------------------------
@@ -135,6 +166,9 @@ def _smem_optin(device_id: int) -> int:
 
 def _smem_limit() -> int:
     """Shared memory (static + dynamic) one block may opt in to on the current device."""
+    device = _described_device()
+    if device is not None:
+        return device.smem_optin
     return _smem_optin(cupy.cuda.runtime.getDevice())
 
 

@@ -1,0 +1,109 @@
+"""Launch schedules as data (``anynorm._cuda._bound``), computed for a described device
+(``DeviceInfo``) without a GPU: which kernels a call launches, with what grid and scratch,
+and that nothing but the call's signature and the device goes into them."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy", exc_type=ImportError)  # anynorm._cuda imports CuPy (no GPU needed)
+from anynorm._cuda import _bound, _launch, _layout  # noqa: E402
+from anynorm._plan import make_plan  # noqa: E402
+
+H100 = _launch.DeviceInfo(sm_count=132, smem_optin=227 * 1024)
+SMALL = _launch.DeviceInfo(sm_count=16, smem_optin=48 * 1024)
+STATS = {"mean", "rstd"}
+
+
+def _plan(op, shape, **kw):
+    x = np.zeros(shape, np.float32)
+    w = np.ones(make_plan(op, x, **kw).param_shape, np.float32)
+    b = None if op == "rms_norm" else w
+    return make_plan(op, x, w, b, **kw)
+
+
+def _forward(plan, present, dtype="bfloat16", device=H100):
+    layout = _layout.plan_layout(plan, _strides(plan.shape))
+    return _bound.schedule_forward(plan, dtype, layout, present, device=device)
+
+
+def _backward(plan, present, dtype="bfloat16", device=H100):
+    layout = _layout.plan_layout(plan, _strides(plan.shape), True)
+    return _bound.schedule_backward(plan, dtype, layout, present, device=device)
+
+
+def _strides(shape):
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def test_transformer_rows_are_one_kernel_each_way():
+    plan = _plan("layer_norm", (64, 768))
+    for present in ({"w", "b"}, {"w", "b"} | STATS):  # inference, and with statistics
+        schedule = _forward(plan, present)
+        assert schedule.names == ("rows_fwd_warp",) and schedule.scratch_bytes == 0
+    inference, training = _forward(plan, {"w", "b"}), _forward(plan, {"w", "b"} | STATS)
+    mean_slot, rstd_slot = _bound.FORWARD_SLOTS.index("mean"), _bound.FORWARD_SLOTS.index("rstd")
+    assert not {i for _, i, _ in inference.steps[0].slots} & {mean_slot, rstd_slot}
+    assert {mean_slot, rstd_slot} <= {i for _, i, _ in training.steps[0].slots}
+    backward = _backward(plan, {"w", "rstd", "mean", "dw", "db"})
+    assert backward.names == ("rows_bwd_warp_params", "param_grad_finish")
+
+
+def test_convnext_channels_first_is_one_tile_kernel():
+    plan = _plan("layer_norm", (64, 96, 56, 56), axis=1)
+    assert _forward(plan, {"w", "b"}).names == ("cols_fwd_tile",)
+    assert _backward(plan, {"w", "rstd", "mean", "dw", "db"}).names == ("cols_bwd_tile", "param_grad_finish")
+
+
+def test_long_rows_split_with_workspaces_in_scratch():
+    plan = _plan("layer_norm", (4, 100_000))
+    with_stats = _forward(plan, {"w", "b"} | STATS)
+    assert with_stats.names == ("rows_stats_partial", "stats_finalize", "apply_fwd")
+    inference = _forward(plan, {"w", "b"})
+    # the statistics apply_fwd reads live in scratch when the caller wants none
+    assert inference.scratch_bytes == with_stats.scratch_bytes + 2 * _bound.ALIGN
+    scratch = _bound.FORWARD_SLOTS.index("scratch")
+    for step in inference.steps:
+        for _, index, offset in step.slots:
+            assert index != scratch or offset < inference.scratch_bytes
+
+
+def test_the_device_decides_grids_not_kernels():
+    plan = _plan("group_norm", (8, 320, 64, 64), num_groups=32)
+    big, small = _forward(plan, {"w", "b"}, device=H100), _forward(plan, {"w", "b"}, device=SMALL)
+    assert big.names == small.names
+    assert [s.grid for s in big.steps] != [s.grid for s in small.steps]
+
+
+def test_parameter_dtype_flag_is_in_the_template():
+    plan = _plan("layer_norm", (64, 768))
+    layout = _layout.plan_layout(plan, (768, 1))
+    plain = _bound.schedule_forward(plan, "bfloat16", layout, {"w", "b"}, 0, H100)
+    in_x = _bound.schedule_forward(plan, "bfloat16", layout, {"w", "b"}, 3, H100)
+    unhold = lambda a: int(np.asarray(a.value if hasattr(a, "value") else a))  # noqa: E731
+    assert unhold(plain.steps[0].template[-1]) == 0 and unhold(in_x.steps[0].template[-1]) == 3
+
+
+def test_schedules_are_the_same_from_8_threads():
+    plan = _plan("layer_norm", (4, 100_000))
+    want = [(s.name, s.grid, s.block, s.smem, s.slots) for s in _forward(plan, {"w"}).steps]
+    got, barrier = [], threading.Barrier(8)
+
+    def work():
+        barrier.wait()
+        for _ in range(20):
+            got.append([(s.name, s.grid, s.block, s.smem, s.slots) for s in _forward(plan, {"w"}).steps])
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 160 and all(g == want for g in got)
