@@ -18,25 +18,12 @@ from ._interop import dtype_key, run_on_cupy_stream
 __all__ = ["forward", "backward"]
 
 
-def _param(arr, acc):
-    """weight/bias/statistics as the kernels read them: contiguous, in the accumulation dtype."""
-    if arr is None or (arr.dtype == acc and arr.flags.c_contiguous):
+def _param(arr, dtype):
+    """weight/bias/statistics as the kernels read them: contiguous, in ``dtype`` (the
+    accumulation dtype, or x's for parameters that hold it)."""
+    if arr is None or (arr.dtype == dtype and arr.flags.c_contiguous):
         return arr
-    return cupy.ascontiguousarray(arr.astype(acc, copy=False))
-
-
-def _weights(x, acc, *params):
-    """``(params..., param_in_t)`` as ``_torch_ops._weights``: each weight/bias in its own
-    dtype where that is x's (its bit set) or the accumulation dtype, else converted."""
-    out, flags = [], 0
-    for k, a in enumerate(params):
-        if a is not None and a.dtype == x.dtype and a.dtype != acc:
-            flags |= 1 << k
-            a = cupy.ascontiguousarray(a)
-        else:
-            a = _param(a, acc)
-        out.append(a)
-    return (*out, flags)
+    return cupy.ascontiguousarray(arr.astype(dtype, copy=False))
 
 
 def _ptr(arr):
@@ -101,7 +88,7 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
         rstd = cupy.empty(plan.stats_shape, dtype=acc)
     if not x.size:
         return y, h, mean, rstd
-    weight, bias, param_in_t = _weights(x, acc, weight, bias)
+    weight, bias, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight, bias)
     bound = _bound_forward(plan, x, residual, weight, bias, stats, param_in_t)
     if bound is None:
         if rstd is None:
@@ -130,7 +117,7 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
         rstd = _param(rstd, acc)
         mean = _param(mean, acc) if plan.center and rstd is not None else None
         dy = dy.astype(x.dtype, copy=False)
-        w, param_in_t = _weights(x, acc, weight)
+        w, _, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight)
         bound = _bound_backward(plan, x, dy, w, rstd is not None, dw is not None, param_in_t)
         if bound is None:
             with x.device:

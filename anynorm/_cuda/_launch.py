@@ -25,7 +25,7 @@ from ._compile import WARP_ITEMS, get_kernel, items_of
 from ._interop import TensorRef
 from ._layout import plan_layout
 
-__all__ = ["forward", "backward", "acc_dtype", "DeviceInfo", "device_info", "opt_in"]
+__all__ = ["forward", "backward", "acc_dtype", "param_in_t", "kernel_params", "DeviceInfo", "device_info", "opt_in"]
 
 _ROWS_BLOCK, _ROW_BLOCK, _BLOCK = 128, 256, 256  # warp-per-row block, block-per-row, others
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
@@ -50,6 +50,26 @@ _PARAM_ROWS_PER_TEAM = 16
 
 def acc_dtype(dtype: str):
     return np.float64 if dtype == "float64" else np.float32
+
+
+def param_in_t(x_dtype, acc, *params) -> int:
+    """The kernels' ``param_in_t`` flags: bit k set when the k-th of ``params`` (weight, bias;
+    None allowed) holds x's own dtype where that is not the accumulation dtype ``acc``, which
+    the kernels then read as it is; the others are passed in ``acc``."""
+    flags = 0
+    for k, p in enumerate(params):
+        if p is not None and p.dtype == x_dtype and p.dtype != acc:
+            flags |= 1 << k
+    return flags
+
+
+def kernel_params(x_dtype, acc, as_dtype, weight, bias=None):
+    """``(weight, bias, param_in_t)`` as the kernels read them: each in x's dtype where it
+    holds that (see :func:`param_in_t`), else in ``acc``; ``as_dtype(array, dtype)`` makes
+    an array contiguous in a dtype (a no-op where it already is)."""
+    flags = param_in_t(x_dtype, acc, weight, bias)
+    return (as_dtype(weight, x_dtype if flags & 1 else acc), as_dtype(bias, x_dtype if flags & 2 else acc),
+            flags)
 
 
 def _ptr(arr):

@@ -70,26 +70,12 @@ def _op_args(plan):
     return plan.op, axes, plan.channel_axis or 1, plan.num_groups or 0, float(plan.eps)
 
 
-def _param(t, acc):
-    """weight, bias or statistics as the kernels read them: contiguous, in the accumulation dtype."""
-    if t is None or (t.dtype == acc and t.is_contiguous()):
+def _param(t, dtype):
+    """weight, bias or statistics as the kernels read them: contiguous, in ``dtype`` (the
+    accumulation dtype, or x's for parameters that hold it)."""
+    if t is None or (t.dtype == dtype and t.is_contiguous()):
         return t
-    return t.to(acc).contiguous()
-
-
-def _weights(x, acc, *params):
-    """``(params..., param_in_t)``: each weight/bias as the kernels read it, in its own dtype
-    where that is the accumulation dtype or x's own (bit k of ``param_in_t`` set for the k-th
-    in x's dtype: no conversion kernel per call), else converted to the accumulation dtype."""
-    out, flags = [], 0
-    for k, t in enumerate(params):
-        if t is not None and t.dtype == x.dtype and t.dtype != acc:
-            flags |= 1 << k
-            t = t if t.is_contiguous() else t.contiguous()
-        else:
-            t = _param(t, acc)
-        out.append(t)
-    return (*out, flags)
+    return t.to(dtype).contiguous()
 
 
 # ---- runners: outputs allocated, kernels launched on torch's current stream ------------------
@@ -106,7 +92,7 @@ def _forward_run(plan, x, weight, bias, residual, stats=True):
         rstd = x.new_empty(plan.stats_shape, dtype=acc)
     if not x.numel():
         return y, h, mean, rstd
-    weight, bias, param_in_t = _weights(x, acc, weight, bias)
+    weight, bias, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight, bias)
     device = x.get_device()
     bound = _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t)
     if bound is None:  # a layout that needs copies: the eager launcher
@@ -140,7 +126,7 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads):
         rstd = _param(rstd, acc)
         mean = _param(mean, acc) if plan.center else None
     dy = dy.to(x.dtype)
-    weight, param_in_t = _weights(x, acc, weight)
+    weight, _, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight)
     device = x.get_device()
     bound = _bound_backward(plan, x, dy, weight, rstd is not None, param_grads, device, param_in_t)
     if bound is None:
