@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-import operator
 
 import array_api_compat
 import numpy as np
@@ -96,7 +95,8 @@ def axes_picker(axis, normalized_shape):
 
     Returns ``(pick, want)``: ``pick(x.shape) == want`` when ``x`` fits (``pick`` may raise
     IndexError when it does not).  Axes all negative or all non-negative sort the same at any
-    rank, so ``pick`` is an ``operator.itemgetter`` (tens of nanoseconds); mixed signs sort per
+    rank, so ``pick`` indexes the shape directly (a fraction of a microsecond; a plain
+    function, which torch.compile traces, where ``operator.itemgetter`` breaks its graph); mixed signs sort per
     call.  ``(None, None)`` when ``axis`` is not an int or a tuple of ints: then no module check
     runs and the function names the problem.
     """
@@ -107,8 +107,16 @@ def axes_picker(axis, normalized_shape):
     if all(a < 0 for a in axes) or all(a >= 0 for a in axes):
         if len(set(axes)) != len(axes):
             return None, None
-        return operator.itemgetter(*sorted(axes)), (want[0] if len(want) == 1 else want)
+        return _getter(sorted(axes)), (want[0] if len(want) == 1 else want)
     return functools.partial(sizes_on, where=axes), want
+
+
+def _getter(axes):
+    """``shape -> shape[a]`` for one axis, ``shape -> (shape[a], ...)`` for several."""
+    if len(axes) == 1:
+        axis = axes[0]
+        return lambda shape: shape[axis]
+    return lambda shape: tuple([shape[a] for a in axes])
 
 
 def sizes_on(shape, where):

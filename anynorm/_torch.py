@@ -143,7 +143,9 @@ def _run(plan, lay, t, w, b):
         if b is not None and b.dim() != len(normalized):
             b = b.reshape(normalized)
         if plan.op == "rms_norm":
-            y, rstd = torch._fused_rms_norm(t, normalized, w, plan.eps)
+            # torch.compile cannot trace the Python binding, only the aten op behind it
+            fused_rms = torch.ops.aten._fused_rms_norm if torch.compiler.is_compiling() else torch._fused_rms_norm
+            y, rstd = fused_rms(t, normalized, w, plan.eps)
             mean = None
         else:
             y, mean, rstd = torch.native_layer_norm(t, normalized, w, b, plan.eps)
