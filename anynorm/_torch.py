@@ -242,12 +242,19 @@ def _channels_first(plan):
 
 
 def _channels_last_memory(view):
-    """True for an NCHW (NCDHW) view whose memory is channels-last, which torch's kernels take."""
-    if view.dim() == 4:
-        return view.is_contiguous(memory_format=torch.channels_last)
-    if view.dim() == 5:
-        return view.is_contiguous(memory_format=torch.channels_last_3d)
-    return False
+    """True for an NCHW (NCDHW) view whose memory is channels-last exactly as torch lays it out
+    (its strides, size-1 axes included, equal a fresh channels-last tensor's): where size-1 axes
+    make the layout ambiguous, torch's kernels may take the tensor as contiguous and refuse it."""
+    if view.dim() not in (4, 5):
+        return False
+    n, c, *spatial = view.shape
+    strides = [0] * view.dim()
+    step = c
+    for axis in range(view.dim() - 1, 1, -1):  # W, H (, D): innermost after the channels
+        strides[axis] = step
+        step *= spatial[axis - 2]
+    strides[1], strides[0] = 1, step
+    return tuple(view.stride()) == tuple(strides)
 
 
 def _numpy_plan(plan):
