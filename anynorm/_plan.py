@@ -73,7 +73,7 @@ def _describe(obj) -> str:
 # Array types already seen, with their namespace: array_api_compat decides by type, so a
 # type it accepted once is accepted again (this keeps make_plan's cost per call small).
 _NAMESPACES = {}
-# (namespace, dtype) -> is it real floating, and how many bits
+# (namespace name, dtype) -> is it real floating, and how many bits
 _FLOAT_BITS = {}
 
 
@@ -107,11 +107,12 @@ def namespace_of(x, **others):
 
 def _float_bits(xp, dtype):
     """Bits of a real floating ``dtype`` of ``xp``, 0 for any other dtype (cached)."""
+    key = (xp.__name__, dtype)  # by name: torch.compile cannot compare modules as dict keys
     try:
-        return _FLOAT_BITS[xp, dtype]
+        return _FLOAT_BITS[key]
     except KeyError:
         bits = xp.finfo(dtype).bits if xp.isdtype(dtype, "real floating") else 0
-        _FLOAT_BITS[xp, dtype] = bits
+        _FLOAT_BITS[key] = bits
         return bits
     except TypeError:  # an unhashable dtype
         return xp.finfo(dtype).bits if xp.isdtype(dtype, "real floating") else 0
