@@ -52,8 +52,15 @@ def _warm_caches():
     per-dtype caches are then full when Dynamo traces through them."""
     import numpy as np
 
-    for arr in (np.ones((2, 3), np.float32), np.ones((2, 3)), torch.ones(2, 3), torch.ones(2, 3).double()):
-        anynorm.layer_norm(arr, arr[0])
+    arrays = [np.ones((2, 3), np.float32), np.ones((2, 3)), torch.ones(2, 3), torch.ones(2, 3).double()]
+    try:
+        import array_api_strict
+
+        arrays.append(array_api_strict.ones((2, 3)))
+    except ImportError:
+        pass
+    for arr in arrays:
+        anynorm.layer_norm(arr, arr[0, ...])
         anynorm.group_norm(arr[None, :, :, None], 1)
 
 
