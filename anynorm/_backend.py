@@ -35,19 +35,56 @@ _override = contextvars.ContextVar("anynorm_backend", default=None)
 
 
 def set_backend(name: str) -> None:
-    """Choose the executor family for later calls: ``"auto"``, ``"kernels"`` or ``"reference"``."""
+    """Choose the executor family for later calls in this process.
+
+    ``"auto"`` (default): CUDA kernels for CuPy arrays and CUDA torch tensors, NumPy's and
+    torch's executors on the CPU, the array-API core for every other library; ``"kernels"``:
+    the CUDA kernels, or a ValueError for an input they cannot take; ``"reference"``: the
+    array-API core always.
+
+    Example::
+
+        >>> import anynorm
+        >>> anynorm.set_backend("reference")
+        >>> anynorm.get_backend()
+        'reference'
+        >>> anynorm.set_backend("auto")
+
+    Raises:
+        ValueError: ``name`` is not one of ``"auto"``, ``"kernels"``, ``"reference"``.
+    """
     global _default
     _default = _checked(name, "backend")
 
 
 def get_backend() -> str:
-    """The backend in force here: the innermost ``use_backend``, else ``set_backend``'s."""
+    """The backend in force here: the innermost :func:`use_backend`, else
+    :func:`set_backend`'s, else the environment variable ``ANYNORM_BACKEND`` (``"auto"``).
+
+    Example::
+
+        >>> import anynorm
+        >>> with anynorm.use_backend("reference"):
+        ...     anynorm.get_backend()
+        'reference'
+    """
     return _override.get() or _default
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """``with use_backend("reference"): ...`` sets the backend for the block only."""
+    """``with use_backend(name): ...`` sets the backend (see :func:`set_backend`) for the block
+    only, in this thread or task (a context variable), and restores the previous one after.
+
+    Example::
+
+        >>> import numpy as np, anynorm
+        >>> with anynorm.use_backend("reference"):   # the array-API core, whatever the library
+        ...     y = anynorm.layer_norm(np.arange(6.0).reshape(2, 3))
+
+    Raises:
+        ValueError: ``name`` is not one of ``"auto"``, ``"kernels"``, ``"reference"``.
+    """
     token = _override.set(_checked(name, "backend"))
     try:
         yield

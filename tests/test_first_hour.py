@@ -282,3 +282,18 @@ def test_slow_marker_covers_the_kernel_checks_without_a_gpu():
     assert files, run.stdout + run.stderr
     assert files <= SLOW, files - SLOW
     assert {"test_kernels_emulated.py", "test_kernels_launch_emulated.py"} <= files
+
+
+@pytest.mark.parametrize("name", ["set_backend", "get_backend", "use_backend"])
+def test_backend_functions_are_documented_with_running_examples(name):
+    obj = getattr(anynorm, name)
+    doc = inspect.getdoc(obj) or ""
+    assert "Example" in doc and ">>>" in doc and "reference" in doc, name
+    if name != "get_backend":
+        assert "ValueError" in doc.split("Raises:", 1)[-1], name
+    finder = doctest.DocTestFinder(recurse=False)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(obj, name, globs={}):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0, name
+    assert anynorm.get_backend() == "auto"
