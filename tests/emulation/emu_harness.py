@@ -319,6 +319,7 @@ class Kernel:
         self._run = getattr(module.lib, f"emu_run_{index}")
         self._run.restype = ctypes.c_int
         self._cupy = None
+        self._max_smem = 48 * 1024  # a function attribute on a GPU: each kernel its own
 
     def as_cupy(self) -> CupyLaunched:
         """This kernel under CuPy's argument rules (one wrapper per kernel)."""
@@ -373,13 +374,13 @@ class Kernel:
 
     @property
     def max_dynamic_shared_size_bytes(self):
-        return self.module.max_dynamic_smem
+        return self._max_smem
 
     @max_dynamic_shared_size_bytes.setter
     def max_dynamic_shared_size_bytes(self, n):
-        """As CuPy's RawKernel attribute: launches may then take up to ``n`` bytes."""
-        self.module.lib.emu_set_max_dynamic_smem(ctypes.c_ulonglong(int(n)))
-        self.module.max_dynamic_smem = int(n)
+        """As CuPy's RawKernel attribute (per function, as cuFuncSetAttribute): launches of this
+        kernel may then take up to ``n`` bytes."""
+        self._max_smem = int(n)
 
     def __call__(self, grid, block, args, shared_mem=0, schedule=None, timeout=60.0, cupy_widths=False):
         grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -387,6 +388,9 @@ class Kernel:
         if schedule is None:
             schedule = int(os.environ.get("ANYNORM_EMU_SCHEDULE", "0"))
         values, arrays = self._pack(args, cupy_widths)
+        if self.module.max_dynamic_smem != self._max_smem:  # the runtime holds one limit
+            self.module.lib.emu_set_max_dynamic_smem(ctypes.c_ulonglong(self._max_smem))
+            self.module.max_dynamic_smem = self._max_smem
         argv = (ctypes.c_void_p * max(1, len(values)))(
             *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
         cfg = (ctypes.c_uint * 6)(*grid, *block)
