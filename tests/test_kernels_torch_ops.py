@@ -100,12 +100,14 @@ def _op_forward(plan, x, w, b, res):
     return y, (h if res is not None else None), (mean if plan.center else None), rstd
 
 
-@pytest.mark.parametrize("via", ["eager", "op"])
+@pytest.mark.parametrize("via", ["eager", "eager-no-stats", "op"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3:]}")
 def test_autograd_matches_reference(case, via):
-    """Both autograd routes, eager (_EagerNorm, no dispatcher) and the op's registered
-    autograd, give the reference executor's gradients for every input."""
+    """Both autograd routes, eager (_EagerNorm, no dispatcher; with and without the statistics
+    among its outputs) and the op's registered autograd, give the reference executor's
+    gradients for every input."""
     plan, x, w, b, res = _inputs(case)
+    stats = via != "eager-no-stats"
     leaves = [t for t in (x, w, b, res) if t is not None]
 
     def loss(y, h):
@@ -116,15 +118,30 @@ def test_autograd_matches_reference(case, via):
         return total
 
     assert ops._route(x, w, b, res) == ops.AUTOGRAD
-    y, h, mean, rstd = (ops.forward if via == "eager" else _op_forward)(plan, x, w, b, res)
-    assert ("EagerNorm" in type(y.grad_fn).__name__) == (via == "eager")
+    if via == "op":
+        y, h, mean, rstd = _op_forward(plan, x, w, b, res)
+    else:
+        y, h, mean, rstd = ops.forward(plan, x, w, b, res, stats)
+    assert ("EagerNorm" in type(y.grad_fn).__name__) == (via != "op")
     got = torch.autograd.grad(loss(y, h), leaves)
     ry, rh, rmean, rrstd = _reference.forward(plan, x, w, b, res)
     want = torch.autograd.grad(loss(ry, rh), leaves)
     torch.testing.assert_close(y, ry)
-    assert (mean is None) == (rmean is None) and rstd.shape == rrstd.shape
+    if stats:
+        assert (mean is None) == (rmean is None) and rstd.shape == rrstd.shape
+    else:
+        assert mean is None and rstd is None
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=["layer_norm-residual", "rms_norm"])
+def test_eager_statistics_carry_no_gradient(case):
+    """The statistics a training call returns are marked non-differentiable (a gradient
+    through them would be dropped, so autograd must not pretend to carry one)."""
+    plan, x, w, b, res = _inputs(case)
+    _, _, mean, rstd = ops.forward(plan, x, w, b, res)
+    assert not rstd.requires_grad and (mean is None or not mean.requires_grad)
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=["layer_norm-residual", "rms_norm"])

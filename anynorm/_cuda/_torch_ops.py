@@ -257,15 +257,20 @@ def _(dy, x, weight, mean, rstd, op, axes, channel_axis, num_groups, eps, param_
 def _save(ctx, x, weight, bias, residual, output, center):
     _, h, mean, rstd = output
     ctx.save_for_backward(h if residual is not None else x, weight, mean if center else None, rstd)
+    _save_flags(ctx, weight, bias, residual)
+
+
+def _save_flags(ctx, weight, bias, residual):
     ctx.has_residual = residual is not None
     ctx.weight_dtype = None if weight is None else weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _input_grads(ctx, needs, dy, dh, run_backward):
+def _input_grads(ctx, needs, dy, dh, saved, run_backward):
     """Gradients of (x, weight, bias, residual) from ``run_backward(dy, src, weight, mean,
-    rstd, param_grads) -> (dx, dweight, dbias)``; ``needs``: which inputs want one."""
-    src, weight, mean, rstd = ctx.saved_tensors
+    rstd, param_grads) -> (dx, dweight, dbias)``; ``saved``: (src, weight, mean, rstd);
+    ``needs``: which inputs want one."""
+    src, weight, mean, rstd = saved
     want_w = ctx.weight_dtype is not None and needs[1]
     want_b = ctx.bias_dtype is not None and needs[2]
     dx, dw, db = run_backward(dy, src, weight, mean, rstd, want_w or want_b)
@@ -292,7 +297,7 @@ def _op_backward(ctx, dy, dh, dmean, drstd):
     def run(*args):
         return _backward_op(*args[:5], *ctx.args, args[5])
 
-    return _input_grads(ctx, ctx.needs_input_grad, dy, dh, run) + (None,) * 5
+    return _input_grads(ctx, ctx.needs_input_grad, dy, dh, ctx.saved_tensors, run) + (None,) * 5
 
 
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -316,42 +321,66 @@ class _NoDoubleBackward(torch.autograd.Function):
 
 
 def _eager_setup(ctx, inputs, output):
-    plan, x, weight, bias, residual = inputs
+    plan, x, weight, bias, residual = inputs[:5]
     _save(ctx, x, weight, bias, residual, output, plan.center)
     ctx.plan = plan
 
 
 class _EagerNorm(torch.autograd.Function):
-    """``anynorm::forward``'s autograd for eager calls: the runners, no dispatcher. (The
-    ``forward(ctx, ...)`` form: for a separate ``setup_context``, ``apply`` binds the
-    signature of ``forward`` on every call, tens of microseconds.)"""
+    """``anynorm::forward``'s autograd for eager calls: the runners, no dispatcher.
+
+    Returns ``y`` (``(y, h)`` with a residual), or with ``stats`` all of ``(y, h, mean, rstd)``
+    with the statistics marked non-differentiable: each differentiable output costs autograd
+    a few microseconds. Only x (or h) and the weight go through ``save_for_backward`` (its
+    version check catches an in-place change of them before backward); the statistics are
+    this function's own and are kept on ``ctx``. (The ``forward(ctx, ...)`` form: for a
+    separate ``setup_context``, ``apply`` binds the signature of ``forward`` on every call.)"""
 
     @staticmethod
-    def forward(ctx, plan, x, weight, bias, residual):
-        output = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual)
-        _eager_setup(ctx, (plan, x, weight, bias, residual), output)
-        return output
+    def forward(ctx, plan, x, weight, bias, residual, stats):
+        y, h, mean, rstd = output = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual)
+        ctx.save_for_backward(x if residual is None else h, weight)
+        ctx.stats = (mean if plan.center else None, rstd)
+        _save_flags(ctx, weight, bias, residual)
+        ctx.plan = plan
+        if stats:
+            ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
+            return output
+        return y if residual is None else (y, h)
 
     @staticmethod
-    def backward(ctx, dy, dh, dmean, drstd):
-        run = RUNNERS[_device_type(dy)][1]
-        with torch.no_grad():
-            grads = _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh,
-                                 lambda *args: run(ctx.plan, *args))
-        if torch.is_grad_enabled():  # create_graph=True: a second backward must fail loudly
-            sources = [t for t in (dy, dh, *ctx.saved_tensors) if t is not None and t.requires_grad]
-            grads = tuple(g if g is None else _NoDoubleBackward.apply(g, *sources) for g in grads)
-        return (None,) + grads
+    def backward(ctx, dy, *other_grads):
+        src, weight = ctx.saved_tensors
+        return (None,) + _norm_backward(ctx, dy, other_grads, (src, weight, *ctx.stats)) + (None,)
 
 
-class _TransformNorm(_EagerNorm):
-    """:class:`_EagerNorm` in the form torch.func transforms require (``setup_context``)."""
+def _norm_backward(ctx, dy, other_grads, saved):
+    """The eager autograd functions' input gradients; ``other_grads``: the gradients of the
+    outputs after ``y`` (``h``'s first where there is a residual)."""
+    dh = other_grads[0] if ctx.has_residual and other_grads else None
+    run = RUNNERS[_device_type(dy)][1]
+    with torch.no_grad():
+        grads = _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh, saved,
+                             lambda *args: run(ctx.plan, *args))
+    if torch.is_grad_enabled():  # create_graph=True: a second backward must fail loudly
+        sources = [t for t in (dy, dh, *saved) if t is not None and t.requires_grad]
+        grads = tuple(g if g is None else _NoDoubleBackward.apply(g, *sources) for g in grads)
+    return grads
+
+
+class _TransformNorm(torch.autograd.Function):
+    """:class:`_EagerNorm` in the form torch.func transforms require (``setup_context``,
+    every tensor through ``save_for_backward``); returns all of ``(y, h, mean, rstd)``."""
 
     @staticmethod
-    def forward(plan, x, weight, bias, residual):
+    def forward(plan, x, weight, bias, residual, stats):
         return RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual)
 
     setup_context = staticmethod(_eager_setup)
+
+    @staticmethod
+    def backward(ctx, dy, *other_grads):
+        return (None,) + _norm_backward(ctx, dy, other_grads, ctx.saved_tensors) + (None,)
 
 
 # ---- entry points ----------------------------------------------------------------------------
@@ -392,9 +421,16 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
     route = _route(x, weight, bias, residual)
     if route == RUN:
         y, h, mean, rstd = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual, stats)
+    elif route == AUTOGRAD and torch._C._are_functorch_transforms_active():
+        y, h, mean, rstd = _TransformNorm.apply(plan, x, weight, bias, residual, stats)
     elif route == AUTOGRAD:
-        norm = _TransformNorm if torch._C._are_functorch_transforms_active() else _EagerNorm
-        y, h, mean, rstd = norm.apply(plan, x, weight, bias, residual)
+        out = _EagerNorm.apply(plan, x, weight, bias, residual, stats)
+        if stats:
+            y, h, mean, rstd = out
+        elif residual is None:
+            y, h, mean, rstd = out, None, None, None
+        else:
+            (y, h), mean, rstd = out, None, None
     else:
         y, h, mean, rstd = _forward_op(x, weight, bias, residual, *_op_args(plan))
         h, mean = (h if residual is not None else None), (mean if plan.center else None)
