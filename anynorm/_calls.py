@@ -81,12 +81,13 @@ def bind_torch():
 def _torch_signature(t):
     if _is_compiling is None:
         bind_torch()
-    if _is_compiling is None or _is_compiling():  # traced: shapes may be symbolic
-        return None
+        if _is_compiling is None:  # inside a trace before torch was bound
+            return None
     return t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device()
 
 
 _SIGNERS = {}  # array type -> its signature function
+_TORCH_TYPES = set()  # the types signed by _torch_signature
 
 
 def _sign(a):
@@ -102,6 +103,8 @@ def _sign(a):
             return False
         sign = {"numpy": _numpy_signature, "cupy": _cupy_signature,
                 "torch": _torch_signature}.get(kind, _other_signature)
+        if sign is _torch_signature:
+            _TORCH_TYPES.add(type(a))
         _SIGNERS[type(a)] = sign
     try:
         signature = sign(a)
@@ -128,13 +131,16 @@ def _keyable(axis, channel_axis, num_groups, eps) -> bool:
 
 
 def signature(*arrays):
-    """The arrays' part of a call's key, or None when one of them cannot key it."""
+    """The arrays' part of a call's key, or None when one of them cannot key it (also when
+    torch.compile traces the call: its shapes may be symbolic; asked once per call)."""
     out = []
     for a in arrays:
         s = _sign(a)
         if s is False:
             return None
         out.append(s)
+    if type(arrays[0]) in _TORCH_TYPES and _is_compiling():
+        return None
     return tuple(out)
 
 

@@ -171,7 +171,8 @@ def _run(plan, lay, t, w, b):
 def _conditioned(mean, rstd, limit):
     """True unless some slice's ``|mean| * rstd`` exceeds ``limit`` (NaN rows pass: the
     result is NaN on every path)."""
-    mean, rstd = mean.detach(), rstd.detach()
+    if mean.requires_grad:  # detach() costs a microsecond where there is no graph to leave
+        mean, rstd = mean.detach(), rstd.detach()
     if mean.numel() >= _NUMPY_CHECK and mean.device.type == "cpu":
         # many statistics: NumPy's single-threaded loops, no OpenMP region per torch op
         # (on a busy machine each of those waits for its threads: milliseconds)
