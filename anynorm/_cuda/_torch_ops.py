@@ -359,13 +359,17 @@ def _norm_backward(ctx, dy, other_grads, saved):
     outputs after ``y`` (``h``'s first where there is a residual)."""
     dh = other_grads[0] if ctx.has_residual and other_grads else None
     run = RUNNERS[_device_type(dy)][1]
+
+    def run_backward(*args):
+        return run(ctx.plan, *args)
+
+    if not torch.is_grad_enabled():  # the engine's default (no create_graph)
+        return _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh, saved, run_backward)
     with torch.no_grad():
-        grads = _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh, saved,
-                             lambda *args: run(ctx.plan, *args))
-    if torch.is_grad_enabled():  # create_graph=True: a second backward must fail loudly
-        sources = [t for t in (dy, dh, *saved) if t is not None and t.requires_grad]
-        grads = tuple(g if g is None else _NoDoubleBackward.apply(g, *sources) for g in grads)
-    return grads
+        grads = _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh, saved, run_backward)
+    # create_graph=True: a second backward must fail loudly
+    sources = [t for t in (dy, dh, *saved) if t is not None and t.requires_grad]
+    return tuple(g if g is None else _NoDoubleBackward.apply(g, *sources) for g in grads)
 
 
 class _TransformNorm(torch.autograd.Function):
