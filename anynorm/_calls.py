@@ -168,9 +168,9 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
     plan = make_plan(op, x, weight, bias, residual, axis=axis, channel_axis=channel_axis,
                      num_groups=num_groups, eps=eps, cache=key is not None)
     executor = _backend.choose(plan, x, _backend_now())
-    if getattr(executor, "FORWARD_STATS_OPTIONAL", False):  # the CUDA executor
-        def run(x, weight, bias, residual, _forward=executor.forward, _plan=plan):
-            return _forward(_plan, x, weight, bias, residual, stats)
+    runner = getattr(executor, "forward_runner", None)  # the CUDA executor's
+    if runner is not None:
+        run = runner(plan, x, stats)
     else:
         def run(x, weight, bias, residual, _forward=executor.forward, _plan=plan):
             return _forward(_plan, x, weight, bias, residual)

@@ -30,3 +30,31 @@ def test_prints_both_routes_for_inference_and_training():
     assert "inference {'launches': 1," in done.stdout, done.stdout
     assert "training {'launches': 3," in done.stdout, done.stdout
     assert re.search(r"^host ratio: inference \d+\.\d\dx, training \d+\.\d\dx$", done.stdout, re.M), done.stdout
+
+
+_SITE_SCRIPT = """
+import sys
+sys.argv = ["host_overhead"]
+sys.path.insert(0, "asv_bench")
+import host_overhead, torch, anynorm
+ops = host_overhead._stub_cuda()
+looked_up = []
+find = ops._bound_forward
+ops._bound_forward = lambda *args: looked_up.append(args[1].dtype) or find(*args)
+x = torch.randn(4, 8)
+for weight in (torch.ones(8), torch.ones(8, dtype=torch.float64)):
+    for _ in range(3):
+        anynorm.layer_norm(x, weight)
+    print(len(looked_up))
+"""
+
+
+def test_a_signature_keeps_its_bound_launch_unless_parameters_convert():
+    """A repeat call of a signature launches what its first call bound (the schedule lookup
+    runs once per route and ``stats``); a weight the kernels cannot read as it is (float64
+    next to float32 x, converted every call) is looked up every call."""
+    done = subprocess.run([sys.executable, "-c", _SITE_SCRIPT], capture_output=True, text=True,
+                          timeout=300, cwd=SCRIPT.parent.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # float32 weight: looked up by the first of three calls; float64: by each of three more
+    assert done.stdout.split() == ["1", "4"], done.stdout + done.stderr[-3000:]

@@ -24,7 +24,7 @@ from anynorm import _reference  # noqa: E402
 from anynorm._plan import make_plan  # noqa: E402
 
 
-def _cpu_forward_run(plan, x, weight, bias, residual, stats=True):
+def _cpu_forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     """The forward runner's contract, computed by the reference executor."""
     outs = ops._forward_outputs(x, residual, plan.stats_shape, plan.center)
     for out, value in zip(outs, _reference.forward(plan, x, weight, bias, residual)):

@@ -14,7 +14,7 @@ import array_api_compat
 from . import _cupy_exec
 from ._interop import dtype_key
 
-__all__ = ["forward", "backward", "unsupported"]
+__all__ = ["forward", "backward", "forward_runner", "unsupported"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,6 +86,18 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
     if array_api_compat.is_torch_array(x):
         return _torch_ops().forward(plan, x, weight, bias, residual, stats)
     return _cupy_exec.forward(plan, x, weight, bias, residual, stats)
+
+
+def forward_runner(plan, x, stats):
+    """``run(x, weight, bias, residual)``: :func:`forward` for the call signature of ``x``
+    (its library is part of it, so the choice between torch and CuPy is made here once)."""
+    if array_api_compat.is_torch_array(x):
+        return _torch_ops().forward_runner(plan, stats)
+
+    def run(x, weight, bias, residual, _forward=_cupy_exec.forward):
+        return _forward(plan, x, weight, bias, residual, stats)
+
+    return run
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):

@@ -80,9 +80,11 @@ def _param(t, dtype):
 
 # ---- runners: outputs allocated, kernels launched on torch's current stream ------------------
 
-def _forward_run(plan, x, weight, bias, residual, stats=True):
+def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     """``(y, h, mean, rstd)`` of ``plan``; ``h`` None without residual, ``mean`` None for RMS
-    norm, both statistics None when ``stats`` is False (inference: only y is written)."""
+    norm, both statistics None when ``stats`` is False (inference: only y is written).
+    ``site``: a dict kept per call signature (:func:`forward_runner`), where the bound launch
+    found by the first call is kept (per ``stats``) when the parameters need no conversion."""
     acc = _acc(x.dtype)
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else None
@@ -92,9 +94,17 @@ def _forward_run(plan, x, weight, bias, residual, stats=True):
         rstd = x.new_empty(plan.stats_shape, dtype=acc)
     if not x.numel():
         return y, h, mean, rstd
-    weight, bias, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight, bias)
-    device = x.get_device()
-    bound = _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t)
+    kept = None if site is None else site.get(stats)
+    if kept is not None:
+        bound, device = kept
+    else:
+        given_weight, given_bias = weight, bias
+        weight, bias, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight, bias)
+        device = x.get_device()
+        bound = _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t)
+        if (site is not None and bound is not None and weight is given_weight
+                and bias is given_bias):
+            site[stats] = bound, device
     if bound is None:  # a layout that needs copies: the eager launcher
         if rstd is None:
             mean, rstd = _forward_outputs(x, None, plan.stats_shape, plan.center)[2:]
@@ -337,8 +347,9 @@ class _EagerNorm(torch.autograd.Function):
     separate ``setup_context``, ``apply`` binds the signature of ``forward`` on every call.)"""
 
     @staticmethod
-    def forward(ctx, plan, x, weight, bias, residual, stats):
-        y, h, mean, rstd = output = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual)
+    def forward(ctx, plan, x, weight, bias, residual, stats, site):
+        y, h, mean, rstd = output = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual,
+                                                                True, site)
         ctx.save_for_backward(x if residual is None else h, weight)
         ctx.stats = (mean if plan.center else None, rstd)
         _save_flags(ctx, weight, bias, residual)
@@ -351,7 +362,8 @@ class _EagerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, *other_grads):
         src, weight = ctx.saved_tensors
-        return (None,) + _norm_backward(ctx, dy, other_grads, (src, weight, *ctx.stats)) + (None,)
+        return ((None,) + _norm_backward(ctx, dy, other_grads, (src, weight, *ctx.stats))
+                + (None, None))
 
 
 def _norm_backward(ctx, dy, other_grads, saved):
@@ -377,14 +389,14 @@ class _TransformNorm(torch.autograd.Function):
     every tensor through ``save_for_backward``); returns all of ``(y, h, mean, rstd)``."""
 
     @staticmethod
-    def forward(plan, x, weight, bias, residual, stats):
+    def forward(plan, x, weight, bias, residual, stats, site):
         return RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual)
 
     setup_context = staticmethod(_eager_setup)
 
     @staticmethod
     def backward(ctx, dy, *other_grads):
-        return (None,) + _norm_backward(ctx, dy, other_grads, ctx.saved_tensors) + (None,)
+        return (None,) + _norm_backward(ctx, dy, other_grads, ctx.saved_tensors) + (None, None)
 
 
 # ---- entry points ----------------------------------------------------------------------------
@@ -419,16 +431,18 @@ def _route(*tensors) -> str:
     return AUTOGRAD if records else RUN
 
 
-def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
+def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=None):
     """``(y, h, mean, rstd)`` like the reference executor, differentiable through autograd;
-    ``stats=False``: mean/rstd may be None where nothing needs them."""
+    ``stats=False``: mean/rstd may be None where nothing needs them; ``site``: see
+    :func:`_forward_run`."""
     route = _route(x, weight, bias, residual)
     if route == RUN:
-        y, h, mean, rstd = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual, stats)
+        y, h, mean, rstd = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual, stats,
+                                                       site)
     elif route == AUTOGRAD and torch._C._are_functorch_transforms_active():
-        y, h, mean, rstd = _TransformNorm.apply(plan, x, weight, bias, residual, stats)
+        y, h, mean, rstd = _TransformNorm.apply(plan, x, weight, bias, residual, stats, site)
     elif route == AUTOGRAD:
-        out = _EagerNorm.apply(plan, x, weight, bias, residual, stats)
+        out = _EagerNorm.apply(plan, x, weight, bias, residual, stats, site)
         if stats:
             y, h, mean, rstd = out
         elif residual is None:
@@ -439,6 +453,17 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
         y, h, mean, rstd = _forward_op(x, weight, bias, residual, *_op_args(plan))
         h, mean = (h if residual is not None else None), (mean if plan.center else None)
     return y, h, mean, rstd
+
+
+def forward_runner(plan, stats):
+    """``run(x, weight, bias, residual)``: :func:`forward` for one call signature, which
+    ``anynorm._calls`` keeps; the launch its first call binds is kept with it."""
+    site = {}
+
+    def run(x, weight, bias, residual):
+        return forward(plan, x, weight, bias, residual, stats, site)
+
+    return run
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
