@@ -41,11 +41,18 @@ ops = host_overhead._stub_cuda()
 looked_up = []
 find = ops._bound_forward
 ops._bound_forward = lambda *args: looked_up.append(args[1].dtype) or find(*args)
+backward_looked_up = []
+find_backward = ops._bound_backward
+ops._bound_backward = lambda *args: backward_looked_up.append(1) or find_backward(*args)
 x = torch.randn(4, 8)
 for weight in (torch.ones(8), torch.ones(8, dtype=torch.float64)):
     for _ in range(3):
         anynorm.layer_norm(x, weight)
     print(len(looked_up))
+weight = torch.ones(8, requires_grad=True)
+for _ in range(3):
+    anynorm.layer_norm(x.requires_grad_(), weight).backward(torch.ones(4, 8))
+print(len(looked_up), len(backward_looked_up))
 """
 
 
@@ -56,5 +63,7 @@ def test_a_signature_keeps_its_bound_launch_unless_parameters_convert():
     done = subprocess.run([sys.executable, "-c", _SITE_SCRIPT], capture_output=True, text=True,
                           timeout=300, cwd=SCRIPT.parent.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    # float32 weight: looked up by the first of three calls; float64: by each of three more
-    assert done.stdout.split() == ["1", "4"], done.stdout + done.stderr[-3000:]
+    # float32 weight: looked up by the first of three calls; float64: by each of three more;
+    # three training calls (another signature: statistics written): one forward lookup,
+    # one backward lookup
+    assert done.stdout.split() == ["1", "4", "5", "1"], done.stdout + done.stderr[-3000:]

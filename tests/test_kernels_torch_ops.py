@@ -33,7 +33,7 @@ def _cpu_forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     return outs
 
 
-def _cpu_backward_run(plan, dy, x, weight, mean, rstd, param_grads):
+def _cpu_backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
     acc = ops._acc(x.dtype)
     dx, dw, db = _reference.backward(plan, dy.to(x.dtype), x, weight, mean, rstd)
     if not param_grads:

@@ -120,8 +120,10 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     return y, h, mean, rstd
 
 
-def _backward_run(plan, dy, x, weight, mean, rstd, param_grads):
-    """dx, and with ``param_grads`` dweight/dbias in the accumulation dtype (else empty)."""
+def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
+    """dx, and with ``param_grads`` dweight/dbias in the accumulation dtype (else empty).
+    ``site``: the forward's (:func:`_forward_run`), where the bound backward is kept per
+    strides of x and dy, ``param_grads`` and whether statistics came."""
     acc = _acc(x.dtype)
     dx = torch.empty_like(x)
     shape = plan.param_shape if param_grads else (0,)
@@ -136,9 +138,20 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads):
         rstd = _param(rstd, acc)
         mean = _param(mean, acc) if plan.center else None
     dy = _as(dy, x.dtype)
-    weight, _, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight)
-    device = x.get_device()
-    bound = _bound_backward(plan, x, dy, weight, rstd is not None, param_grads, device, param_in_t)
+    key = kept = None
+    if site is not None:
+        key = x.stride(), dy.stride(), param_grads, rstd is None
+        kept = site.get(key)
+    if kept is not None:
+        bound, device = kept
+    else:
+        given_weight = weight
+        weight, _, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight)
+        device = x.get_device()
+        bound = _bound_backward(plan, x, dy, weight, rstd is not None, param_grads, device,
+                                param_in_t)
+        if key is not None and bound is not None and weight is given_weight:
+            site[key] = bound, device
     if bound is None:
         ref = _interop.ref
         with _interop.on_torch_stream(x.device):
@@ -353,7 +366,7 @@ class _EagerNorm(torch.autograd.Function):
         ctx.save_for_backward(x if residual is None else h, weight)
         ctx.stats = (mean if plan.center else None, rstd)
         _save_flags(ctx, weight, bias, residual)
-        ctx.plan = plan
+        ctx.plan, ctx.site = plan, site
         if stats:
             ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
             return output
@@ -371,9 +384,10 @@ def _norm_backward(ctx, dy, other_grads, saved):
     outputs after ``y`` (``h``'s first where there is a residual)."""
     dh = other_grads[0] if ctx.has_residual and other_grads else None
     run = RUNNERS[_device_type(dy)][1]
+    site = getattr(ctx, "site", None)  # _TransformNorm's ctx has none
 
     def run_backward(*args):
-        return run(ctx.plan, *args)
+        return run(ctx.plan, *args, site)
 
     if not torch.is_grad_enabled():  # the engine's default (no create_graph)
         return _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh, saved, run_backward)
