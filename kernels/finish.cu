@@ -35,6 +35,38 @@ __global__ void stats_finalize(const acc_t<T>* __restrict__ ws_n, const acc_t<T>
     }
 }
 
+// Long rows: merge rows_stats_partial's states of d = v - shift (shift = the row's first
+// value, src[row * count]: x, or h with a residual). mean = shift + mean(d) rounded once;
+// mean_lo (nullable) = its rounding, mean(d) - (mean - shift) (exact: mean and shift are
+// close), so that rows_apply_fwd forms (v - mean) - mean_lo, the deviation from the exact
+// mean, instead of v - mean with up to half an ulp of the row's offset in it.
+// rstd = 1/sqrt(m2/n + eps) (RMS: 1/sqrt(m2/n + mean^2 + eps)).
+template <typename T>
+__global__ void rows_stats_finalize(const T* __restrict__ src, const acc_t<T>* __restrict__ ws_n,
+                                    const acc_t<T>* __restrict__ ws_mean, const acc_t<T>* __restrict__ ws_m2,
+                                    acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd,
+                                    acc_t<T>* __restrict__ mean_lo, long long rows, long long count,
+                                    long long nchunk, int center, double eps) {
+    typedef acc_t<T> A;
+    for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < rows;
+         row += (long long)gridDim.x * blockDim.x) {
+        Welford<A> acc = welford_empty<A>();
+        for (long long c = 0; c < nchunk; ++c) {
+            Welford<A> q;
+            q.n = ws_n[row * nchunk + c];
+            q.mean = ws_mean[row * nchunk + c];
+            q.m2 = ws_m2[row * nchunk + c];
+            acc = welford_merge(acc, q);
+        }
+        const A shift = to_acc(src[row * count]);
+        const A mu = shift + acc.mean;
+        if (mean) mean[row] = mu;
+        if (mean_lo) mean_lo[row] = acc.mean - (mu - shift);
+        acc.mean = mu;
+        rstd[row] = welford_rstd(acc, center, A(eps));
+    }
+}
+
 // mean_g = sum(g) / count, mean_gx = sum(g * xhat) / count per slice. With `w` the partials
 // were summed without the weight, whose index is the column (p = i: NHWC instance and group
 // norm); it is applied here, once per column, and part_w/part_b (nullable) take the columns'
@@ -110,17 +142,20 @@ __global__ void segment_grad_finalize(const acc_t<T>* __restrict__ ws_g, const a
     }
 }
 
-// One element of the forward: (v - mean) * rstd * w + b for element e.
+// One element of the forward: ((v - mean) - mean_lo) * rstd * w + b for element e
+// (mean_lo nullable: the rounding of the mean, rows_stats_finalize).
 template <typename T>
 __device__ __forceinline__ T forward_element(T v, long long e, const IndexMap& map,
                                              const Param<T> w, const Param<T> b,
                                              const acc_t<T>* __restrict__ mean,
+                                             const acc_t<T>* __restrict__ mean_lo,
                                              const acc_t<T>* __restrict__ rstd, int center) {
     typedef acc_t<T> A;
     const long long s = slice_at(map, e);
     const long long p = param_at(map, e);
     const A mu = center ? mean[s] : A(0);
-    return from_acc<T>((to_acc(v) - mu) * rstd[s] * weight_at(w, p) + bias_at(b, p));
+    const A lo = center && mean_lo ? mean_lo[s] : A(0);
+    return from_acc<T>(((to_acc(v) - mu) - lo) * rstd[s] * weight_at(w, p) + bias_at(b, p));
 }
 
 // One element of the backward: rstd * (g - mean_g - xhat * mean_gx), g = dy * w.
@@ -140,8 +175,31 @@ __device__ __forceinline__ T backward_element(T dyv, T xv, long long e, const In
     return from_acc<T>(r * (g - mg - xhat * mean_gx[s]));
 }
 
-// y = (v - mean) * rstd * w + b elementwise (v = x, or h when a residual was added): 16-byte
-// accesses where both buffers start aligned, the last total % V elements one by one.
+// y = ((v - mean) - mean_lo) * rstd * w + b elementwise (v = x, or h when a residual was
+// added): 16-byte accesses where both buffers start aligned, the last total % V elements one
+// by one.
+template <typename T>
+__device__ __forceinline__ void apply_forward(const T* __restrict__ src, T* __restrict__ y, const Param<T> w,
+                                              const Param<T> b, const acc_t<T>* __restrict__ mean,
+                                              const acc_t<T>* __restrict__ mean_lo,
+                                              const acc_t<T>* __restrict__ rstd, long long total,
+                                              const IndexMap& map, int center) {
+    const int V = VecLen<T>::value;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long nvec = aligned16(src) && aligned16(y) ? total / V : 0;
+    for (long long v = first; v < nvec; v += stride) {
+        const Vec16<T> in = load16(src + v * V);
+        Vec16<T> out;
+        ANYNORM_UNROLL
+        for (int j = 0; j < V; ++j)
+            out.v[j] = forward_element(in.v[j], v * V + j, map, w, b, mean, mean_lo, rstd, center);
+        store16(y + v * V, out);
+    }
+    for (long long e = nvec * V + first; e < total; e += stride)
+        y[e] = forward_element(src[e], e, map, w, b, mean, mean_lo, rstd, center);
+}
+
 template <typename T>
 __global__ void apply_fwd(const T* __restrict__ src, T* __restrict__ y, const void* __restrict__ w_arg,
                           const void* __restrict__ b_arg, const acc_t<T>* __restrict__ mean,
@@ -151,19 +209,20 @@ __global__ void apply_fwd(const T* __restrict__ src, T* __restrict__ y, const vo
     const Param<T> w = {w_arg, param_in_t & 1};
     const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
     const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
-    const int V = VecLen<T>::value;
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const long long nvec = aligned16(src) && aligned16(y) ? total / V : 0;
-    for (long long v = first; v < nvec; v += stride) {
-        const Vec16<T> in = load16(src + v * V);
-        Vec16<T> out;
-        ANYNORM_UNROLL
-        for (int j = 0; j < V; ++j) out.v[j] = forward_element(in.v[j], v * V + j, map, w, b, mean, rstd, center);
-        store16(y + v * V, out);
-    }
-    for (long long e = nvec * V + first; e < total; e += stride)
-        y[e] = forward_element(src[e], e, map, w, b, mean, rstd, center);
+    apply_forward(src, y, w, b, mean, (const acc_t<T>*)0, rstd, total, map, center);
+}
+
+// Long rows after rows_stats_finalize: apply_fwd with the mean's rounding mean_lo (nullable).
+template <typename T>
+__global__ void rows_apply_fwd(const T* __restrict__ src, T* __restrict__ y, const void* __restrict__ w_arg,
+                               const void* __restrict__ b_arg, const acc_t<T>* __restrict__ mean,
+                               const acc_t<T>* __restrict__ mean_lo, const acc_t<T>* __restrict__ rstd,
+                               long long total, long long count, long long p_div, long long p_len,
+                               int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
+    const IndexMap map = block_index_map(count, 1, 1, p_div, p_len);
+    apply_forward(src, y, w, b, mean, mean_lo, rstd, total, map, center);
 }
 
 // dx = rstd * (g - mean_g - xhat * mean_gx), g = dy * w (RMS: no mean_g term); vectors as

@@ -61,11 +61,11 @@ __device__ __forceinline__ long long row_param(long long base, int idx, bool pla
     return plain ? (long long)idx : param_at(map, base + idx);
 }
 
-// Read the row into v (x, or h = x + res with h written); zeros past the end.
+// Read the row into v as v - shift (x, or h = x + res with h written); zeros past the end.
 template <typename T, int ITEMS, int SIZE>
 __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restrict__ x,
                                          const T* __restrict__ res, T* __restrict__ h, int count,
-                                         int rank, bool vec) {
+                                         int rank, bool vec, acc_t<T> shift = acc_t<T>(0)) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     if (vec) {
@@ -81,7 +81,7 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
                     store16(h + idx, xv);
                 }
                 ANYNORM_UNROLL
-                for (int j = 0; j < V; ++j) v[k + j] = to_acc(xv.v[j]);
+                for (int j = 0; j < V; ++j) v[k + j] = to_acc(xv.v[j]) - shift;
             } else {
                 ANYNORM_UNROLL
                 for (int j = 0; j < V; ++j) v[k + j] = A(0);
@@ -97,7 +97,7 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
                     xv = add_in_dtype(xv, res[idx]);
                     h[idx] = xv;
                 }
-                v[k] = to_acc(xv);
+                v[k] = to_acc(xv) - shift;
             } else {
                 v[k] = A(0);
             }
@@ -130,6 +130,15 @@ __device__ __forceinline__ void store_row(T* __restrict__ y, const acc_t<T> (&v)
     }
 }
 
+// The shift of a row's centred statistics: its first value (x[0], or h[0] = x[0] + res[0]
+// rounded to T). For values near it (within a factor 2: a row far from zero) d = v - shift
+// is exact in A, so mean(d) and d - mean(d) carry no rounding of the row's offset; the
+// rounded mean, v - mean, would carry up to half an ulp of the offset into every output.
+template <typename T>
+__device__ __forceinline__ acc_t<T> row_shift(const T* __restrict__ x, const T* __restrict__ res) {
+    return to_acc(res ? add_in_dtype(x[0], res[0]) : x[0]);
+}
+
 // One row of the forward: y = (v - mean) * rstd * w + b, v = x (or h = x + res, written).
 template <typename T, int ITEMS, typename Team>
 __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __restrict__ res,
@@ -151,10 +160,11 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
     if (y) y += base;
     const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x) &&
                      (res == 0 || (aligned16(res) && aligned16(h))) && (y == 0 || aligned16(y));
+    // Two passes over the registers, of d = v - shift: mean(d), then sum((d - mean(d))^2).
+    const A shift = center ? row_shift(x, res) : A(0);
     A v[ITEMS];
-    load_row<T, ITEMS, Team::SIZE>(v, x, res, h, count, rank, vec);
+    load_row<T, ITEMS, Team::SIZE>(v, x, res, h, count, rank, vec, shift);
     const A n = A(count);
-    // Two passes over the registers: the mean, then the centred sum of squares.
     A mu = A(0);
     if (center) {
         A s = A(0);
@@ -173,7 +183,7 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
     const A r = inv_sqrt(Team::allsum(ss, smem) / n + eps);
     if (rank == 0) {  // statistics are optional: inference without autograd writes y only
         if (rstd) rstd[row] = r;
-        if (mean) mean[row] = mu;
+        if (mean) mean[row] = shift + mu;
     }
     if (y == 0) return;
     ANYNORM_UNROLL
@@ -263,11 +273,21 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     x += base;
     dy += base;
     dx += base;
-    const A mu = center ? mean[row] : A(0);
     const A r = rstd[row];
+    // xhat = (d - mean(d)) * rstd, d = x - shift, mean(d) taken again from the row in the
+    // registers: x - mean from the saved mean (float32, rounded) would put half an ulp of
+    // the row's offset into every xhat, and through mean(g * xhat) into dx (as in the forward).
+    const A shift = center ? row_shift(x, (const T*)0) : A(0);
     A g[ITEMS], xh[ITEMS];
-    load_row<T, ITEMS, Team::SIZE>(xh, x, (const T*)0, (T*)0, count, rank, vec);
+    load_row<T, ITEMS, Team::SIZE>(xh, x, (const T*)0, (T*)0, count, rank, vec, shift);
     load_row<T, ITEMS, Team::SIZE>(g, dy, (const T*)0, (T*)0, count, rank, vec);
+    A mu = A(0);
+    if (center) {
+        A s = A(0);
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) s += xh[k];
+        mu = Team::allsum(s, smem) / A(count);
+    }
     A sg = A(0), sgx = A(0);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) {
@@ -475,7 +495,8 @@ __global__ void rows_bwd_block_params(
     }
 }
 
-// Welford state of row[c*chunk : (c+1)*chunk] for block (c, row); h = x + res written once.
+// Welford state of d = v - shift over row[c*chunk : (c+1)*chunk] for block (c, row), shift
+// the row's first value (row_shift; rows_stats_finalize adds it back); h = x + res written once.
 template <typename T>
 __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,
                                    acc_t<T>* __restrict__ ws_n, acc_t<T>* __restrict__ ws_mean,
@@ -493,6 +514,7 @@ __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict_
         const bool vec = aligned16(x + base) && aligned16_or_null(res ? res + base : 0) &&
                          aligned16_or_null(res ? h + base : 0);
         const long long vlen = vec ? (len / V) * V : 0;
+        const A shift = row_shift(x + row * count, res ? res + row * count : res);
         Welford<A> s = welford_empty<A>();
         for (long long j = (long long)threadIdx.x * V; j < vlen; j += (long long)blockDim.x * V) {
             Vec16<T> xv = load16(x + base + j);
@@ -501,7 +523,7 @@ __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict_
                 for (int q = 0; q < V; ++q) xv.v[q] = add_in_dtype(xv.v[q], rv.v[q]);
                 store16(h + base + j, xv);
             }
-            for (int q = 0; q < V; ++q) welford_push(s, to_acc(xv.v[q]));
+            for (int q = 0; q < V; ++q) welford_push(s, to_acc(xv.v[q]) - shift);
         }
         for (long long j = vlen + threadIdx.x; j < len; j += blockDim.x) {
             T xv = x[base + j];
@@ -509,7 +531,7 @@ __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict_
                 xv = add_in_dtype(xv, res[base + j]);
                 h[base + j] = xv;
             }
-            welford_push(s, to_acc(xv));
+            welford_push(s, to_acc(xv) - shift);
         }
         s = block_welford(s, smem);
         if (threadIdx.x == 0) {

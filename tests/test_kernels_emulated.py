@@ -476,10 +476,21 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
     else:
         nchunk = _ceil(reduced, chunk)
         ws = [_acc_buf(outer * nchunk * inner, dtype) for _ in range(3)]
-        if path == "rows":
+        if path == "rows":  # statistics of x - x[row start], the mean's rounding handed to apply
             assert inner == 1
             kernels("rows_stats_partial", dtype)((nchunk, grid or min(outer, 65535)), (BLOCK,),
                                                  (xd, rd, hd, *ws, outer, reduced, chunk), **launch)
+            lo = _acc_buf(outer, dtype) if center else None
+            src = hd if res is not None else xd
+            kernels("rows_stats_finalize", dtype)((grid or min(_ceil(outer, BLOCK), 65535),), (BLOCK,),
+                                                  (src, *ws, mean, rstd, lo, outer, reduced, nchunk, center, eps),
+                                                  **launch)
+            if want_y:
+                kernels("rows_apply_fwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),
+                                                 (src, yd, wd, bd, mean, lo, rstd, case.total, reduced,
+                                                  case.p_div, case.p_len, center, 0), **launch)
+            get = lambda d: None if d is None else d.get_float()  # noqa: E731
+            return get(yd), get(hd), get(mean), get(rstd)
         else:
             kernels("cols_stats_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)),
                                                  (32, 8), (xd, rd, hd, *ws, outer, reduced, inner, chunk),

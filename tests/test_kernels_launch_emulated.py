@@ -487,7 +487,7 @@ def test_bound_schedule_matches_eager_launches(emulated, monkeypatch):
     plan = make_plan("layer_norm", x)
     layout = _layout.plan_layout(plan, (17000, 1))
     bound = _bound.schedule_forward(plan, "float32", layout, {"rstd", "mean"})
-    assert bound.names == ("rows_stats_partial", "stats_finalize", "apply_fwd")
+    assert bound.names == ("rows_stats_partial", "rows_stats_finalize", "rows_apply_fwd")
     # one workspace of partial sums (3 rows), 256-byte aligned
     assert bound.scratch_bytes % _bound.ALIGN == 0 and bound.scratch_bytes >= _bound.ALIGN
     offsets = [off for step in bound.steps for _, index, off in step.slots if index == 8]

@@ -65,9 +65,9 @@ def test_convnext_channels_first_is_one_tile_kernel():
 def test_long_rows_split_with_workspaces_in_scratch():
     plan = _plan("layer_norm", (4, 100_000))
     with_stats = _forward(plan, {"w", "b"} | STATS)
-    assert with_stats.names == ("rows_stats_partial", "stats_finalize", "apply_fwd")
+    assert with_stats.names == ("rows_stats_partial", "rows_stats_finalize", "rows_apply_fwd")
     inference = _forward(plan, {"w", "b"})
-    # the statistics apply_fwd reads live in scratch when the caller wants none
+    # the statistics rows_apply_fwd reads live in scratch when the caller wants none
     assert inference.scratch_bytes == with_stats.scratch_bytes + 2 * _bound.ALIGN
     scratch = _bound.FORWARD_SLOTS.index("scratch")
     for step in inference.steps:

@@ -31,7 +31,8 @@ KERNELS = {
                 "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial"),
     "tiles.cu": ("cols_fwd_tile", "cols_bwd_tile"),
-    "finish.cu": ("stats_finalize", "grad_finalize", "segment_grad_finalize", "apply_fwd", "apply_bwd"),
+    "finish.cu": ("stats_finalize", "grad_finalize", "segment_grad_finalize", "apply_fwd", "apply_bwd",
+                  "rows_stats_finalize", "rows_apply_fwd"),
     "params.cu": ("param_grad_cols", "param_grad_rows", "param_grad_finish"),
 }
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,

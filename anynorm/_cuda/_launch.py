@@ -276,10 +276,8 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
         rstd = _workspace(layout.slices, acc)
         mean = _workspace(layout.slices, acc) if plan.center else None
     if layout.rows:
-        chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
-        ws = _workspace((3, outer * nchunk), dtype=acc)
-        _launch("rows_stats_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
-                (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced), i64(chunk)))
+        _split_row_stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t)
+        return
     else:
         tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
         chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
@@ -296,6 +294,27 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
                 (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), rstd,
                  i64(layout.total), i64(reduced), i64(inner), i64(group), i64(layout.p_div),
                  i64(layout.p_len), center, pin))
+
+
+def _split_row_stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t):
+    """Long rows: rows_stats_partial (chunks of a row, statistics of ``d = v - v[0]``) ->
+    rows_stats_finalize (the true mean, and its rounding ``mean_lo``) -> rows_apply_fwd
+    (``((v - mean) - mean_lo) * rstd``: no half ulp of the rows' offset in y)."""
+    acc = acc_dtype(dtype)
+    center, eps, pin = i32(plan.center), f64(plan.eps), i32(param_in_t)
+    outer, reduced = layout.outer, layout.reduced
+    chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
+    ws = _workspace((3, outer * nchunk), dtype=acc)
+    _launch("rows_stats_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
+            (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced), i64(chunk)))
+    lo = _workspace(outer, dtype=acc) if plan.center and y is not None else None
+    _launch("rows_stats_finalize", dtype, (_grid_1d(outer, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (h if res is not None else src, ws[0], ws[1], ws[2], _ptr(mean), rstd, _ptr(lo), i64(outer),
+             i64(reduced), i64(nchunk), center, eps))
+    if y is not None:
+        _launch("rows_apply_fwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
+                (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), _ptr(lo), rstd,
+                 i64(layout.total), i64(reduced), i64(layout.p_div), i64(layout.p_len), center, pin))
 
 
 def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd, param_in_t=0):

@@ -1,0 +1,133 @@
+"""Row kernels on rows far from zero (offset 1e4, 1e6 in float32), run on the CPU emulator
+through ``anynorm._cuda._launch``: y (and dx) within half of torch's error on the same data.
+
+A float32 mean near 1e6 is rounded to 1/16; forming ``x - mean`` from it puts that rounding
+into every output (torch's CPU and GPU kernels do). The row kernels take ``d = x - shift``
+with ``shift`` the row's first element (exact near it), ``mean(d)`` and the deviations
+``d - mean(d)`` from those small numbers; the split path hands ``apply`` the rounding of the
+written mean (``mean_lo``) with it, and the backward recomputes ``mean(d)`` from the row it
+holds rather than trusting the rounded saved mean.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import test_kernels_launch_emulated as L
+from test_kernels_launch_emulated import emulated  # noqa: F401  (fixture)
+
+from anynorm import _reference
+from anynorm._cuda import _launch
+from anynorm._plan import make_plan
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+# (op, shape, kwargs, kernel path)
+CASES = [
+    ("layer_norm", (256, 4096), {}, "rows_fwd_block"),
+    ("layer_norm", (64, 768), {}, "rows_fwd_warp"),
+    ("layer_norm", (64, 100), {}, "rows_fwd_warp"),
+    ("layer_norm", (3, 20000), {}, "rows_stats_partial"),
+    ("instance_norm", (4, 8, 64), {"channel_axis": 1}, "rows_fwd_warp"),
+    ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, "rows_fwd_block"),
+    ("rms_norm", (64, 768), {"axis": -1, "eps": 1e-6}, "rows_fwd_warp"),
+]
+# Where torch is itself at float32 rounding (RMS norm has no cancellation), a few ulps of y.
+FLOOR = 1e-6
+IDS = [f"{c[0]}-{'x'.join(map(str, c[1]))}" for c in CASES]
+
+
+def _torch_forward(op, t, kw):
+    """torch.nn.functional's answer for the tensor ``t``."""
+    if op == "layer_norm":
+        return F.layer_norm(t, t.shape[-1:], eps=1e-5)
+    if op == "instance_norm":
+        return F.instance_norm(t, eps=1e-5)
+    return F.rms_norm(t, t.shape[-1:], eps=kw["eps"])
+
+
+def _data(shape, offset, seed=11):
+    return (offset + np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def _ours_forward(op, x, kw):
+    plan = make_plan(op, x, **kw)
+    xd = L._device(x, tuple(range(x.ndim)), "float32", 0)
+    yd = L.emu.empty(x.size, "float32")
+    n = math.prod(plan.stats_shape)
+    md = L.emu.empty(n, "float32") if plan.center else None
+    sd = L.emu.empty(n, "float32")
+    _launch.forward(plan, "float32", xd, None, None, None, yd, None, md, sd)
+    return plan, yd.get_float().reshape(x.shape), (None if md is None else md.get_float()), sd.get_float()
+
+
+def forward_errors(op, shape, kw, offset):
+    """(ours, torch's) max |y - exact| (exact: float64 from the float32 input)."""
+    x = _data(shape, offset)
+    plan, y, _, _ = _ours_forward(op, x, kw)
+    x64 = x.astype(np.float64)
+    ref = _reference.forward(make_plan(op, x64, **kw), x64, None, None)[0]
+    theirs = _torch_forward(op, torch.from_numpy(x), kw).numpy().astype(np.float64)
+    return float(np.abs(y - ref).max()), float(np.abs(theirs - ref).max())
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_offset_rows_forward_half_of_torchs_error(emulated, monkeypatch, case, offset):  # noqa: F811
+    op, shape, kw, path = case
+    names = L._record_launches(monkeypatch)
+    ours, theirs = forward_errors(op, shape, kw, offset)
+    assert path in names, names
+    assert ours <= max(0.5 * theirs, FLOOR), f"{op}{shape} at {offset:g}: error {ours:.3g}, torch's {theirs:.3g}"
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 3, 4)], ids=[IDS[i] for i in (0, 2, 3, 4)])
+def test_offset_rows_mean_is_the_true_mean(emulated, case, offset):  # noqa: F811
+    """The written mean is shift + mean(d): the exact mean rounded once (within 1 ulp)."""
+    op, shape, kw, _ = case
+    x = _data(shape, offset)
+    plan, _, mean, rstd = _ours_forward(op, x, kw)
+    x64 = x.astype(np.float64)
+    _, _, rmean, rrstd = _reference.forward(make_plan(op, x64, **kw), x64, None, None)
+    np.testing.assert_allclose(mean, rmean.reshape(-1), rtol=2.0**-23, atol=0)
+    np.testing.assert_allclose(rstd, rrstd.reshape(-1), rtol=2e-6)
+
+
+def _torch_backward(op, x, dy, kw):
+    t = torch.from_numpy(x).requires_grad_(True)
+    _torch_forward(op, t, kw).backward(torch.from_numpy(dy))
+    return t.grad.numpy().astype(np.float64)
+
+
+def backward_errors(op, shape, kw, offset):
+    """(ours, torch's) max |dx - exact| with the statistics of our own forward, dy off zero
+    (mean(g) != 0, which a rounded mean would feed into dx)."""
+    x = _data(shape, offset)
+    dy = (np.random.default_rng(12).standard_normal(shape) + 0.5).astype(np.float32)
+    plan, _, mean, rstd = _ours_forward(op, x, kw)
+    md = None if mean is None else L.emu.to_device(mean.astype(np.float32), "float32")
+    sd = L.emu.to_device(rstd.astype(np.float32), "float32")
+    dxd = L.emu.empty(x.size, "float32")
+    order = tuple(range(x.ndim))
+    _launch.backward(plan, "float32", L._device(dy, order, "float32", 0), L._device(x, order, "float32", 0),
+                     None, md, sd, dxd, None, None)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    ref = _reference.backward(make_plan(op, x64, **kw), dy64, x64, None)[0]
+    dx = dxd.get_float().reshape(shape)
+    return float(np.abs(dx - ref).max()), float(np.abs(_torch_backward(op, x, dy, kw) - ref).max())
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4, 5)], ids=[IDS[i] for i in (0, 1, 2, 4, 5)])
+def test_offset_rows_backward_half_of_torchs_error(emulated, monkeypatch, case, offset):  # noqa: F811
+    """The register kernels' dx: mean(d) from the row in registers, not the rounded saved mean."""
+    op, shape, kw, path = case
+    names = L._record_launches(monkeypatch)
+    ours, theirs = backward_errors(op, shape, kw, offset)
+    assert path.replace("fwd", "bwd") in names, names
+    assert ours <= max(0.5 * theirs, FLOOR), f"{op}{shape} at {offset:g}: dx error {ours:.3g}, torch's {theirs:.3g}"
