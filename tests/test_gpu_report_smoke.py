@@ -1,9 +1,11 @@
 """``asv_bench/gpu_report.py`` runs end to end on CPU with tiny shapes, so the one command a GPU
 session runs does not rot between sessions: every case checks out against torch and is timed.
 The pieces that need no GPU are also tested in this process: argument parsing and section
-selection, table formatting and the targets' pass/miss, the profiler-record filter behind the
-kernel-only times, and the e2e section's model swapping (every LayerNorm replaced, state_dict
-keys kept, outputs equal to the native model's). Nothing here asserts anything about time."""
+selection, the sweeps and their --quick subsets, table formatting and the targets' pass/miss,
+the Liger columns (blank without Liger; filled by a torch stand-in of its functional API, whose
+refusal of a shape is a note, not a failure), the profiler-record filter behind the kernel-only
+times, and the e2e section's model swapping (every LayerNorm replaced, state_dict keys kept,
+outputs equal to the native model's). Nothing here asserts anything about time."""
 
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "asv_bench" / "gpu_report.py"
-# on CPU: 6 hidden sizes x 2 dtypes x (layer/RMS norm x forward/backward) + 3 NCHW group norm
-# shapes x 2 dtypes x 2 passes; 8 strided workloads x 2 dtypes x 2 passes; 2 shapes x
-# (no_grad, train); ConvNeXt NCHW and channels_last, TransformerEncoder, fused pre-norm blocks
-EXPECTED_ROWS = {"rows": 60, "strided": 32, "overhead": 4, "e2e": 4}
+# on CPU, --tiny --quick: 6 row widths x 2 dtypes x (layer/RMS norm) x (fwd, fwd+bwd); 10 strided
+# workloads (ConvNeXt's first and last stage on NCHW and channels_last memory, NHWC instance and
+# group norm and Stable Diffusion's NCHW group norm at their first and last stage) x 2 dtypes x
+# 2 passes; 2 shapes x (no_grad, train); ConvNeXt NCHW and channels_last, TransformerEncoder,
+# fused pre-norm blocks
+EXPECTED_ROWS = {"rows": 48, "strided": 40, "overhead": 4, "e2e": 4}
 CASE_KEYS = {"section", "name", "shape", "dtype", "pass", "lib", "error", "errors", "max_err", "check_ok"}
 # tiny e2e models: MiniConvNeXt (stem, one downsampling, two blocks, head), 2 pre-norm layers
 E2E_SWAPPED = {"convnext_tiny NCHW": 5, "convnext_tiny channels_last": 5, "TransformerEncoder pre-norm": 4,
@@ -90,11 +94,15 @@ def test_timed_cases_have_times_and_ratios(report):
     for case in json.loads((out / "gpu_report.json").read_text())["cases"]:
         if case["section"] in ("overhead", "e2e"):
             continue
-        peers = {"ours", "torch", "copy"} | ({"torch_contig"} if case["name"].startswith("convnext") else set())
+        nchw_convnext = case["name"].startswith("convnext") and "channels_last" not in case["name"]
+        peers = {"ours", "torch", "copy"} | ({"torch_contig"} if nchw_convnext else set())
         assert set(case["times"]) == peers and not case["variant_errors"], case
         assert all(t["min_ms"] > 0 and t["repeats"] == 3 for t in case["times"].values())
         assert case["copy_fraction"] > 0 and case["ratio_torch"] > 0 and case["target_met"] in (True, False)
-        if case["pass"] == "bwd":
+        assert set(case["of_copy"]) == peers - {"copy"} and set(case["ratios"]) == peers - {"ours", "copy"}
+        assert case["bytes_moved"] == {"fwd": 2, "fwd+bwd": 5}[case["pass"]] * case["copy_bytes"] // 2
+        assert case["peer_checks"] == {}  # no Liger on CPU
+        if case["pass"] == "fwd+bwd":
             assert {"dx", "dweight"} <= set(case["errors"])
 
 
@@ -160,8 +168,38 @@ def test_markdown_has_a_row_per_case(report):
         if case["section"] in ("overhead", "e2e") and case["target_met"] is not None:
             assert ("pass" if case["target_met"] else "miss") in cells, line
     assert "elapsed" in markdown.splitlines()[-1]
-    for title in ("## Issue 3", "## Issue 4", "## Per-call overhead", "## End to end"):
+    for title in ("## Issue 14", "## Issue 15", "## Per-call overhead", "## End to end"):
         assert sum(line.startswith(title) for line in markdown.splitlines()) == 1, title
+
+
+def table_cells(markdown, title):
+    """``(header, rows)`` of the table under the section whose heading starts with ``title``."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    table = []
+    for line in lines[start + 1:]:
+        if line.startswith("## "):
+            break
+        if line.startswith("| "):
+            table.append([cell.strip() for cell in line.strip("|").split("|")])
+    return table[0], table[1:]
+
+
+def test_without_liger_a_line_and_blank_columns(report):
+    """No Liger (on CPU it is never loaded): the header and each kernel section say so, and the
+    liger columns (kernel-only, fraction of copy, ratio, call time) stay in the table, blank."""
+    _, out = report
+    markdown = (out / "gpu_report.md").read_text()
+    meta = json.loads((out / "gpu_report.json").read_text())["meta"]
+    assert meta["liger_available"] is False and meta["liger"].startswith("Liger not used")
+    assert sum("the liger columns are blank" in line for line in markdown.splitlines()) == 2
+    for title in ("## Issue 14", "## Issue 15"):
+        header, rows = table_cells(markdown, title)
+        liger = [i for i, name in enumerate(header) if "liger" in name]
+        assert [header[i] for i in liger] == ["liger kernel us", "liger of copy", "ours/liger", "liger call us"]
+        assert rows and all(row[i] == "—" for row in rows for i in liger)
+        assert {"ours kernel us", "torch kernel us", "copy kernel us", "ours of copy", "torch of copy",
+                "ours/torch", "ours call us", "torch call us"} <= set(header)
 
 
 def test_sections_flag_runs_only_those(tmp_path):
@@ -172,7 +210,7 @@ def test_sections_flag_runs_only_those(tmp_path):
     data = json.loads((tmp_path / "gpu_report.json").read_text())
     assert {c["section"] for c in data["cases"]} == {"overhead"} and len(data["cases"]) == 4
     assert data["meta"]["planned_cases"] == 4
-    assert "## End to end" not in done.stdout and "## Issue 3" not in done.stdout
+    assert "## End to end" not in done.stdout and "## Issue 14" not in done.stdout
 
 
 # --------------------------------------------------------------------------- in process
@@ -217,13 +255,17 @@ def test_overhead_targets(gr, mode, ratio, ours_us, met):
     assert gr.overhead_target(row)[1] is None
 
 
-def test_tables_format_rows(gr, tmp_path, capsys):
-    meta = {"device": "cpu", "device_name": "test", "torch_threads": 1, "torch": "t", "cupy": "none",
+def meta_for_tables():
+    """The header's facts, made up, for a Report written in process."""
+    return {"device": "cpu", "device_name": "test", "torch_threads": 1, "torch": "t", "cupy": "none",
             "anynorm": "a", "anynorm_path": "p", "backend": "auto", "python": "3", "git_commit": "c",
-            "planned_cases": 2, "max_calls_per_region": 1,
+            "liger": "Liger not used", "planned_cases": 2, "max_calls_per_region": 1,
             "settings": {"repeats": 1, "region_ms": 1, "tiny": True, "budget_s": 1, "kernel_calls": 1,
                          "call_calls": 1, "sections": ["overhead", "e2e"]}}
-    report = gr.Report(tmp_path, meta)
+
+
+def test_tables_format_rows(gr, tmp_path, capsys):
+    report = gr.Report(tmp_path, meta_for_tables())
     report.section("overhead", "t", gr.OVERHEAD_COLUMNS)
     row = overhead_row(gr, (64, 768), "no_grad", 1.5)
     row["target"], row["target_met"] = gr.overhead_target(row)
@@ -385,3 +427,162 @@ def test_bare_kernel_compiles(gr):
             raise
         pytest.skip(f"NVRTC not usable here: {exc}")
     assert "error" not in log.getvalue().lower()
+
+
+# --------------------------------------------------------------------------- Liger and the sweeps, in process
+
+def fake_liger(max_width=None):
+    """A stand-in for ``liger_kernel.transformers.functional`` with its three signatures, computed
+    by torch on CPU; like Liger's fused kernels it refuses rows wider than ``max_width``."""
+    F = torch.nn.functional
+
+    def liger_layer_norm(X, W, B, eps):
+        if max_width is not None and X.shape[-1] > max_width:
+            raise RuntimeError(f"Cannot launch Triton kernel since n = {X.shape[-1]} exceeds {max_width}.")
+        return F.layer_norm(X, X.shape[-1:], W, B, eps)
+
+    def liger_rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
+        assert in_place is False and offset == 0.0  # in place, its backward would overwrite dy
+        return F.rms_norm(X, X.shape[-1:], W, eps)
+
+    def liger_group_norm(X, affine_scaling_weight, affine_shifting_bias, num_channels, num_groups, eps):
+        assert X.shape[1] == num_channels
+        return F.group_norm(X.contiguous(), num_groups, affine_scaling_weight, affine_shifting_bias, eps)
+
+    return types.SimpleNamespace(liger_layer_norm=liger_layer_norm, liger_rms_norm=liger_rms_norm,
+                                 liger_group_norm=liger_group_norm)
+
+
+def cpu_env(gr, *flags, liger=None):
+    env = gr.Env(gr.parse_args(["--device", "cpu", "--tiny", *flags]))
+    env.liger = liger
+    return env
+
+
+def test_liger_peer_fills_its_columns(gr, tmp_path, capsys):
+    """With Liger loaded, every layer/RMS/group norm case (and ConvNeXt's layer norm) times it
+    beside torch, checks it against torch, and the table shows its kernel-only and call times,
+    its fraction of copy and anynorm's ratio to it; instance norm has no Liger peer."""
+    env = cpu_env(gr, "--quick", liger=fake_liger())
+    env.settings.repeats = 1
+    cases = {c.work.name: c for c in [*gr.rows_cases(env), *gr.strided_cases(env)] if c.dtype == "float32"}
+    picked = [cases[name] for name in cases if name.startswith(("layer_norm 1024", "rms_norm 1024", "group_norm",
+                                                                "convnext layer_norm axis=1 channels_last"))]
+    picked = [c for c in picked if c.direction == "fwd+bwd" or c.work.name.startswith("layer_norm")]
+    assert {c.work.name.split(" ")[0] for c in picked} == {"layer_norm", "rms_norm", "group_norm", "convnext"}
+    assert all("liger" not in c.work.peers for c in cases.values() if c.work.name.startswith("instance_norm"))
+    report = gr.Report(tmp_path, {**meta_for_tables(), "liger": "liger-kernel (fake)"})
+    report.section("Issue 15", "t", gr.timed_columns(("torch", "torch_contig", "liger"), False, False))
+    for case in picked:
+        row = gr.run_timed_case(env, case)
+        assert row["error"] is None and not row["variant_errors"], row
+        assert set(row["times"]) >= {"ours", "torch", "liger", "copy"}
+        assert row["peer_checks"]["liger"]["ok"] is True, row["peer_checks"]
+        assert row["kernel_ratios"]["liger"] > 0 and row["ratios"]["liger"] > 0
+        assert row["kernel_of_copy"]["liger"] > 0 and row["times"]["liger"]["call_us"] > 0
+        report.add(row)
+    header, rows = table_cells((tmp_path / "gpu_report.md").read_text(), "## Issue 15")
+    for name in ("liger kernel us", "liger of copy", "ours/liger", "liger call us"):
+        assert all(row[header.index(name)] not in ("—", "error") for row in rows), name
+    assert report.failures() == []
+    capsys.readouterr()
+
+
+def test_liger_refusing_a_shape_is_a_note(gr):
+    """Liger's kernels refuse rows past 65536: the row keeps anynorm's and torch's figures, the
+    liger cells say ``error``, the note says why, and the run does not count it as a failure."""
+    env = cpu_env(gr, "--quick", liger=fake_liger(max_width=1024))
+    env.settings.repeats = 1
+    case = next(c for c in gr.rows_cases(env) if c.work.shape[-1] > 1024 and c.work.name.startswith("layer_norm"))
+    row = gr.run_timed_case(env, case)
+    assert row["error"] is None and row["check_ok"] is True
+    assert set(row["variant_errors"]) == {"liger"} and "liger" not in row["times"]
+    assert "error" in row["peer_checks"]["liger"] and "liger" not in row["kernel_ratios"]
+    assert row["kernel_ratio_torch"] is not None and row["target_met"] in (True, False)
+    notes = gr.notes_text(row)
+    assert notes.count("Cannot launch Triton kernel") == 1, notes
+    assert gr.us_of(row, "liger", "kernel_us") == "error"
+    report = types.SimpleNamespace(cases=[row])
+    assert gr.Report.failures(report) == []
+    row["variant_errors"]["torch"] = "RuntimeError: boom"  # a required peer's failure still counts
+    assert gr.Report.failures(report) == [row]
+
+
+def test_load_liger_degrades(gr, monkeypatch):
+    liger, why = gr.load_liger("cpu")
+    assert liger is None and "--device cpu" in why
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", None)  # import fails
+    liger, why = gr.load_liger("cuda")
+    assert liger is None and why.startswith("not usable") and "pip install liger-kernel" in why
+    assert gr.describe_liger(None, why) == f"Liger {why}"
+    partial = types.SimpleNamespace(liger_layer_norm=None)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", partial)
+    monkeypatch.setattr(gr.importlib, "import_module", lambda name: partial)
+    liger, why = gr.load_liger("cuda")
+    assert liger is None and "liger_rms_norm" in why and "liger_group_norm" in why
+
+
+def test_row_sweep_and_quick_subsets(gr):
+    """Issue 14's sweep, N = 512 ... 262144 with M = 2^25 // N, in three dtypes, forward and
+    forward + backward; --quick keeps a subset; issue 15's shapes, ConvNeXt on both memories."""
+    full = gr.Settings.from_args(gr.parse_args([]))
+    quick = gr.Settings.from_args(gr.parse_args(["--quick"]))
+    shapes = gr.row_shapes(full)
+    assert [N for _, N in shapes] == list(gr.ROW_WIDTHS) and shapes[0][1] == 512 and shapes[-1][1] == 262144
+    assert all(M == 2 ** 25 // N for M, N in shapes)  # 768 does not divide 2^25
+    assert {N for _, N in gr.row_shapes(quick)} < {N for _, N in shapes}
+    assert gr.sd_group_shapes(full) == list(gr.SD_GROUP_NCHW) and gr.sd_group_shapes(quick) == [(8, 320, 64, 64),
+                                                                                                (8, 1280, 8, 8)]
+    assert gr.convnext_shapes(quick) == [(64, 96, 56, 56), (64, 768, 7, 7)]
+    assert gr.channels_last_shapes(quick) == [(32, 56, 56, 64), (32, 7, 7, 2048)]
+    env = cpu_env(gr)
+    rows = list(gr.rows_cases(env))
+    assert len(rows) == 2 * 2 * 3 * len(gr.ROW_WIDTHS)
+    assert {(c.dtype, c.direction) for c in rows} == {(d, p) for d in gr.KERNEL_DTYPES for p in gr.PASSES}
+    strided = list(gr.strided_cases(env))
+    workloads = {c.work.name for c in strided}
+    assert len(workloads) == 2 * 4 + 2 * 5 + 4 and len(strided) == len(workloads) * 3 * 2
+    assert sum("channels_last" in name for name in workloads) == 4
+
+
+def test_channels_last_inputs(gr):
+    env = cpu_env(gr)
+    work = gr.convnext_layer_norm(env, (2, 8, 3, 5), channels_last=True)
+    xs, w, _, dys = gr.random_inputs(env, work, "float32", 2, grad=True)
+    assert all(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous() for t in xs + dys)
+    assert "torch_contig" not in work.peers and w.shape == (8,)
+    assert "torch_contig" in gr.convnext_layer_norm(env, (2, 8, 3, 5)).peers
+
+
+def synthetic_row(gr, section, width, direction, of_copy, ratios):
+    case = types.SimpleNamespace(section=section, direction=direction,
+                                 work=types.SimpleNamespace(shape=(64, width)))
+    row = {"error": None, "check_ok": True, "target_basis": "kernel", "kernel_of_copy": {"ours": of_copy},
+           "kernel_ratios": ratios, "of_copy": {}, "ratios": {}}
+    return gr.target_met(row, case)
+
+
+@pytest.mark.parametrize("section, width, direction, of_copy, ratios, met", [
+    ("rows", 4096, "fwd", 0.91, {"torch": 0.9, "liger": 0.99}, True),
+    ("rows", 4096, "fwd", 0.89, {"torch": 0.9, "liger": 0.99}, False),
+    ("rows", 4096, "fwd", 0.95, {"torch": 0.9, "liger": 1.01}, False),  # behind Liger
+    ("rows", 4096, "fwd", 0.95, {"torch": 0.9}, True),                  # Liger absent or refused
+    ("rows", 65536, "fwd", 0.81, {"torch": 0.9}, True),
+    ("rows", 4096, "fwd+bwd", 0.79, {"torch": 0.9}, False),
+    ("rows", 262144, "fwd+bwd", 0.71, {"torch": 0.9}, True),
+    ("rows", 4096, "fwd", 0.95, {"torch": 1.0}, False),
+    ("strided", 64, "fwd", 0.81, {"torch": 0.5}, True),
+    ("strided", 64, "fwd", 0.81, {"torch": 0.51}, False),
+    ("strided", 64, "fwd+bwd", 0.71, {"torch": 0.4, "torch_contig": 2.0, "liger": 0.9}, True),
+    ("strided", 64, "fwd+bwd", 0.69, {"torch": 0.4}, False),
+])
+def test_kernel_targets(gr, section, width, direction, of_copy, ratios, met):
+    assert synthetic_row(gr, section, width, direction, of_copy, ratios) is met
+
+
+def test_fractions_and_ratios(gr):
+    times = {"ours": 10.0, "torch": 20.0, "liger": 5.0, "copy": 4.0}
+    fractions = gr.fractions_of_copy(times, bytes_moved=500, copy_bytes=200)
+    assert fractions == pytest.approx({"ours": 1.0, "torch": 0.5, "liger": 2.0})
+    assert gr.ratios_to_peers(times) == pytest.approx({"torch": 0.5, "liger": 2.0})
+    assert gr.ratios_to_peers({"ours": 0.0, "torch": 1.0}) == {} and gr.fractions_of_copy({"ours": 1.0}, 1, 1) == {}
