@@ -1,5 +1,12 @@
 """The NumPy executor: the reference arithmetic, blocked so that memory is touched once.
 
+Forward calls on C-contiguous arrays go to one of two specialised paths first:
+:mod:`anynorm._numpy_rows` (statistics over trailing axes: layer/RMS norm rows, NCHW
+instance/group norm) and :mod:`anynorm._numpy_columns` (statistics over a middle axis:
+channels-first layer norm, NHWC instance/group norm), both in L2-sized blocks, with float16
+converted per block by :mod:`anynorm._numpy_half`.  Everything else (strided views, odd axes,
+backward) runs the general blocking below.
+
 The view of ``x`` is cut into boxes that hold whole normalized slices (every reduced axis
 full) and fit in a core's cache (``BLOCK_BYTES`` of accumulation-dtype elements).  Per box,
 with the box read from memory once and ``y`` written once::
@@ -30,6 +37,9 @@ import os
 import numpy as np
 
 from . import _reference
+from ._numpy_columns import ColumnsForward
+from ._numpy_half import half_to_float
+from ._numpy_rows import RowsForward
 
 __all__ = ["forward", "backward", "BLOCK_BYTES", "NUM_THREADS"]
 
@@ -319,7 +329,10 @@ def _as_acc(plan, src, scratch, slot="cast"):
     if src.dtype == plan.acc_dtype:
         return src
     out = scratch.get(slot, src.shape)
-    np.copyto(out, src, casting="unsafe")
+    if src.dtype == np.float16:
+        half_to_float(src, out)
+    else:
+        np.copyto(out, src, casting="unsafe")
     return out
 
 
@@ -330,10 +343,10 @@ def _box_shape(index, shape):
 class _ForwardCall:
     """One forward call: outputs, parameters and the per-box arithmetic."""
 
-    def __init__(self, plan, x, weight, bias, residual):
+    def __init__(self, plan, layout, weight, bias, residual):
         self.plan = plan
         self.acc = np.dtype(plan.acc_dtype)
-        self.layout = layout = _Layout(plan, [x] if residual is None else [x, residual])
+        self.layout = layout
         self.y = np.empty(plan.view_shape, plan.dtype)
         self.h = None if residual is None else np.empty(plan.shape, plan.dtype)
         self.mean = np.empty(layout.stats_shape, self.acc) if plan.center else None
@@ -479,7 +492,17 @@ def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
     if x.size < SMALL_ELEMENTS:
         return _small_forward(plan, x, weight, bias, residual)
-    call = _ForwardCall(plan, x, weight, bias, residual)
+    layout = _Layout(plan, [x] if residual is None else [x, residual])
+    for path in (RowsForward, ColumnsForward):
+        call = path.make(plan, layout, x, weight, bias, residual)
+        if call is not None:
+            blocks = call.blocks()
+            if _parallel(x):
+                _run(blocks, call.run, call.buffers)
+            else:
+                call.run(blocks, call.buffers())
+            return call.results()
+    call = _ForwardCall(plan, layout, weight, bias, residual)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
     if _parallel(x):
         _run(call.boxes, call.run, scratch_for)

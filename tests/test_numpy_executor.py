@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from anynorm import _numpy, _reference
+from anynorm import _numpy, _numpy_columns, _numpy_rows, _reference
 from anynorm._plan import make_plan
 
 # (op, shape, keyword arguments of make_plan)
@@ -30,6 +30,10 @@ CASES = [
     ("group_norm", (2, 6, 4), dict(channel_axis=1, num_groups=3)),
     ("group_norm", (3, 6), dict(channel_axis=1, num_groups=2)),
     ("group_norm", (2, 4, 6, 3), dict(channel_axis=2, num_groups=6)),
+    # runs of >= 64 elements per channel: the row path's per-run affine step
+    ("instance_norm", (2, 3, 8, 9), dict(channel_axis=1)),
+    ("group_norm", (2, 8, 9, 8), dict(channel_axis=1, num_groups=4)),
+    ("group_norm", (2, 9, 8, 8), dict(channel_axis=-1, num_groups=4)),
 ]
 DTYPES = [np.float32, np.float64, np.float16]
 TOL = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-12}
@@ -44,6 +48,9 @@ def blocking(request, monkeypatch):
     if request.param in ("many boxes", "threads"):
         monkeypatch.setattr(_numpy, "BLOCK_BYTES", 64)
         monkeypatch.setattr(_numpy, "LARGE_BOX_BYTES", 256)
+        monkeypatch.setattr(_numpy_rows, "ROW_BLOCK_BYTES", 64)
+        monkeypatch.setattr(_numpy_columns, "SAMPLE_ELEMENTS", 1)
+        monkeypatch.setattr(_numpy_columns, "CF_BLOCK_BYTES", 64)
     if request.param == "one sample per box":
         monkeypatch.setattr(_numpy, "SHORT_TAIL", 1)
     if request.param == "threads":
@@ -97,6 +104,25 @@ def test_forward_and_backward_match_reference(op, shape, kw, affine, dtype, bloc
         expected = _reference.backward(plan, dy, x, weight, mean, rstd)
         got = _numpy.backward(plan, dy, x, weight, mean, rstd)
         _assert_same(got, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op,shape,kw", CASES, ids=lambda v: str(v).replace(" ", ""))
+def test_centered_inputs_take_the_one_pass_exactly(op, shape, kw, dtype, blocking):
+    """Zero-mean inputs (|mean| <= std / 4 in most slices: the one-pass statistics and
+    y = x * a + c; the other slices of a block send it to the two-pass) and inputs with one
+    slice far from zero (that block two-pass, the rest one-pass) match the reference."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape).astype(dtype)
+    plan = make_plan(op, x, **kw)
+    weight = rng.standard_normal(plan.param_shape).astype(dtype)
+    bias = rng.standard_normal(plan.param_shape).astype(dtype) if op != "rms_norm" else None
+    shifted = x.copy()
+    shifted.reshape(-1)[:plan.count] += 1000
+    for data in (x, shifted):
+        _frozen(data)
+        _assert_same(_numpy.forward(plan, data, weight, bias),
+                     _reference.forward(plan, data, weight, bias), dtype)
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
@@ -226,3 +252,38 @@ def test_small_arrays_take_plain_numpy_path(op, shape, kw, dtype):
         eps32 = float(np.finfo(np.float32).eps)
         assert np.max(np.abs(y - y_ref)) <= 32 * eps32 * max(1.0, np.max(np.abs(y_ref)))
         assert np.max(np.abs(mean.reshape(mean_ref.shape) - mean_ref)) <= 4 * eps32 * 1e6
+
+
+def test_half_conversions_match_numpy_bit_for_bit():
+    """The integer-pass float16 conversions give NumPy's casts exactly: every float16 value
+    to float32, and float32 values of every float16 range (zeros, subnormals, ties to even,
+    overflow, infinities, NaN) back, also into a strided output."""
+    from anynorm._numpy_half import float_to_half, half_to_float
+
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    out = np.empty(every.shape, np.float32)
+    half_to_float(every, out)
+    np.testing.assert_array_equal(out, every.astype(np.float32))
+    finite = every[np.isfinite(every)]
+    out = np.empty(finite.shape, np.float32)
+    half_to_float(finite, out)
+    assert np.array_equal(out.view(np.uint32), finite.astype(np.float32).view(np.uint32))
+
+    rng = np.random.default_rng(0)
+    lo = np.arange(0x0400, 0x7BFF, dtype=np.uint16).view(np.float16).astype(np.float64)
+    hi = np.arange(0x0401, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    ties = ((lo + hi) / 2).astype(np.float32)
+    cases = [ties, -ties, np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(0)),
+             np.array([0.0, -0.0, 1.0, 65504.0, 65520.0, 7e4, np.inf, -np.inf, np.nan], np.float32)]
+    cases += [(rng.standard_normal(4099) * scale).astype(np.float32) for scale in (1e-7, 1e-5, 1, 3e4)]
+    for src in cases:
+        out = np.empty(src.shape, np.float16)
+        tmp = [np.empty(src.shape, np.uint32) for _ in range(2)]
+        with np.errstate(over="ignore"):
+            float_to_half(src, out, *tmp)
+            expected = src.astype(np.float16)
+        assert np.array_equal(out.view(np.uint16), expected.view(np.uint16))
+    src = (rng.standard_normal((6, 40)) * 1e-4).astype(np.float32)
+    strided = np.zeros((6, 80), np.float16)[:, ::2]
+    float_to_half(src, strided, *(np.empty(src.shape, np.uint32) for _ in range(2)))
+    assert np.array_equal(strided.view(np.uint16), src.astype(np.float16).view(np.uint16))

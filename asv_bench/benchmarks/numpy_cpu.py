@@ -10,13 +10,15 @@ during the call (tracemalloc, which NumPy reports to) in units of the output's s
 
 from __future__ import annotations
 
+import time
 import tracemalloc
 
 import numpy as np
 
 import anynorm
 
-from .common import CASE_NAMES, MAIN_CASES, best_time, call_anynorm, call_anynorm_backward, numpy_inputs
+from .common import (CASE_NAMES, MAIN_CASES, TINY, best_time, call_anynorm, call_anynorm_backward,
+                     numpy_inputs)
 from .peers import naive_numpy
 
 DTYPES = ["float32", "float64", "float16"]
@@ -103,3 +105,72 @@ class NumpyBackward(_NumpyCase):
 
     def peakmem_anynorm_backward(self, name, dtype):
         call_anynorm_backward(anynorm, self.name, self.dy, self.x, self.weight)
+
+
+def _cpu_seconds(fn, batch):
+    """CPU seconds of this thread per call of ``fn``, over ``batch`` calls."""
+    start = time.thread_time()
+    for _ in range(batch):
+        fn()
+    return max(time.thread_time() - start, 1e-9) / batch
+
+
+class NumpyCpuTime(_NumpyCase):
+    """Single-thread CPU time ratios (what issue 16's NumPy targets are stated in).
+
+    The executor is held to the calling thread (``_numpy.NUM_THREADS = 1``; run asv with
+    ``OPENBLAS_NUM_THREADS=1``) and each ratio is the median over interleaved rounds of
+    ``time.thread_time()``, which other jobs on a shared machine disturb far less than wall
+    time.  Peers in the same rounds: ``np.copyto`` into a preallocated array (the issue's
+    yardstick), the same copy into a fresh array (the output's page faults, which ours pays
+    too), the tutorial formula, and (``track_half_ratio``) the float32 call of the same case.
+    ``asv_bench/numpy_speed.py`` prints the same ratios with their min-max.
+    """
+
+    params = [MAIN_CASES + ["ln tiny 4x8"], ["float32"]]
+    rounds = 1 if TINY else 7
+
+    def setup(self, name, dtype):
+        super().setup(name, dtype)
+        from anynorm import _numpy
+
+        self._threads, _numpy.NUM_THREADS = _numpy.NUM_THREADS, 1
+        self.batch = 1 if TINY else (200 if self.x.size < 4096 else 1)
+        x16, w16, b16, _ = numpy_inputs(name, np.dtype("float16"))
+        self.half = tuple(a.copy() for a in (x16, w16, b16))
+        self.x, self.weight, self.bias, _ = (a.copy() for a in numpy_inputs(name, np.dtype(dtype)))
+
+    def teardown(self, name, dtype):
+        from anynorm import _numpy
+
+        _numpy.NUM_THREADS = self._threads
+
+    def _ratio(self, fn, peer):
+        """Median over interleaved rounds of ``fn``'s CPU time / ``peer``'s."""
+        fn()
+        peer()
+        ratios = []
+        for _ in range(self.rounds):
+            ours = _cpu_seconds(fn, self.batch)
+            ratios.append(ours / _cpu_seconds(peer, self.batch))
+        return float(np.median(ratios))
+
+    def track_cpu_vs_copy(self, name, dtype):
+        return self._ratio(self.ours, self.copy)
+
+    track_cpu_vs_copy.unit = "anynorm CPU time / np.copyto's"
+
+    def track_cpu_vs_fresh_copy(self, name, dtype):
+        return self._ratio(self.ours, lambda: np.copyto(np.empty_like(self.x), self.x))
+
+    track_cpu_vs_fresh_copy.unit = "anynorm CPU time / (np.empty_like + np.copyto)'s"
+
+    def track_cpu_vs_naive(self, name, dtype):
+        return self._ratio(self.ours, lambda: naive_numpy(self.name, self.x, self.weight, self.bias))
+
+    track_cpu_vs_naive.unit = "anynorm CPU time / tutorial NumPy's"
+
+    def track_half_ratio(self, name, dtype):
+        return self._ratio(lambda: call_anynorm(anynorm, self.name, *self.half), self.ours)
+
+    track_half_ratio.unit = "float16 CPU time / float32's"

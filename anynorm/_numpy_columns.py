@@ -1,0 +1,312 @@
+"""NumPy forward for statistics over a middle axis: channels-first layer norm, NHWC instance
+and group norm.
+
+A C-contiguous ``x`` is viewed as ``(B, P, Q)`` with the statistics over ``P`` (column sums
+``1 @ x[b]`` by BLAS):
+
+``"cf"`` (layer norm over the channels of NCHW: ``P`` = C, ``Q`` = H*W, one slice per column,
+weight along ``P``), in L2-sized blocks ``x[b, :, q0:q1]``::
+
+    m = (1 @ x) / P;  d = x - m;  v = (1 @ d*d) / P;  [correction as in _numpy_rows]
+    y = d * (w (x) r) + b_tile
+
+``"cl"`` (NHWC instance/group norm: ``P`` = H*W, ``Q`` = C = G * Cg, one slice per group of
+``Cg`` columns, weight along ``Q``), whole samples at a time::
+
+    s1 = (1 @ x) summed per group;  s2 = (1 @ x*x) summed per group   (one-pass, taken
+    m = s1 / n;  v = s2 / n - m*m      only where every |m| <= SKIP_CORRECTION * std)
+    y = x * a + c,  a = r * w,  c = b - m * a         (per column: two passes)
+
+(else the two-pass with ``d = x - m`` and its correction).  Per-column operands are tiled
+``k`` times and ``x[b]`` viewed as ``(P / k, k * Q)``, so NumPy's inner loops run over
+``k * Q`` elements rather than ``Q`` (64 channels: 3-8x slower loops).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _numpy_rows
+from ._numpy_half import float_to_half, half_to_float
+
+__all__ = ["ColumnsForward"]
+
+SAMPLE_ELEMENTS = 1 << 18  # "cl": several samples per block below this size
+LOOP_ELEMENTS = 4096  # target inner-loop length for per-column operands
+SHORT_ROW = 256  # without parameters, "cl" (whole samples) below this many columns
+# "cf": whole samples up to this size (measured: y written in strided L2-sized blocks cost
+# 1.7x the time of y written in whole contiguous samples, which stay in L3)
+CF_BLOCK_BYTES = 2 << 20
+
+
+def _pattern(layout):
+    """``(kind, lead)`` for a merged layout this path takes, else None; ``lead``: 1 when axis 0
+    is a batch axis (kept, no parameters) in front of the pattern."""
+    shape, reduce, param = layout.shape, set(layout.reduce), set(layout.param)
+    lead = 1 if len(shape) > 1 and 0 not in reduce and 0 not in param else 0
+    rest = tuple(range(lead, len(shape)))
+    if len(rest) == 2 and reduce == {rest[0]}:
+        if param and param <= {rest[0]} or not param and shape[rest[1]] >= SHORT_ROW:
+            return "cf", lead
+        if param <= {rest[1]}:
+            return "cl", lead
+    if len(rest) == 3 and reduce == {rest[0], rest[2]} and param <= {rest[1], rest[2]}:
+        return "cl", lead
+    return None
+
+
+def _fold(p, q, limit=LOOP_ELEMENTS):
+    """Largest ``k`` dividing ``p`` with ``k * q <= limit`` (at least 1)."""
+    best = 1
+    for k in range(1, max(1, limit // q) + 1):
+        if p % k == 0:
+            best = k
+    return best
+
+
+class ColumnsForward:
+    """One forward call of the ``"cf"`` or ``"cl"`` kind; ``make`` returns None elsewhere."""
+
+    @classmethod
+    def make(cls, plan, layout, x, weight, bias, residual):
+        if residual is not None or not plan.center or not x.flags.c_contiguous:
+            return None
+        half = np.dtype(plan.dtype) != np.dtype(plan.acc_dtype)
+        if half and np.dtype(plan.dtype) != np.float16:
+            return None
+        found = _pattern(layout)
+        if found is None:
+            return None
+        return cls(plan, layout, found, x, weight, bias, half)
+
+    def __init__(self, plan, layout, found, x, weight, bias, half):
+        self.plan, self.half, (self.kind, lead) = plan, half, found
+        self.acc = acc = np.dtype(plan.acc_dtype)
+        shape = layout.shape
+        self.B = shape[0] if lead else 1
+        self.P = shape[lead]
+        self.Q = math.prod(shape[lead + 1:])
+        self.groups = shape[lead + 1] if len(shape) - lead == 3 else self.Q
+        self.x3 = x.reshape(self.B, self.P, self.Q)
+        self.y = np.empty(plan.shape, plan.dtype)
+        self.y3 = self.y.reshape(self.B, self.P, self.Q)
+        stats = (self.B, self.Q) if self.kind == "cf" else (self.B, self.groups)
+        self.mean = np.empty(stats, acc)
+        self.rstd = np.empty(stats, acc)
+        self.ones = _numpy_rows._ones(self.P, acc)
+        self.w = self._params(layout, lead, weight)
+        self.b = self._params(layout, lead, bias)
+        if self.kind == "cf":
+            budget = CF_BLOCK_BYTES // (self.P * acc.itemsize)
+            parts = -(-self.Q // max(1, budget))
+            self.chunk = -(-self.Q // parts)
+            self.b_tile = None if self.b is None else np.ascontiguousarray(
+                np.broadcast_to(self.b, (self.P, self.chunk)))
+        else:
+            self.per_block = max(1, min(self.B, SAMPLE_ELEMENTS // (self.P * self.Q)))
+            self.k = _fold(self.P, self.Q)
+
+    def _params(self, layout, lead, arr):
+        """weight/bias as ``(P, 1)`` ("cf": one per row) or ``(Q,)`` ("cl": one per column)."""
+        if arr is None:
+            return None
+        p = np.asarray(arr, dtype=self.acc).reshape(layout.param_shape[lead:])
+        if self.kind == "cf":
+            return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[0], -1), (self.P, 1)))
+        return np.ascontiguousarray(np.broadcast_to(p, (1,) + layout.shape[lead + 1:])).reshape(self.Q)
+
+    def blocks(self):
+        if self.kind == "cf":
+            return [(b, q, min(q + self.chunk, self.Q)) for b in range(self.B)
+                    for q in range(0, self.Q, self.chunk)]
+        return [(b, min(b + self.per_block, self.B)) for b in range(0, self.B, self.per_block)]
+
+    def buffers(self):
+        """Per-thread scratch: a chunk-sized temporary (and, for float16, the block converted
+        to float32 and a uint32 chunk)."""
+        if self.kind == "cf":
+            size = block = self.P * self.chunk
+        else:
+            block = self.per_block * self.P * self.Q
+            # a chunk of nb <= per_block samples: ROW_BLOCK_BYTES, or k rows of each sample
+            size = min(block, max(_numpy_rows.ROW_BLOCK_BYTES // self.acc.itemsize,
+                                  self.per_block * self.k * self.Q))
+        bufs = {"t": np.empty(size, self.acc)}
+        if self.half:
+            bufs["x"] = np.empty(block, self.acc)
+            bufs["u"] = np.empty(size, np.uint32)
+        return bufs
+
+    def run(self, blocks, bufs):
+        step = self._cf_block if self.kind == "cf" else self._cl_block
+        for block in blocks:
+            step(block, bufs)
+
+    def _source(self, xb, bufs):
+        """The block in the accumulation dtype and where y's arithmetic runs."""
+        if not self.half:
+            return xb, None
+        xa = bufs["x"][:xb.size].reshape(xb.shape)
+        half_to_float(xb, xa)
+        return xa, xa
+
+    def _finish(self, work, yb, bufs):
+        if self.half:
+            n = work.size
+            float_to_half(work, yb, bufs["t"][:n].view(np.uint32).reshape(work.shape),
+                          bufs["u"][:n].reshape(work.shape))
+
+    def _cf_block(self, block, bufs):
+        """Columns ``q0:q1`` of sample ``b``: ``d`` in a contiguous temporary, y written by
+        the last pass only (y's block is P strided rows)."""
+        b, q0, q1 = block
+        xa, work = self._source(self.x3[b, :, q0:q1], bufs)
+        yb = self.y3[b, :, q0:q1]
+        d = np.empty(xa.shape, self.acc) if work is None else work
+        t = bufs["t"][:xa.size].reshape(xa.shape)
+        m, v = self.mean[b, q0:q1], self.rstd[b, q0:q1]
+        inv = 1.0 / self.P
+        np.matmul(self.ones, xa, out=m)
+        m *= inv
+        np.subtract(xa, m, out=d)
+        np.multiply(d, d, out=t)
+        np.matmul(self.ones, t, out=v)
+        v *= inv
+        _correct_columns(d, m, v, self.ones, self.plan.eps)
+        _rstd(v, self.plan.eps)
+        last = yb if work is None else d
+        if self.w is not None:
+            np.multiply(self.w, v, out=t)
+        else:
+            t = v
+        if self.b_tile is not None:
+            np.multiply(d, t, out=d)
+            np.add(d, self.b_tile[:, :q1 - q0], out=last)
+        else:
+            np.multiply(d, t, out=last)
+        self._finish(d, yb, bufs)
+
+    def _cl_block(self, block, bufs):
+        """Samples ``b0:b1``: statistics in one sweep of L2-sized chunks of rows, then
+        ``y = x * a + c`` in a second sweep (x's samples, up to ``SAMPLE_ELEMENTS``, stay in L3)."""
+        b0, b1 = block
+        xa, work = self._source(self.x3[b0:b1], bufs)
+        yb = self.y3[b0:b1]
+        out = yb if work is None else work
+        m, v = self.mean[b0:b1], self.rstd[b0:b1]
+        n = self.P * (self.Q // self.groups)
+        chunks = self._chunks(b1 - b0)
+        s1 = np.zeros((b1 - b0, self.Q), self.acc)
+        s2 = np.zeros_like(s1)
+        for p0, p1 in chunks:
+            xc = xa[:, p0:p1]
+            s1 += np.matmul(self.ones[:p1 - p0], xc)
+            t = bufs["t"][:xc.size].reshape(xc.shape)
+            np.multiply(xc, xc, out=t)
+            s2 += np.matmul(self.ones[:p1 - p0], t)
+        self._group_sums(s1, m)
+        m *= 1.0 / n
+        self._group_sums(s2, v)
+        v *= 1.0 / n
+        squares = m * m
+        v -= squares
+        d, offset = xa, m
+        if np.any(np.greater(squares, _numpy_rows.SKIP_CORRECTION ** 2 * (v + self.plan.eps))):
+            d, offset = self._cl_two_pass(xa, out, np.empty_like(xa), m, v, n), None
+        _rstd(v, self.plan.eps)
+        per_col = self.Q // self.groups
+        scale = np.repeat(v, per_col, axis=1)  # (nb, Q)
+        if self.w is not None:
+            scale *= self.w
+        shift = None if self.b is None else np.broadcast_to(self.b, scale.shape).copy()
+        if offset is not None:
+            mq = np.repeat(offset, per_col, axis=1) * scale
+            shift = -mq if shift is None else np.subtract(shift, mq, out=shift)
+        k = self.k
+        scale = np.tile(scale, k)[:, None, :]
+        shift = None if shift is None else np.tile(shift, k)[:, None, :]
+        for p0, p1 in chunks:
+            rows = (b1 - b0, (p1 - p0) // k, k * self.Q)
+            oc = out[:, p0:p1].reshape(rows)
+            if shift is None:
+                np.multiply(d[:, p0:p1].reshape(rows), scale, out=oc)
+            else:  # via a fresh temporary: in place (or via the reused scratch) measured 1.5x slower
+                t = np.empty(rows, self.acc)
+                np.multiply(d[:, p0:p1].reshape(rows), scale, out=t)
+                np.add(t, shift, out=oc)
+            if self.half:
+                size = (b1 - b0) * (p1 - p0) * self.Q
+                shape = out[:, p0:p1].shape
+                float_to_half(out[:, p0:p1], yb[:, p0:p1], bufs["t"][:size].view(np.uint32).reshape(shape),
+                              bufs["u"][:size].reshape(shape))
+
+    def _chunks(self, nb):
+        """Row ranges of ~``ROW_BLOCK_BYTES`` over ``nb`` samples, multiples of ``k`` rows."""
+        k = self.k
+        rows = _numpy_rows.ROW_BLOCK_BYTES // (nb * self.Q * self.acc.itemsize)
+        rows = max(k, rows // k * k)
+        return [(p, min(p + rows, self.P)) for p in range(0, self.P, rows)]
+
+    def _group_sums(self, cols, out):
+        """``out[b, g]``: the sum of column sums ``cols[b, q]`` over group g's columns."""
+        if self.groups == self.Q:
+            np.copyto(out, cols)
+        else:
+            np.add.reduce(cols.reshape(out.shape[0], self.groups, -1), axis=2, out=out)
+
+    def _cl_two_pass(self, xa, d, t, m, v, n):
+        """Two-pass statistics of a "cl" block into ``m``, ``v``; returns ``d = x - m``."""
+        per_col = self.Q // self.groups
+        k = self.k
+        rows = (d.shape[0], self.P // k, k * self.Q)
+        self._group_sums(np.matmul(self.ones, xa), m)
+        m *= 1.0 / n
+        np.subtract(xa.reshape(rows), np.tile(np.repeat(m, per_col, axis=1), k)[:, None, :],
+                    out=d.reshape(rows))
+        np.multiply(d, d, out=t)
+        self._group_sums(np.matmul(self.ones, t), v)
+        v *= 1.0 / n
+        c = np.empty_like(m)
+        self._group_sums(np.matmul(self.ones, d), c)
+        c *= 1.0 / n
+        v -= c * c
+        np.maximum(v, 0, out=v)
+        np.subtract(d.reshape(rows), np.tile(np.repeat(c, per_col, axis=1), k)[:, None, :],
+                    out=d.reshape(rows))
+        m += c
+        return d
+
+    def results(self):
+        plan = self.plan
+        mean = self.mean.reshape(plan.stats_shape) if plan.center else None
+        return self.y, None, mean, self.rstd.reshape(plan.stats_shape)
+
+
+def _correct_columns(d, m, v, ones, eps):
+    """The two-pass correction ``c = mean(d)``: ``v -= c*c``, ``d -= c``, ``m += c`` for the
+    columns of ``d`` (P, chunk) with ``|m| > SKIP_CORRECTION * std``, where ``c`` (the first
+    sum's rounding, ~eps * |m|) could show in y; gathered when they are few."""
+    far = np.flatnonzero(np.greater(m * m, _numpy_rows.SKIP_CORRECTION ** 2 * (v + eps)))
+    if far.size == 0:
+        return
+    few = far.size * 4 < m.size
+    part = d[:, far] if few else d
+    c = np.matmul(ones, part) * (1.0 / d.shape[0])
+    np.subtract(part, c, out=part)
+    if few:
+        d[:, far] = part
+        v[far] = np.maximum(v[far] - c * c, 0)
+        m[far] += c
+    else:
+        v -= c * c
+        np.maximum(v, 0, out=v)
+        m += c
+
+
+def _rstd(v, eps):
+    """``v`` becomes ``1 / sqrt(v + eps)`` in place."""
+    np.add(v, eps, out=v)
+    np.sqrt(v, out=v)
+    np.divide(1.0, v, out=v)

@@ -1,0 +1,242 @@
+"""NumPy forward for statistics over x's trailing axes, in L2-sized blocks of whole rows.
+
+Layer/RMS norm over the last axes, NCHW instance norm and NCHW group norm view a C-contiguous
+``x`` as ``(rows, n)``: one normalized slice per row.  Blocks of ``rb`` rows
+(``ROW_BLOCK_BYTES`` of float32/float64, so that x's block, y's block and one temporary stay
+in a core's L2) are read from memory once; per block::
+
+    m = (x @ 1) / n;  d = x - m;  v = (d . d) / n            (BLAS sums; shifted two-pass)
+    [c = (d @ 1) / n;  v -= c * c;  d -= c;  m += c]         (only where |m| * rstd > 1/4)
+    r = 1 / sqrt(v + eps)
+    y = d * (r (x) w) + b_tile       "outer": weight along the row (layer/RMS norm)
+    y = d * (r * w_k) + b_k          "per run": weight constant on runs of S elements (the
+                                     spatial run of a channel: instance/group norm)
+
+Every elementwise pass is same-shape or broadcasts a column (NumPy's row broadcasts are
+2-8x slower).  float16 blocks are converted by :mod:`anynorm._numpy_half`, the arithmetic
+runs in float32 in place in the converted block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._numpy_half import float_to_half, half_to_float
+
+__all__ = ["ROW_BLOCK_BYTES", "RowsForward"]
+
+ROW_BLOCK_BYTES = 256 << 10  # accumulation-dtype bytes of x per block
+MIN_RUN = 64  # shortest run of constant parameters for the "per run" affine step
+SKIP_CORRECTION = 0.25  # largest |mean| * rstd of a block at which the correction is skipped
+
+
+_ONES = {}
+
+
+def _ones(n, dtype):
+    """A read-only vector of n ones: ``x @ ones`` is a BLAS row sum."""
+    key = (n, np.dtype(dtype))
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = np.ones(n, dtype)
+        ones.flags.writeable = False
+        if n <= 1 << 22:
+            _ONES[key] = ones
+    return ones
+
+
+def _affine_mode(layout, has_params):
+    """``("none" | "outer" | "run", tail)``: how parameters vary along a row, or None.
+
+    "outer": only along the reduced axes (one vector of n per row); "run": constant over
+    the merged axes from ``tail`` on (reduced, not parameter axes: >= MIN_RUN elements),
+    so one value per run of those elements.
+    """
+    d = len(layout.shape)
+    if not has_params:
+        return "none", d - len(layout.reduce)  # one run per row
+    if set(layout.param) <= set(layout.reduce):
+        return "outer", d
+    tail = d
+    while tail > 0 and tail - 1 in layout.reduce and tail - 1 not in layout.param:
+        tail -= 1
+    return ("run", tail) if tail < d and math.prod(layout.shape[tail:]) >= MIN_RUN else None
+
+
+class RowsForward:
+    """One forward call whose reduced axes are x's trailing ones.
+
+    ``RowsForward.make(...)`` returns None where this path does not apply (strided views,
+    reduced axes not trailing, parameters varying on short runs, a float16 residual).
+    ``run(blocks, buffers)`` writes y, mean and rstd for a list of ``(start, stop)`` row
+    ranges; ``blocks`` and ``buffers()`` give those ranges and per-thread scratch.
+    """
+
+    @classmethod
+    def make(cls, plan, layout, x, weight, bias, residual):
+        k = len(layout.shape) - len(layout.reduce)
+        if layout.reduce != tuple(range(k, len(layout.shape))) or not x.flags.c_contiguous or (
+                residual is not None and not residual.flags.c_contiguous):
+            return None
+        half = np.dtype(plan.dtype) != np.dtype(plan.acc_dtype)
+        if half and (residual is not None or np.dtype(plan.dtype) != np.float16):
+            return None
+        mode = _affine_mode(layout, weight is not None or bias is not None)
+        if mode is None:
+            return None
+        return cls(plan, layout, k, mode, x, weight, bias, residual, half)
+
+    def __init__(self, plan, layout, k, mode, x, weight, bias, residual, half):
+        self.plan, self.half = plan, half
+        self.acc = acc = np.dtype(plan.acc_dtype)
+        self.rows = math.prod(layout.shape[:k])
+        self.n = math.prod(layout.shape[k:])
+        self.mode, tail = mode
+        self.run_length = math.prod(layout.shape[tail:])
+        self.tail = tail
+        self.x2 = x.reshape(self.rows, self.n)
+        self.r2 = None if residual is None else residual.reshape(self.rows, self.n)
+        self.y = np.empty(plan.shape, plan.dtype)
+        self.h = None if residual is None else np.empty(plan.shape, plan.dtype)
+        self.y2 = self.y.reshape(self.rows, self.n)
+        self.h2 = None if self.h is None else self.h.reshape(self.rows, self.n)
+        self.mean = np.empty(self.rows, acc)
+        self.rstd = np.empty(self.rows, acc)
+        self.block_rows = max(1, min(self.rows, ROW_BLOCK_BYTES // (self.n * acc.itemsize)))
+        self.ones = _ones(self.n, acc)
+        self.w, self.b = self._params(layout, k, weight), self._params(layout, k, bias)
+        self.b_tile = None
+        if self.mode == "outer" and self.b is not None:
+            self.b_tile = np.empty((self.block_rows, self.n), acc)
+            self.b_tile[...] = self.b
+
+    def _params(self, layout, k, arr):
+        """weight/bias as the vector the affine step reads: n per row ("outer") or one per
+        run of S elements over all of x ("run")."""
+        if arr is None:
+            return None
+        p = np.asarray(arr, dtype=self.acc).reshape(layout.param_shape)
+        if self.mode == "outer":
+            return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[k:]), layout.shape[k:])).reshape(-1)
+        lead = layout.shape[:self.tail]
+        return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[:self.tail]), lead)).reshape(-1)
+
+    def blocks(self):
+        rb = self.block_rows
+        return [(s, min(s + rb, self.rows)) for s in range(0, self.rows, rb)]
+
+    def buffers(self):
+        """Per-thread scratch: block-sized float temporaries (and uint32 ones for float16)."""
+        shape = (self.block_rows, self.n)
+        bufs = {"t": np.empty(shape, self.acc)}
+        if self.half:
+            bufs["x"] = np.empty(shape, self.acc)
+            bufs["u"] = np.empty(shape, np.uint32)
+        return bufs
+
+    def run(self, blocks, bufs):
+        for s0, s1 in blocks:
+            self._block(s0, s1, bufs)
+
+    def _block(self, s0, s1, bufs):
+        rb, plan = s1 - s0, self.plan
+        if self.half:
+            xa = bufs["x"][:rb]
+            half_to_float(self.x2[s0:s1], xa)
+            yw = xa  # the arithmetic runs in place in the converted block
+        else:
+            xa = self.x2[s0:s1]
+            if self.r2 is not None:
+                xa = np.add(xa, self.r2[s0:s1], out=self.h2[s0:s1])
+            yw = self.y2[s0:s1]
+        m, r = self.mean[s0:s1], self.rstd[s0:s1]
+        d, offset = xa, None  # y = (d - offset) * ...
+        if not plan.center:
+            np.vecdot(xa, xa, out=r)
+            np.multiply(r, 1.0 / self.n, out=r)
+        elif self.mode != "outer" and self._one_pass(xa, m, r):
+            offset = m
+        else:
+            self._two_pass(xa, yw, m, r)
+            d = yw
+        np.add(r, plan.eps, out=r)
+        np.sqrt(r, out=r)
+        np.divide(1.0, r, out=r)
+        self._affine(d, yw, yw, offset, r, s0, s1, bufs["t"][:rb])
+        if self.half:
+            float_to_half(yw, self.y2[s0:s1], bufs["t"][:rb].view(np.uint32), bufs["u"][:rb])
+
+    def _one_pass(self, x, m, v):
+        """``m = sum(x) / n``, ``v = (x . x) / n - m * m``; True where every row has
+        ``|m| <= SKIP_CORRECTION * std`` (then v's rounding, ~eps * (v + m*m), is within
+        1.07 eps * v: as exact as the two-pass), else False and the two-pass redoes it."""
+        inv_n = 1.0 / self.n
+        np.matmul(x, self.ones, out=m)
+        np.multiply(m, inv_n, out=m)
+        np.vecdot(x, x, out=v)
+        np.multiply(v, inv_n, out=v)
+        squares = m * m
+        v -= squares
+        return not np.any(np.greater(squares, SKIP_CORRECTION ** 2 * (v + self.plan.eps)))
+
+    def _two_pass(self, x, d, m, v):
+        """``m = sum(x) / n``, ``d = x - m``, ``v = (d . d) / n``; then the correction
+        ``c = mean(d)``: ``v -= c*c``, ``d -= c``, ``m += c``, taken only where ``c`` (the first
+        sum's rounding, ~eps * |m|) could show in y, i.e. where some row has
+        ``|m| > SKIP_CORRECTION * std``."""
+        inv_n = 1.0 / self.n
+        np.matmul(x, self.ones, out=m)
+        np.multiply(m, inv_n, out=m)
+        np.subtract(x, m[:, None], out=d)
+        np.vecdot(d, d, out=v)
+        np.multiply(v, inv_n, out=v)
+        if not np.any(np.greater(m * m, SKIP_CORRECTION ** 2 * (v + self.plan.eps))):
+            return
+        c = np.matmul(d, self.ones)
+        c *= inv_n
+        v -= c * c
+        np.maximum(v, 0, out=v)
+        if np.any(np.greater(c * c, np.finfo(self.acc).eps ** 2 * (v + self.plan.eps))):
+            np.subtract(d, c[:, None], out=d)
+        m += c
+
+    def _affine(self, d, work, y, m, r, s0, s1, t):
+        """``y = (d - m) * (r * w) + b`` for rows ``s0:s1`` (``m``: None where ``d`` is
+        centered already); ``work``: where a first pass may go (``d``'s block or scratch),
+        ``t``: a block-sized temporary; the last pass writes ``y``."""
+        if self.mode == "outer":  # d is centered here
+            factor = r[:, None]
+            if self.w is not None:
+                factor = np.multiply(r[:, None], self.w, out=t)
+            if self.b_tile is None:
+                np.multiply(d, factor, out=y)
+            else:
+                np.multiply(d, factor, out=work)
+                np.add(work, self.b_tile[:s1 - s0], out=y)
+            return
+        per_row = self.n // self.run_length  # runs per row
+        rows = slice(s0 * per_row, s1 * per_row)
+        scale = np.repeat(r, per_row) if per_row > 1 else r.copy()
+        if self.w is not None:
+            scale *= self.w[rows]
+        # y = d * scale + shift, with shift = b - m * scale folding the centering in
+        shift = None if self.b is None else self.b[rows].copy()
+        if m is not None:
+            mean = np.repeat(m, per_row) if per_row > 1 else m
+            shift = -(mean * scale) if shift is None else shift - mean * scale
+        d3, y3 = d.reshape(-1, self.run_length), y.reshape(-1, self.run_length)
+        if shift is None:
+            np.multiply(d3, scale[:, None], out=y3)
+        else:
+            w3 = work.reshape(-1, self.run_length)
+            np.multiply(d3, scale[:, None], out=w3)
+            np.add(w3, shift[:, None], out=y3)
+
+    def results(self):
+        """``(y, h, mean, rstd)`` in the plan's public shapes."""
+        plan = self.plan
+        mean = self.mean.reshape(plan.stats_shape) if plan.center else None
+        return self.y, self.h, mean, self.rstd.reshape(plan.stats_shape)
+

@@ -1,0 +1,135 @@
+"""NumPy executor speed in single-thread CPU time, against ``np.copyto`` and tutorial NumPy.
+
+On a shared 2-core machine wall times swing by 2x, so this script times each variant by
+``time.thread_time()`` of the calling thread with the executor and BLAS held to that thread
+(``_numpy.NUM_THREADS = 1``, ``OPENBLAS_NUM_THREADS=1``), interleaves the variants per round,
+and prints per case the median over rounds of each ratio with its min-max::
+
+    python asv_bench/numpy_speed.py [--rounds 9] [--cases "ln rows 8192x4096,..."] [--json F]
+
+Ratios: ``ours / copy`` (``np.copyto`` into a preallocated array of the same bytes: the
+issue's yardstick; ``ours`` allocates its output, whose first touch is part of its time),
+``ours / (empty + copy)`` (a copy into a freshly allocated array: the same page faults as
+ours), ``ours / naive`` (the tutorial formula, ``peers.naive_numpy``), float16 / float32
+(ours), and the peak extra memory (tracemalloc) in output sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import anynorm
+from anynorm import _numpy
+from benchmarks.common import MAIN_CASES, call_anynorm, numpy_inputs
+from benchmarks.peers import naive_numpy
+
+DEFAULT_CASES = MAIN_CASES + ["ln rows 8192x768", "ln convnext 32x384x14x14", "rms rows 8192x4096",
+                              "ln tiny 4x8"]
+
+
+def cpu_time(fn, min_seconds):
+    """CPU seconds of this thread per call of ``fn``, over enough calls to last ``min_seconds``."""
+    calls, total = 0, 0.0
+    while total < min_seconds or calls < 1:
+        start = time.thread_time()
+        fn()
+        total += time.thread_time() - start
+        calls += 1
+    return total / calls
+
+
+def cpu_time_batched(fn, min_seconds, batch=200):
+    """As :func:`cpu_time` for calls far shorter than the clock's resolution."""
+    calls, total = 0, 0.0
+    while total < min_seconds:
+        start = time.thread_time()
+        for _ in range(batch):
+            fn()
+        total += time.thread_time() - start
+        calls += batch
+    return total / calls
+
+
+def peak_memory(fn, nbytes):
+    fn()
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1] / nbytes
+    finally:
+        tracemalloc.stop()
+
+
+def measure(name, rounds, min_seconds):
+    """Per-round times of each variant of case ``name``; returns a dict of lists (seconds)."""
+    x, w, b, _ = numpy_inputs(name, np.dtype("float32"))
+    x16, w16, b16, _ = (a.copy() for a in numpy_inputs(name, np.dtype("float16")))
+    out = np.empty_like(x)
+    small = x.size < 4096
+    timer = cpu_time_batched if small else cpu_time
+    variants = {
+        "copy": lambda: np.copyto(out, x),
+        "empty+copy": lambda: np.copyto(np.empty_like(x), x),
+        "ours": lambda: call_anynorm(anynorm, name, x, w, b),
+        "naive": lambda: naive_numpy(name, x, w, b),
+        "ours f16": lambda: call_anynorm(anynorm, name, x16, w16, b16),
+    }
+    for fn in variants.values():
+        fn()
+    times = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, fn in variants.items():
+            times[k].append(timer(fn, min_seconds))
+    times["memory"] = peak_memory(variants["ours"], x.nbytes)
+    times["memory f16"] = peak_memory(variants["ours f16"], x16.nbytes)
+    return times
+
+
+def ratio(times, a, b):
+    r = [p / q for p, q in zip(times[a], times[b])]
+    return statistics.median(r), min(r), max(r)
+
+
+def fmt(r):
+    return f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--min-seconds", type=float, default=0.15)
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    _numpy.NUM_THREADS = 1
+    rows = {}
+    print("| case | ours ms | copy ms | ours/copy | ours/(empty+copy) | ours/naive | f16/f32 | memory f32, f16 |")
+    print("|---|---:|---:|---|---|---|---|---|")
+    for name in args.cases.split(","):
+        t = measure(name, args.rounds, args.min_seconds)
+        rows[name] = t
+        print(f"| {name} | {statistics.median(t['ours']) * 1e3:.3f} | {statistics.median(t['copy']) * 1e3:.3f}"
+              f" | {fmt(ratio(t, 'ours', 'copy'))} | {fmt(ratio(t, 'ours', 'empty+copy'))}"
+              f" | {fmt(ratio(t, 'ours', 'naive'))} | {fmt(ratio(t, 'ours f16', 'ours'))}"
+              f" | {t['memory']:.2f}, {t['memory f16']:.2f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
