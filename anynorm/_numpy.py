@@ -1,11 +1,12 @@
 """The NumPy executor: the reference arithmetic, blocked so that memory is touched once.
 
 Forward calls on C-contiguous arrays go to one of two specialised paths first:
-:mod:`anynorm._numpy_rows` (statistics over trailing axes: layer/RMS norm rows, NCHW
-instance/group norm) and :mod:`anynorm._numpy_columns` (statistics over a middle axis:
-channels-first layer norm, NHWC instance/group norm), both in L2-sized blocks, with float16
-converted per block by :mod:`anynorm._numpy_half`.  Everything else (strided views, odd axes,
-backward) runs the general blocking below.
+:mod:`anynorm._numpy_rows` (statistics over trailing axes: layer/RMS norm rows; NCHW
+instance/group norm in float16) and :mod:`anynorm._numpy_columns` (statistics over a middle
+axis: channels-first layer norm; NHWC instance/group norm in float16), in cache-sized blocks,
+with float16 converted per block by :mod:`anynorm._numpy_half`.  Everything else (float32
+instance/group norm, strided views, odd axes, backward) runs the general blocking below,
+whose float16 inputs are converted by the same routine.
 
 The view of ``x`` is cut into boxes that hold whole normalized slices (every reduced axis
 full) and fit in a core's cache (``BLOCK_BYTES`` of accumulation-dtype elements).  Per box,
