@@ -13,11 +13,22 @@
 
 using namespace anynorm;
 
-#define ROW_BLOCK 256
+// Largest block of the block-per-row kernels. Their launch bound caps ptxas at 64 registers
+// (65536 / 1024), which keeps any power-of-two block of them at 32 warps per SM (50%).
+#define ROW_BLOCK_MAX 1024
 
-// The threads that share one row: a warp, or the whole block of ROW_BLOCK threads.
+// The backward holds two values per item: float64 rows (not tuned for speed) stop at 256
+// threads, which leaves ptxas all its registers (at 512 it spilled); the others take
+// ROW_BLOCK_MAX at ITEMS=8 (and 16-bit types at 16). _compile's block_threads_max mirrors
+// these bounds.
+template <typename T> struct BwdBlockMax {
+    static const int value = sizeof(T) == 8 ? 256 : ROW_BLOCK_MAX;
+};
+
+// The threads that share one row: a warp, or the whole block (any power of two of warps up
+// to ROW_BLOCK_MAX: the launcher sizes it to the row).
 struct WarpTeam {
-    static const int SIZE = 32;
+    __device__ __forceinline__ static int size() { return 32; }
     __device__ __forceinline__ static int rank() { return threadIdx.x & 31; }
     // rows are dealt out warp by warp over the grid
     __device__ __forceinline__ static long long first_row() {
@@ -34,7 +45,7 @@ struct WarpTeam {
 };
 
 struct BlockTeam {
-    static const int SIZE = ROW_BLOCK;
+    __device__ __forceinline__ static int size() { return blockDim.x; }
     __device__ __forceinline__ static int rank() { return threadIdx.x; }
     __device__ __forceinline__ static long long first_row() { return blockIdx.x; }
     __device__ __forceinline__ static long long row_stride() { return gridDim.x; }
@@ -48,12 +59,12 @@ struct BlockTeam {
     }
 };
 
-// Offset in the row of (thread `rank`, item k); 32-bit (rows here hold <= 256 * 32 elements).
-// Vector mode: each thread owns runs of V contiguous elements (one 16-byte access per run);
-// scalar mode: rank + SIZE * k, coalesced across the team.
-template <int V, int SIZE>
-__device__ __forceinline__ int team_item(int k, int rank, bool vec) {
-    return vec ? (k / V) * SIZE * V + rank * V + (k % V) : k * SIZE + rank;
+// Offset in the row of (thread `rank` of a team of `size`, item k); 32-bit (rows here hold
+// <= 1024 * 16 elements). Vector mode: each thread owns runs of V contiguous elements (one
+// 16-byte access per run); scalar mode: rank + size * k, coalesced across the team.
+template <int V>
+__device__ __forceinline__ int team_item(int k, int rank, int size, bool vec) {
+    return vec ? (k / V) * size * V + rank * V + (k % V) : k * size + rank;
 }
 
 // Parameter index of offset `idx` in the row starting at element `base`.
@@ -62,7 +73,7 @@ __device__ __forceinline__ long long row_param(long long base, int idx, bool pla
 }
 
 // Read the row into v as v - shift (x, or h = x + res with h written); zeros past the end.
-template <typename T, int ITEMS, int SIZE>
+template <typename T, int ITEMS, typename Team>
 __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restrict__ x,
                                          const T* __restrict__ res, T* __restrict__ h, int count,
                                          int rank, bool vec, acc_t<T> shift = acc_t<T>(0)) {
@@ -71,7 +82,7 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
     if (vec) {
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; k += V) {
-            const int idx = team_item<V, SIZE>(k, rank, true);
+            const int idx = team_item<V>(k, rank, Team::size(), true);
             if (idx < count) {
                 Vec16<T> xv = load16(x + idx);
                 if (res) {
@@ -90,7 +101,7 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
     } else {
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; ++k) {
-            const int idx = team_item<V, SIZE>(k, rank, false);
+            const int idx = team_item<V>(k, rank, Team::size(), false);
             if (idx < count) {
                 T xv = x[idx];
                 if (res) {
@@ -106,14 +117,14 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
 }
 
 // Write v (in the accumulation type) to the row of y.
-template <typename T, int ITEMS, int SIZE>
+template <typename T, int ITEMS, typename Team>
 __device__ __forceinline__ void store_row(T* __restrict__ y, const acc_t<T> (&v)[ITEMS], int count,
                                           int rank, bool vec) {
     const int V = VecLen<T>::value;
     if (vec) {
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; k += V) {
-            const int idx = team_item<V, SIZE>(k, rank, true);
+            const int idx = team_item<V>(k, rank, Team::size(), true);
             if (idx < count) {
                 Vec16<T> out;
                 ANYNORM_UNROLL
@@ -124,7 +135,7 @@ __device__ __forceinline__ void store_row(T* __restrict__ y, const acc_t<T> (&v)
     } else {
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; ++k) {
-            const int idx = team_item<V, SIZE>(k, rank, false);
+            const int idx = team_item<V>(k, rank, Team::size(), false);
             if (idx < count) y[idx] = from_acc<T>(v[k]);
         }
     }
@@ -163,7 +174,7 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
     // Two passes over the registers, of d = v - shift: mean(d), then sum((d - mean(d))^2).
     const A shift = center ? row_shift(x, res) : A(0);
     A v[ITEMS];
-    load_row<T, ITEMS, Team::SIZE>(v, x, res, h, count, rank, vec, shift);
+    load_row<T, ITEMS, Team>(v, x, res, h, count, rank, vec, shift);
     const A n = A(count);
     A mu = A(0);
     if (center) {
@@ -175,7 +186,7 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
     A ss = A(0);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) {
-        if (team_item<V, Team::SIZE>(k, rank, vec) < count) {
+        if (team_item<V>(k, rank, Team::size(), vec) < count) {
             const A d = v[k] - mu;
             ss += d * d;
         }
@@ -188,13 +199,13 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
     if (y == 0) return;
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) {
-        const int idx = team_item<V, Team::SIZE>(k, rank, vec);
+        const int idx = team_item<V>(k, rank, Team::size(), vec);
         if (idx < count) {
             const long long p = row_param(base, idx, plain, map);
             v[k] = (v[k] - mu) * r * weight_at(w, p) + bias_at(b, p);
         }
     }
-    store_row<T, ITEMS, Team::SIZE>(y, v, count, rank, vec);
+    store_row<T, ITEMS, Team>(y, v, count, rank, vec);
 }
 
 // Where the backward adds up dy * xhat and dy for dweight/dbias: `add` per item, `end_row`
@@ -219,12 +230,13 @@ template <typename A, int ITEMS> struct RegisterSums : NoRowEnd {
 
 // In shared memory at the position (2 * count values): a block team's threads own disjoint
 // positions, and no register is spent, so the block kernels keep their plain occupancy.
+// Interleaved, wb[2p] = sum dy * xhat, wb[2p + 1] = sum dy: one pointer (on sm_80 a second one
+// made ptxas spill at ITEMS=16 under the 64-register bound).
 template <typename A> struct SharedSums : NoRowEnd {
-    A* w;
-    A* b;
+    A* wb;
     __device__ __forceinline__ void add(int, int idx, A d, A xhat) {
-        w[idx] += d * xhat;
-        b[idx] += d;
+        wb[2 * idx] += d * xhat;
+        wb[2 * idx + 1] += d;
     }
 };
 
@@ -279,8 +291,8 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     // the row's offset into every xhat, and through mean(g * xhat) into dx (as in the forward).
     const A shift = center ? row_shift(x, (const T*)0) : A(0);
     A g[ITEMS], xh[ITEMS];
-    load_row<T, ITEMS, Team::SIZE>(xh, x, (const T*)0, (T*)0, count, rank, vec, shift);
-    load_row<T, ITEMS, Team::SIZE>(g, dy, (const T*)0, (T*)0, count, rank, vec);
+    load_row<T, ITEMS, Team>(xh, x, (const T*)0, (T*)0, count, rank, vec, shift);
+    load_row<T, ITEMS, Team>(g, dy, (const T*)0, (T*)0, count, rank, vec);
     A mu = A(0);
     if (center) {
         A s = A(0);
@@ -291,7 +303,7 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     A sg = A(0), sgx = A(0);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) {
-        const int idx = team_item<V, Team::SIZE>(k, rank, vec);
+        const int idx = team_item<V>(k, rank, Team::size(), vec);
         if (idx < count) {
             xh[k] = (xh[k] - mu) * r;
             sums.add(k, idx, g[k], xh[k]);  // g is still dy here
@@ -306,7 +318,7 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     const A mgx = sgx / n;
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) g[k] = r * (g[k] - mg - xh[k] * mgx);
-    store_row<T, ITEMS, Team::SIZE>(dx, g, count, rank, vec);
+    store_row<T, ITEMS, Team>(dx, g, count, rank, vec);
 }
 
 // The row loop of every backward row kernel.
@@ -342,7 +354,7 @@ __device__ __forceinline__ void store_register_sums(acc_t<T>* __restrict__ part_
         if (warp == q) {
             ANYNORM_UNROLL
             for (int k = 0; k < ITEMS; ++k) {
-                const int idx = team_item<V, 32>(k, rank, vec);
+                const int idx = team_item<V>(k, rank, 32, vec);
                 if (idx < count) {
                     if (q > 0) {
                         sums.w[k] += exchange[idx];
@@ -424,11 +436,10 @@ __global__ void rows_bwd_warp_params(
                                   rows_vec<T, ITEMS>((int)count, x, dy, dx), exchange);
 }
 
-// Medium rows: one block of ROW_BLOCK threads per row, grid-stride over rows. The launch
-// bound lets ptxas keep the forward's registers low (ITEMS=16: 48 instead of 117 on sm_90);
-// on the backward it made ptxas spill, so that one goes without.
+// Medium rows: one block per row (blockDim.x threads, a power of two up to ROW_BLOCK_MAX),
+// grid-stride over rows.
 template <typename T, int ITEMS>
-__global__ void __launch_bounds__(ROW_BLOCK) rows_fwd_block(
+__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
         const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
         acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
@@ -444,7 +455,7 @@ __global__ void __launch_bounds__(ROW_BLOCK) rows_fwd_block(
 }
 
 template <typename T, int ITEMS>
-__global__ void rows_bwd_block(
+__global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         long long rows, long long count, long long p_div, long long p_len, int center, int param_in_t) {
@@ -457,7 +468,7 @@ __global__ void rows_bwd_block(
 
 // As rows_bwd_warp_row_params, one block per row.
 template <typename T, int ITEMS>
-__global__ void rows_bwd_block_row_params(
+__global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_row_params(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
@@ -472,7 +483,7 @@ __global__ void rows_bwd_block_row_params(
 // As rows_bwd_warp_params, one block per row; the sums wait in dynamic shared memory
 // (2 * count values of A), then the block copies them out.
 template <typename T, int ITEMS>
-__global__ void rows_bwd_block_params(
+__global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_params(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
@@ -482,16 +493,15 @@ __global__ void rows_bwd_block_params(
     __shared__ A smem[64];
     const int n = (int)count;
     SharedSums<A> sums;
-    sums.w = dynamic_shared<A>();
-    sums.b = sums.w + n;
-    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) sums.w[i] = A(0);
+    sums.wb = dynamic_shared<A>();
+    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) sums.wb[i] = A(0);
     __syncthreads();
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, n, 1, count, center, smem, sums);
     __syncthreads();
     const long long base = (long long)blockIdx.x * count;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        part_w[base + i] = sums.w[i];
-        if (part_b) part_b[base + i] = sums.b[i];
+        part_w[base + i] = sums.wb[2 * i];
+        if (part_b) part_b[base + i] = sums.wb[2 * i + 1];
     }
 }
 

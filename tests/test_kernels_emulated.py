@@ -232,9 +232,9 @@ def test_selftest_bad_launch_is_caught(selftest):
 
 # Register-cache sizes built per dtype: all for float32, a subset elsewhere to keep the cold
 # compile short (V = 16 / itemsize elements per vector: each dtype gets scalar and vector sizes).
-BUILD_ITEMS = {"float32": (1, 2, 4, 8, 16, 32, 64), "float64": (1, 2, 8, 16), "float16": (1, 8, 16),
-               "bfloat16": (2, 8, 64)}
-ROWS_BLOCK, BLOCK, ROW_BLOCK = 128, 256, 256
+BUILD_ITEMS = {"float32": (1, 2, 4, 8, 16), "float64": (1, 2, 8, 16), "float16": (1, 8, 16),
+               "bfloat16": (2, 8, 16)}
+ROWS_BLOCK, BLOCK = 128, 256  # warp-per-row block, others (block-per-row: row_threads)
 FINISH_BLOCK = (32, 16)  # param_grad_finish
 
 
@@ -466,11 +466,11 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
                                          width, case.p_div, case.p_len, center, eps, 0),
                                         shared_mem=_tile_bytes(case, dtype, width, 1), **launch)
     elif path in ("warp", "block"):  # rows held in registers: a warp or a 256-thread block per row
-        per_row = 32 if path == "warp" else ROW_BLOCK
+        per_row = 32 if path == "warp" else row_threads(reduced, items)
         assert inner == 1 and reduced <= per_row * items
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
         kernels(f"rows_fwd_{path}", dtype, items)(
-            (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
+            (grid,), (ROWS_BLOCK if path == "warp" else per_row,),
             (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps, 0),
             **launch)
     else:
@@ -526,7 +526,7 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     if path in ("warp", "block"):
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
         kernels(f"rows_bwd_{path}", dtype, items)(
-            (grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
+            (grid,), (ROWS_BLOCK if path == "warp" else row_threads(reduced, items),),
             (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len, center, 0), **launch)
         return dxd.get_float()
     nchunk = _ceil(reduced, chunk)
@@ -580,6 +580,12 @@ def _items(dtype, count, kernel="rows_fwd_warp", width=32):
     return next(k for k in items_built(kernel, dtype) if width * k >= count)
 
 
+def row_threads(count, items):
+    """The block of a block-per-row kernel, as the launcher sizes it: a power of two of
+    threads (at least a warp) holding ``count`` elements at ``items`` each."""
+    return 1 << max(5, (_ceil(count, items) - 1).bit_length())
+
+
 def check_forward(kernels, case, dtype, *, center=1, weight=True, bias=True, residual=False,
                   want_y=True, eps=1e-5, seed=0, **kw):
     x, w, b = _data(case, dtype, seed)
@@ -617,7 +623,7 @@ def check_backward(kernels, case, dtype, *, center=1, weight=True, eps=1e-5, see
 
 # ---- rows, one warp per row ----------------------------------------------------------------------
 
-_COUNTS = {"float32": (1, 3, 7, 31, 32, 33, 100, 127, 128, 129, 257, 1000, 1024),
+_COUNTS = {"float32": (1, 3, 7, 31, 32, 33, 100, 127, 128, 129, 257, 500, 512),
            "float64": (1, 3, 33, 64, 257, 512), "float16": (1, 7, 32, 33, 255, 257, 512),
            "bfloat16": (3, 31, 64, 256)}
 _ROW_CASES = [(d, c) for d in DTYPES for c in _COUNTS[d]]
@@ -682,7 +688,8 @@ _BLOCK_CASES = [(d, c) for d in DTYPES for c in _BLOCK_COUNTS[d]]
 
 
 def _block_items(dtype, count, kernel="rows_fwd_block"):
-    return _items(dtype, count, kernel, ROW_BLOCK)
+    return next(k for k in items_built(kernel, dtype)
+                if row_threads(count, k) <= _compile.block_threads_max(kernel, dtype))
 
 
 @pytest.mark.parametrize("dtype,count", _BLOCK_CASES)
@@ -691,7 +698,8 @@ def test_rows_block_forward(kernels, dtype, count):
 
 
 @pytest.mark.parametrize("dtype,count", [(d, c) for d, c in _BLOCK_CASES
-                                         if c <= ROW_BLOCK * _compile.items_of("rows_bwd_block", d)[-1]])
+                                         if c <= _compile.block_threads_max("rows_bwd_block", d)
+                                         * _compile.items_of("rows_bwd_block", d)[-1]])
 def test_rows_block_backward(kernels, dtype, count):
     check_backward(kernels, layer_norm_rows(3, count), dtype, path="block",
                    items=_block_items(dtype, count, "rows_bwd_block"))
@@ -724,7 +732,9 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     ``per_row``), then param_grad_finish: dx, dweight and dbias against float64 formulas."""
     A = ACC[dtype]
     kind = "row_params" if per_row else "params"
-    items = _items(dtype, case.reduced, f"rows_bwd_{path}_{kind}", 32 if path == "warp" else ROW_BLOCK)
+    kernel_name = f"rows_bwd_{path}_{kind}"
+    items = (_items(dtype, case.reduced, kernel_name) if path == "warp"
+             else _block_items(dtype, case.reduced, kernel_name))
     x, w, _ = _data(case, dtype, 5)
     dy = np.random.default_rng(6).standard_normal(case.shape)
     xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
@@ -739,7 +749,7 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     smem = 0 if path == "warp" or per_row else 2 * case.reduced * np.dtype(A).itemsize
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
-    kernel((grid,), (ROWS_BLOCK if path == "warp" else ROW_BLOCK,),
+    kernel((grid,), (ROWS_BLOCK if path == "warp" else row_threads(case.reduced, items),),
            (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A) if center else None,
             emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer, case.reduced,
             *((case.p_len,) if per_row else ()), center, 0), shared_mem=smem, schedule=schedule)
@@ -757,10 +767,10 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
 
 # (path, dtype, rows, count, grid): rows dealt to fewer teams than rows (several rows per
 # team, teams with none), odd and vector-wide counts, one team per block and four per block.
-_FUSED_ROWS = [("warp", "float32", 9, 1000, 1), ("warp", "float32", 37, 33, 3), ("warp", "float64", 11, 64, 2),
-               ("warp", "float16", 13, 257, 2), ("warp", "bfloat16", 6, 64, 4), ("warp", "float32", 3, 1, 2),
+_FUSED_ROWS = [("warp", "float32", 9, 250, 1), ("warp", "float32", 37, 33, 3), ("warp", "float64", 11, 64, 2),
+               ("warp", "float16", 13, 255, 2), ("warp", "bfloat16", 6, 64, 4), ("warp", "float32", 3, 1, 2),
                ("block", "float32", 5, 2049, 2), ("block", "float16", 7, 1024, 3), ("block", "float64", 4, 3001, 3),
-               ("block", "bfloat16", 3, 2048, 1), ("block", "float32", 3, 16384, 2),  # 128 KiB of sums
+               ("block", "bfloat16", 3, 2048, 1), ("block", "bfloat16", 3, 16384, 2),  # 128 KiB of sums
                ("block", "bfloat16", 4, 12000, 3)]
 _FUSED_VARIANTS = {"ln": dict(), "rms": dict(center=0), "no_bias": dict(with_bias=False),
                    "misaligned": dict(offset=1), "reverse": dict(schedule=1)}

@@ -258,10 +258,10 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
 CASES = [
     ("layer_norm", (5, 1), {}, None),  # warp, ITEMS=1
     ("layer_norm", (7, 3), {}, None),
-    ("layer_norm", (6, 1000), {}, None),  # warp, ITEMS=32
-    ("layer_norm", (3, 1025), {}, None),  # block per row, ITEMS=8
-    ("layer_norm", (2, 8192), {}, None),  # block per row, ITEMS=32
-    ("layer_norm", (2, 9000), {}, None),  # block per row, ITEMS=64
+    ("layer_norm", (6, 1000), {}, None),  # block of 128 per row, ITEMS=8
+    ("layer_norm", (3, 1025), {}, None),  # block of 256 per row, ITEMS=8
+    ("layer_norm", (2, 8192), {}, None),  # block of 1024 per row, ITEMS=8
+    ("layer_norm", (2, 9000), {}, None),  # block of 1024 per row, ITEMS=16 (float32 backward: split)
     ("layer_norm", (2, 17000), {}, None),  # chunked rows, several chunks
     ("layer_norm", (2, 3, 4, 5), {"axis": 1}, None),  # columns (channels-first), one tile per o
     ("layer_norm", (3, 70, 33), {"axis": 1}, None),  # columns, tiles 16 wide (8 backward)
@@ -270,7 +270,7 @@ CASES = [
     ("rms_norm", (2, 17000), {"axis": -1, "eps": 1e-6}, None),
     ("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, None),
     ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, None),  # block per row, p per row
-    ("instance_norm", (2, 3, 90, 100), {"channel_axis": 1}, None),  # block per row (ITEMS=64), p per row
+    ("instance_norm", (2, 3, 90, 100), {"channel_axis": 1}, None),  # block per row (ITEMS=16), p per row
     ("instance_norm", (2, 4, 5, 3), {"channel_axis": -1}, None),  # NHWC columns
     ("instance_norm", (2, 3, 4, 5), {"channel_axis": 1}, (0, 2, 3, 1)),  # channels-last memory
     ("group_norm", (2, 6, 4, 5), {"channel_axis": 1, "num_groups": 3}, None),
@@ -363,7 +363,7 @@ def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
 @pytest.mark.parametrize("dtype, shape, fused", [
     ("float32", (70, 100), "rows_bwd_warp_params"),  # 70 rows: 2 blocks of 4 warps (16 rows a warp)
     ("bfloat16", (40, 3000), "rows_bwd_block_params"),
-    ("float64", (6, 1000), None),  # float64 at ITEMS=32 would spill: the plain kernel, then params.cu
+    ("float64", (6, 1000), "rows_bwd_block_params"),  # past the warp sums' 256: a block, sums in smem
 ])
 def test_launch_row_backward_sums_params_on_the_way(emulated, monkeypatch, dtype, shape, fused):
     """Layer/RMS norm rows: the row backward writes dweight/dbias partial sums per position
@@ -385,11 +385,11 @@ def test_launch_row_backward_sums_params_on_the_way(emulated, monkeypatch, dtype
     assert "param_grad_rows" in names and not {n for n in names if n.endswith("_params")}
 
 
-@pytest.mark.parametrize("dtype, one_pass", [("float32", True), ("bfloat16", True), ("float64", False)])
+@pytest.mark.parametrize("dtype, one_pass", [("float32", False), ("bfloat16", True), ("float64", False)])
 def test_launch_row_backward_up_to_16384_in_registers(emulated, monkeypatch, dtype, one_pass):
-    """Rows of 8193-16384: the backward holds them in a block's registers (ITEMS=64), its
-    dweight/dbias sums in shared memory (96 KiB), but in float64, which would spill there
-    and takes the chunked path."""
+    """Rows of 8193-16384: the 16-bit backward holds them in a block's registers (1024
+    threads, ITEMS=16, 64 registers), its dweight/dbias sums in shared memory (96 KiB);
+    float32 (ITEMS=16 would spill under that bound) and float64 take the chunked path."""
     names = _record_launches(monkeypatch)
     _check("layer_norm", (3, 12000), {}, dtype)
     chunked = {"rows_grad_partial", "grad_finalize", "apply_bwd"}

@@ -29,12 +29,13 @@ F = torch.nn.functional
 # (op, shape, kwargs, kernel path)
 CASES = [
     ("layer_norm", (256, 4096), {}, "rows_fwd_block"),
-    ("layer_norm", (64, 768), {}, "rows_fwd_warp"),
+    ("layer_norm", (64, 768), {}, "rows_fwd_block"),
     ("layer_norm", (64, 100), {}, "rows_fwd_warp"),
+    ("layer_norm", (64, 500), {}, "rows_fwd_warp"),
     ("layer_norm", (3, 20000), {}, "rows_stats_partial"),
     ("instance_norm", (4, 8, 64), {"channel_axis": 1}, "rows_fwd_warp"),
     ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, "rows_fwd_block"),
-    ("rms_norm", (64, 768), {"axis": -1, "eps": 1e-6}, "rows_fwd_warp"),
+    ("rms_norm", (64, 768), {"axis": -1, "eps": 1e-6}, "rows_fwd_block"),
 ]
 # Where torch is itself at float32 rounding (RMS norm has no cancellation), a few ulps of y.
 FLOOR = 1e-6
@@ -86,7 +87,7 @@ def test_offset_rows_forward_half_of_torchs_error(emulated, monkeypatch, case, o
 
 
 @pytest.mark.parametrize("offset", [1e4, 1e6])
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 3, 4)], ids=[IDS[i] for i in (0, 2, 3, 4)])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 2, 4, 5)], ids=[IDS[i] for i in (0, 2, 4, 5)])
 def test_offset_rows_mean_is_the_true_mean(emulated, case, offset):  # noqa: F811
     """The written mean is shift + mean(d): the exact mean rounded once (within 1 ulp)."""
     op, shape, kw, _ = case
@@ -123,7 +124,7 @@ def backward_errors(op, shape, kw, offset):
 
 
 @pytest.mark.parametrize("offset", [1e4, 1e6])
-@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 4, 5)], ids=[IDS[i] for i in (0, 1, 2, 4, 5)])
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 2, 3, 5, 6)], ids=[IDS[i] for i in (0, 1, 2, 3, 5, 6)])
 def test_offset_rows_backward_half_of_torchs_error(emulated, monkeypatch, case, offset):  # noqa: F811
     """The register kernels' dx: mean(d) from the row in registers, not the rounded saved mean."""
     op, shape, kw, path = case

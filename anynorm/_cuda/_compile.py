@@ -14,17 +14,18 @@ import threading
 
 from ._sources import SOURCE_FILES, read_source
 
-__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "BLOCK_ITEMS", "items_of", "name_expression",
-           "name_expressions", "instantiations", "get_kernel", "nvrtc_options", "nvrtc_check"]
+__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "BLOCK_ITEMS", "items_of", "block_threads_max",
+           "name_expression", "name_expressions", "instantiations", "get_kernel", "nvrtc_options", "nvrtc_check"]
 
 # Kernel dtype key (the dtype's name) -> C++ element type.
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 # Register-cache sizes (elements per thread) of the warp-per-row kernels (rows of up to
-# 32 * ITEMS elements) and of the block-per-row kernels (256 threads: up to 256 * ITEMS).
-# Rows up to 16384 are read once; the backward, which holds two values per element, stops
-# at 8192 in float64 (_ITEMS_MAX).
-WARP_ITEMS = (1, 2, 4, 8, 16, 32)
-BLOCK_ITEMS = (8, 16, 32, 64)
+# 32 * ITEMS elements) and of the block-per-row kernels (blocks of a power of two of threads,
+# up to BLOCK_THREADS_MAX: rows of up to 1024 * 16). ITEMS stop where ptxas would need more
+# registers than the occupancy floors allow (tests/test_kernels_occupancy.py): warp rows past
+# 512 elements (past 256 with the dweight/dbias sums in registers) go to the block kernels.
+WARP_ITEMS = (1, 2, 4, 8, 16)
+BLOCK_ITEMS = (8, 16)
 KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block",
                 "rows_bwd_warp_params", "rows_bwd_block_params", "rows_bwd_warp_row_params",
@@ -37,13 +38,15 @@ KERNELS = {
 }
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
           "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS,
-          "rows_bwd_warp_params": WARP_ITEMS, "rows_bwd_block_params": BLOCK_ITEMS,
+          "rows_bwd_warp_params": WARP_ITEMS[:4], "rows_bwd_block_params": BLOCK_ITEMS,
           "rows_bwd_warp_row_params": WARP_ITEMS, "rows_bwd_block_row_params": BLOCK_ITEMS}
-# Sizes that would spill registers in float64 (ptxas): the block backward at ITEMS=64, and
-# the warp backward that keeps two more sums per item in registers at ITEMS=32. Those rows
-# take the split path, or the plain kernel and params.cu.
-_ITEMS_MAX = {("rows_bwd_block", "float64"): 32, ("rows_bwd_block_params", "float64"): 32,
-              ("rows_bwd_block_row_params", "float64"): 32, ("rows_bwd_warp_params", "float64"): 16}
+# The float32 block backward at ITEMS=16 would spill under its 64-register bound: float32
+# rows of 8193-16384 elements take the split path backward.
+_ITEMS_MAX = {(k, "float32"): 8 for k in ("rows_bwd_block", "rows_bwd_block_params", "rows_bwd_block_row_params")}
+# Threads of a block-per-row kernel (rows.cu's launch bounds: ROW_BLOCK_MAX, BwdBlockMax).
+BLOCK_THREADS_MAX = 1024
+_BLOCK_THREADS_MAX = {(k, "float64"): 256 for k in ("rows_bwd_block", "rows_bwd_block_params",
+                                                     "rows_bwd_block_row_params")}
 _FILE_OF = {kernel: file for file, kernels in KERNELS.items() for kernel in kernels}
 # Our own NVRTC options; CuPy adds its include paths, -std=c++17, -ftz=true and -arch.
 OPTIONS = ("-DANYNORM_NVRTC=1",)
@@ -57,6 +60,11 @@ def items_of(kernel: str, dtype: str | None = None) -> tuple:
     items = _ITEMS.get(kernel, ())
     limit = _ITEMS_MAX.get((kernel, dtype))
     return items if limit is None else tuple(k for k in items if k <= limit)
+
+
+def block_threads_max(kernel: str, dtype: str) -> int:
+    """The largest block a block-per-row kernel is compiled for (its launch bound)."""
+    return _BLOCK_THREADS_MAX.get((kernel, dtype), BLOCK_THREADS_MAX)
 
 
 def name_expression(kernel: str, dtype: str, items: int | None = None) -> str:

@@ -21,13 +21,13 @@ import numpy as np
 
 from . import _buffers
 from ._args import NULL, f64, i32, i64
-from ._compile import WARP_ITEMS, get_kernel, items_of
+from ._compile import block_threads_max, get_kernel, items_of
 from ._interop import TensorRef
 from ._layout import plan_layout
 
 __all__ = ["forward", "backward", "acc_dtype", "param_in_t", "kernel_params", "DeviceInfo", "device_info", "opt_in"]
 
-_ROWS_BLOCK, _ROW_BLOCK, _BLOCK = 128, 256, 256  # warp-per-row block, block-per-row, others
+_ROWS_BLOCK, _BLOCK = 128, 256  # warp-per-row block, others (block-per-row: sized to the row)
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
 _VECTOR = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}  # elements per 16 bytes
 _MAX_X = 2**31 - 1
@@ -119,16 +119,22 @@ def _grid_1d(n, per_block, cap=None):
     return min(blocks, cap or 64 * _target_blocks(), _MAX_X)
 
 
-def _row_kernel(prefix, rows, count, dtype):
+def _row_kernel(prefix, rows, count, dtype, warp=None):
     """(kernel, grid, block, ITEMS) of the register-resident row kernels for ``count``, or
-    None when the row is longer than they hold in ``dtype``."""
-    for items in WARP_ITEMS:
+    None when the row is longer than they hold in ``dtype``: the warp kernel (``warp``, else
+    ``{prefix}_warp``, whose ITEMS decide how long a row it takes) with the smallest ITEMS
+    that holds the row, else the block kernel with the smallest ITEMS and a power of two of
+    threads holding it (powers of two keep the SM's warps whole: 64 registers x any of them
+    is 32 warps, 50%)."""
+    for items in items_of(warp or f"{prefix}_warp", dtype):
         if 32 * items >= count:
             return f"{prefix}_warp", (_grid_1d(rows, _ROWS_BLOCK // 32),), (_ROWS_BLOCK,), items
-    items = next((k for k in items_of(f"{prefix}_block", dtype) if _ROW_BLOCK * k >= count), None)
-    if items is None:
-        return None
-    return f"{prefix}_block", (_grid_1d(rows, 1),), (_ROW_BLOCK,), items
+    kernel = f"{prefix}_block"
+    for items in items_of(kernel, dtype):
+        threads = 1 << max(5, (_ceil(count, items) - 1).bit_length())
+        if threads <= block_threads_max(kernel, dtype):
+            return kernel, (_grid_1d(rows, 1),), (threads,), items
+    return None
 
 
 def _split(length, parallel, target, min_chunk, align=1):
@@ -376,7 +382,10 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
     acc = acc_dtype(dtype)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
     pdiv, plen = i64(layout.p_div), i64(layout.p_len)
-    row = _row_kernel("rows_bwd", outer, reduced, dtype) if layout.rows else None
+    # plain rows whose warp kernel keeps dweight/dbias sums in registers: shorter ones only
+    plain_sums = param_grads is not None and layout.p_div == 1 and layout.p_len == reduced
+    row = (_row_kernel("rows_bwd", outer, reduced, dtype, "rows_bwd_warp_params" if plain_sums else None)
+           if layout.rows else None)
     if row is not None:
         kernel, grid, block, items = row
         fused = None if param_grads is None else _row_params(layout, dtype, kernel, grid, block, items)
