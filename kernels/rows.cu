@@ -1,10 +1,11 @@
 // Rows family (inner == 1): every normalized slice is `count` contiguous elements.
 //
-// Short rows (count <= 32 * ITEMS): one warp per row; medium rows (count <= 256 * ITEMS):
-// one 256-thread block per row. Either way a "team" of threads holds the row in registers
-// (ITEMS values per thread) and takes exact two-pass statistics from them: x is read once,
-// y written once. Long rows: rows_*_partial reduce chunks of a row per block; the chunks are
-// merged by finish.cu (stats_finalize / grad_finalize) and applied by apply_fwd / apply_bwd.
+// Short rows (count <= 32 * ITEMS): one warp per row; medium rows (count <= blockDim.x *
+// ITEMS): one block per row, sized to the row. Either way a "team" of threads holds the row
+// in registers (ITEMS values per thread) and takes exact two-pass statistics of
+// d = v - shift from them: x is read once, y written once. Long rows: rows_*_partial reduce
+// chunks of a row per block; the chunks are merged by finish.cu (rows_stats_finalize /
+// grad_finalize) and applied by rows_apply_fwd / apply_bwd.
 // The backward's *_params variants also add up dweight/dbias partial sums on the way (per
 // position of plain rows, p = position in the row; per row where p is the row's channel), so
 // dy and x are not read again for them.
