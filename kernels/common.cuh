@@ -274,4 +274,29 @@ template <typename T> __device__ __forceinline__ acc_t<T> bias_at(const Param<T>
     return param_value(b, p, acc_t<T>(0));
 }
 
+// V = 16 / sizeof(T) consecutive weights (or biases) from position p (a multiple of V) in
+// 16-byte loads: one for parameters in T, sizeof(A) / sizeof(T) in A. The caller checks
+// param_vec_ok (16-byte aligned, or null: `none` everywhere).
+template <typename T> __device__ __forceinline__ bool param_vec_ok(const Param<T>& q) {
+    return aligned16_or_null(q.ptr);
+}
+
+template <typename T>
+__device__ __forceinline__ void param_vec(const Param<T>& q, int p, acc_t<T> (&out)[VecLen<T>::value],
+                                          acc_t<T> none) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value, VA = VecLen<A>::value;
+    if (!q.ptr) {
+        for (int j = 0; j < V; ++j) out[j] = none;
+    } else if (q.in_t) {
+        const Vec16<T> t = load16(static_cast<const T*>(q.ptr) + p);
+        for (int j = 0; j < V; ++j) out[j] = to_acc(t.v[j]);
+    } else {
+        for (int h = 0; h < V; h += VA) {
+            const Vec16<A> t = load16(static_cast<const A*>(q.ptr) + p + h);
+            for (int j = 0; j < VA; ++j) out[h + j] = t.v[j];
+        }
+    }
+}
+
 }  // namespace anynorm

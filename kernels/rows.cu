@@ -198,12 +198,26 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
         if (mean) mean[row] = shift + mu;
     }
     if (y == 0) return;
-    ANYNORM_UNROLL
-    for (int k = 0; k < ITEMS; ++k) {
-        const int idx = team_item<V>(k, rank, Team::size(), vec);
-        if (idx < count) {
-            const long long p = row_param(base, idx, plain, map);
-            v[k] = (v[k] - mu) * r * weight_at(w, p) + bias_at(b, p);
+    if (vec && plain && param_vec_ok(w) && param_vec_ok(b)) {  // w, b in 16-byte vectors too
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; k += V) {
+            const int idx = team_item<V>(k, rank, Team::size(), true);
+            if (idx < count) {
+                A wv[V], bv[V];
+                param_vec(w, idx, wv, A(1));
+                param_vec(b, idx, bv, A(0));
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) v[k + j] = (v[k + j] - mu) * r * wv[j] + bv[j];
+            }
+        }
+    } else {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) {
+            const int idx = team_item<V>(k, rank, Team::size(), vec);
+            if (idx < count) {
+                const long long p = row_param(base, idx, plain, map);
+                v[k] = (v[k] - mu) * r * weight_at(w, p) + bias_at(b, p);
+            }
         }
     }
     store_row<T, ITEMS, Team>(y, v, count, rank, vec);

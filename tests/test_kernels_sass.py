@@ -9,8 +9,9 @@ cubins are not read by the CUDA 13 tools here), ``cuobjdump -sass`` lists it.
   length ``V = 16 / sizeof(T)``, count a multiple of V, aligned buffers: rows.cu's ``vec``):
   each thread's x (and dy) loads are ``LDG.E.128``, one per V items, and y (dx) stores
   ``STG.E.128``; the scalar fallback is there too, so these are counted, not required alone.
-* weight/bias in 16-byte vectors: not yet (``weight_at`` reads them element by element,
-  issue 14's "weight and bias loaded once per thread as 16-byte vectors"): xfail.
+* the forward reads weight/bias of plain rows in 16-byte vectors too (``param_vec``; the
+  backward still reads the weight element by element, and neither keeps them in registers
+  across the rows a thread handles).
 
 nvcc (CUDA 13.0 here) is not the NVRTC (13.5) that compiles at run time: a proxy of the
 code a GPU runs, not that code.
@@ -118,10 +119,9 @@ def test_rows_move_in_16_byte_vectors(rows_sass):
     assert not short, short
 
 
-@pytest.mark.xfail(reason="weight/bias are read element by element (weight_at), not as 16-byte vectors",
-                   strict=True)
 def test_forward_reads_weight_and_bias_in_16_byte_vectors(rows_sass):
-    """With weight and bias in x's dtype: x, w and b, one LDG.E.128 per V items each."""
+    """Plain rows in vectors (forward_row's param_vec): x, w and b, at least one LDG.E.128 per
+    V items each (w and b in the accumulation type take sizeof(A)/sizeof(T) each)."""
     dtype, code = rows_sass
     for kernel, items, name in _instantiations(dtype):
         if kernel.startswith("rows_fwd") and items % VEC[dtype] == 0:
