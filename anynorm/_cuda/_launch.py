@@ -33,12 +33,14 @@ _VECTOR = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}  # elements 
 _MAX_X = 2**31 - 1
 _BLOCKS_PER_SM = 4  # what a launch aims for (_target_blocks)
 _TILE_THREADS = 256  # tiles.cu's block
-# Dynamic shared memory per tile block, tried in turn (None: the device's opt-in limit).
-# 64 KiB keeps 3 blocks on an H100 SM. Past that a tile of up to the whole opt-in limit
-# (227 KiB on H100, 163 KiB on A100; 1-2 blocks per SM) still reads x once where the split
-# path reads it twice; it is taken when it gives at least a block per SM (with fewer, the
+# Dynamic shared memory per tile block, tried in turn: first the share of an SM that keeps
+# _TILE_BLOCKS_PER_SM blocks on it (the forward's register allocation allows 4: 50% occupancy;
+# 52 KiB on an H100, 36 KiB on an A100), then the device's whole opt-in limit (227 KiB on
+# H100, 163 KiB on A100; 1-2 blocks per SM), which still reads x once where the split path
+# reads it twice; that one is taken when it gives at least a block per SM (with fewer, the
 # split path, which also cuts the reduced axis, spreads the work wider).
-_TILE_SMEM_CAPS = (64 * 1024, None)
+_TILE_BLOCKS_PER_SM = 4
+_SMEM_RESERVED = 1024  # per block, taken by the driver on sm_80 and sm_90
 _DEFAULT_SMEM = 48 * 1024  # static + dynamic shared memory a block gets without opting in
 _SECTOR = 32  # bytes: a tile row narrower than one DRAM sector wastes bandwidth
 _FINISH_BLOCK = (32, 16)  # param_grad_finish: 32 parameters x 16 lanes over the chunks
@@ -202,17 +204,33 @@ _ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params: its block sum and Inde
 
 
 def _tile_budgets(dtype) -> tuple:
-    """Dynamic shared memory one tile block may take on the current device, per tier of
-    ``_TILE_SMEM_CAPS``."""
-    limit = _smem_limit() - _tile_static_smem(dtype)
-    return tuple(limit if cap is None else min(cap, limit) for cap in _TILE_SMEM_CAPS)
+    """Dynamic shared memory one tile block may take on the current device, per tier: the
+    share that keeps ``_TILE_BLOCKS_PER_SM`` blocks on an SM, then the opt-in limit. An SM
+    holds the opt-in limit plus one block's reservation (228 KiB on H100, 164 on A100)."""
+    static = _tile_static_smem(dtype)
+    optin = _smem_limit()
+    share = (optin + _SMEM_RESERVED) // _TILE_BLOCKS_PER_SM - _SMEM_RESERVED - static
+    return (max(0, share), optin - static)
+
+
+def tile_params_fit(layout) -> bool:
+    """Whether tiles.cu finds the parameter index ``p = (e / p_div) % p_len`` of its
+    elements: from the column alone (``p_div * p_len`` divides inner: NHWC instance and
+    group norm, or no parameters) or as the row (``p = r``: channels-first layer norm)."""
+    return (layout.inner % (layout.p_div * layout.p_len) == 0
+            or (layout.p_div == layout.inner and layout.p_len == layout.reduced))
 
 
 def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
     """Inner positions per block of tiles.cu (a multiple of ``group``), or None: the tile
     (``copies`` arrays of ``reduced x width`` elements) must fit ``budget`` bytes with rows
     of at least one sector (or all of ``inner``). Of the widths that fit, the widest that
-    still makes ``target`` blocks, else the narrowest (small grids wait on load latency)."""
+    still makes ``target`` blocks, else the narrowest (small grids wait on load latency).
+    Narrower than those come widths in whole 16-byte vectors (multiples of
+    ``lcm(group, 16 / itemsize)``, at least 16 bytes) that are not whole sectors, for small
+    spatial extents with many channels (ConvNeXt's 64x768x7x7 makes 256 tiles of 16
+    bfloat16 columns, 448 of 8): the neighbouring tile, which reads the rest of a sector,
+    runs at the same time (adjacent blockIdx.x) and finds it in L2."""
     fit = min(budget // (copies * reduced * itemsize), _TILE_THREADS)
     sector = max(1, _SECTOR // itemsize)
     step = math.lcm(group, sector)
@@ -220,6 +238,9 @@ def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
     widths = [w for w in range(fit - fit % step, 0, -step) if w < inner and w * itemsize >= _SECTOR]
     if inner <= fit:
         widths.insert(0, inner)
+    vector = math.lcm(group, max(1, 16 // itemsize))
+    below = min(widths[-1] if widths else fit + 1, fit + 1, inner)
+    widths += [w for w in range((below - 1) // vector * vector, 0, -vector) if w * itemsize >= 16]
     for width in widths:
         if outer * _ceil(inner, width) >= target:
             return width
@@ -230,7 +251,7 @@ def _tile(layout, dtype, copies):
     """(width, grid, dynamic smem bytes) of the tile kernels, or None when no tile fits:
     the first budget of ``_tile_budgets`` that holds one wins, a later one only with at
     least a block per SM."""
-    if layout.rows:
+    if layout.rows or not tile_params_fit(layout):
         return None
     itemsize = 16 // _VECTOR[dtype]
     target = _target_blocks()
