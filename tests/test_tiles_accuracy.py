@@ -1,5 +1,6 @@
-"""Columns far from zero (issue 15): the shared-memory tile kernels (``kernels/tiles.cu``) on
-float32 slices offset by 1e4 and 1e6, on the CPU emulator.
+"""Columns far from zero (issue 15): the shared-memory tile kernels (``kernels/tiles.cu``) and
+the split forward (``kernels/cols.cu`` + ``stats_finalize``) on float32 slices offset by 1e4
+and 1e6, on the CPU emulator.
 
 Cases: channels-first layer norm (NCHW 8x96x14x14: statistics over C, ``p = r``), NHWC
 instance norm and NHWC group norm (``p = i``, group 1 and 8). The forward's ``y`` must come
@@ -86,6 +87,12 @@ def tiles():
     return emu.build_many([([KERNELS / "tiles.cu", KERNELS / "params.cu"], names, "tiles-accuracy")])[0]
 
 
+@pytest.fixture(scope="module")
+def split():
+    names = ["cols_stats_partial<float>", "cols_apply_fwd<float>", "stats_finalize<float>"]
+    return emu.build_many([([KERNELS / "cols.cu", KERNELS / "finish.cu"], names, "cols-accuracy")])[0]
+
+
 def _ceil(a, b):
     return -(-a // b)
 
@@ -140,7 +147,28 @@ def run_tile_backward(tiles, case, dy, x, w, mean, rstd):
     return dxd.get_float().reshape(case.shape), dw.get_float()
 
 
-def forward_errors(tiles, case, offset):
+CHUNK = 40  # rows per chunk of the split forward: 3 to 5 chunks per column here
+
+
+def run_split_forward(split, case, x, w, b):
+    """cols_stats_partial -> stats_finalize -> cols_apply_fwd, as _launch._split_columns."""
+    nchunk = _ceil(case.reduced, CHUNK)
+    slices = case.outer * case.inner // case.group
+    ws = [emu.empty(case.outer * nchunk * case.inner, "float32") for _ in range(3)]
+    xd, yd = emu.to_device(x.reshape(-1)), emu.empty(x.size, "float32")
+    shifted, md, sd = (emu.empty(slices, "float32") for _ in range(3))
+    grid = (_ceil(case.inner, 32), nchunk, case.outer)
+    split.get_function("cols_stats_partial<float>")(grid, (32, 8), (xd, None, None, *ws, case.outer, case.reduced,
+                                                                   case.inner, CHUNK, case.group, 1))
+    split.get_function("stats_finalize<float>")((1,), (BLOCK,), (*ws, shifted, sd, case.outer, nchunk, case.inner,
+                                                                 case.group, 1, 1e-5))
+    split.get_function("cols_apply_fwd<float>")(grid, (32, 8), (xd, yd, emu.to_device(w), emu.to_device(b), shifted,
+                                                               sd, md, case.outer, case.reduced, case.inner,
+                                                               case.group, CHUNK, case.p_div, case.p_len, 1, 0))
+    return yd.get_float().reshape(case.shape), md.get_float(), sd.get_float()
+
+
+def forward_errors(run, case, offset):
     """(kernel's max |y - y64|, comparator's, kernel's max |mean - mean64|) for one offset."""
     x, w, b, _ = _data(case, offset)
     mean, rstd = _stats64(case, x)
@@ -149,7 +177,7 @@ def forward_errors(tiles, case, offset):
     y64 = ((xv - mean) * rstd).reshape(case.shape) * w[p] + b[p]
     # the comparator: the true statistics, but the mean rounded to float32 before x - mean
     y_cmp = ((xv - mean.astype(np.float32).astype(np.float64)) * rstd).reshape(case.shape) * w[p] + b[p]
-    y, m, s = run_tile_forward(tiles, case, x, w, b)
+    y, m, s = run(case, x, w, b)
     np.testing.assert_allclose(s, rstd.reshape(-1), rtol=64 * F32_EPS)
     return (float(np.abs(y - y64).max()), float(np.abs(y_cmp - y64).max()),
             float(np.abs(m - mean.reshape(-1)).max()))
@@ -158,7 +186,19 @@ def forward_errors(tiles, case, offset):
 @pytest.mark.parametrize("offset", OFFSETS)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_tile_forward_far_from_zero(tiles, case, offset):
-    err, cmp_err, mean_err = forward_errors(tiles, case, offset)
+    check_forward(lambda *a: run_tile_forward(tiles, *a), case, offset)
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_split_forward_far_from_zero(split, case, offset):
+    """The columns' split path (long reduced axes): the partial states are of v - shift, the
+    slice's first element, and y is formed from v - shift as in the tiles."""
+    check_forward(lambda *a: run_split_forward(split, *a), case, offset)
+
+
+def check_forward(run, case, offset):
+    err, cmp_err, mean_err = forward_errors(run, case, offset)
     y_scale = 4.0  # |y| <~ |xhat| * |w| + |b|: a few units
     assert err <= 16 * F32_EPS * y_scale, f"{case} at {offset:g}: y error {err:.3g} (comparator {cmp_err:.3g})"
     assert err <= 0.5 * cmp_err, f"{case} at {offset:g}: y error {err:.3g} vs comparator {cmp_err:.3g}"

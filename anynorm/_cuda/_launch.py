@@ -302,12 +302,8 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
         _launch("rows_stats_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
                 (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced), i64(chunk)))
     else:
-        tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
-        chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
-        ws = _workspace((3, outer * nchunk * inner), dtype=acc)
-        _launch("cols_stats_partial", dtype, (tiles, nchunk, zdim), (32, 8),
-                (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced),
-                 i64(inner), i64(chunk)))
+        _split_columns(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, pin)
+        return
     slices = layout.slices
     _launch("stats_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], ws[2], _ptr(mean), rstd, i64(outer), i64(nchunk), i64(inner),
@@ -317,6 +313,33 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
                 (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), rstd,
                  i64(layout.total), i64(reduced), i64(inner), i64(group), i64(layout.p_div),
                  i64(layout.p_len), center, pin))
+
+
+def _split_columns(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, pin):
+    """The columns' split forward: cols_stats_partial (Welford states of v - shift per
+    (o, chunk, i), shift = the slice's first element) -> stats_finalize (the mean of
+    v - shift, into scratch, and rstd) -> cols_apply_fwd (y from v - shift, and the mean)."""
+    acc = acc_dtype(dtype)
+    center, eps = i32(plan.center), f64(plan.eps)
+    outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
+    tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
+    chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
+    ws = _workspace((3, outer * nchunk * inner), dtype=acc)
+    grid = (tiles, nchunk, zdim)
+    _launch("cols_stats_partial", dtype, grid, (32, 8),
+            (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced), i64(inner),
+             i64(chunk), i64(group), center))
+    slices = layout.slices
+    shifted = _workspace((1, slices), dtype=acc)[0] if plan.center else None
+    _launch("stats_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], ws[2], _ptr(shifted), rstd, i64(outer), i64(nchunk), i64(inner),
+             i64(group), center, eps))
+    if y is None and mean is None:
+        return
+    _launch("cols_apply_fwd", dtype, grid, (32, 8),
+            (h if res is not None else src, _ptr(y), _ptr(w), _ptr(b), _ptr(shifted), rstd, _ptr(mean),
+             i64(outer), i64(reduced), i64(inner), i64(group), i64(chunk), i64(layout.p_div),
+             i64(layout.p_len), center, pin))
 
 
 def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd, param_in_t=0):
