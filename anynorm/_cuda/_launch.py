@@ -41,6 +41,20 @@ _TILE_THREADS = 256  # tiles.cu's block
 # split path, which also cuts the reduced axis, spreads the work wider).
 _TILE_BLOCKS_PER_SM = 4
 _SMEM_RESERVED = 1024  # per block, taken by the driver on sm_80 and sm_90
+
+
+class _SMShare:
+    """A tile budget: the share of an SM's shared memory that keeps ``blocks`` blocks on it."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def __repr__(self):
+        return f"_SMShare({self.blocks})"
+
+
+# The budgets in turn: an _SMShare, a byte count, or None (the opt-in limit).
+_TILE_SMEM_CAPS = (_SMShare(_TILE_BLOCKS_PER_SM), None)
 _DEFAULT_SMEM = 48 * 1024  # static + dynamic shared memory a block gets without opting in
 _SECTOR = 32  # bytes: a tile row narrower than one DRAM sector wastes bandwidth
 _FINISH_BLOCK = (32, 16)  # param_grad_finish: 32 parameters x 16 lanes over the chunks
@@ -204,13 +218,17 @@ _ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params: its block sum and Inde
 
 
 def _tile_budgets(dtype) -> tuple:
-    """Dynamic shared memory one tile block may take on the current device, per tier: the
-    share that keeps ``_TILE_BLOCKS_PER_SM`` blocks on an SM, then the opt-in limit. An SM
-    holds the opt-in limit plus one block's reservation (228 KiB on H100, 164 on A100)."""
+    """Dynamic shared memory one tile block may take on the current device, per tier of
+    ``_TILE_SMEM_CAPS``. An SM holds the opt-in limit plus one block's reservation (228 KiB
+    on H100, 164 KiB on A100), so ``_SMShare(4)`` is 52 KiB on an H100."""
     static = _tile_static_smem(dtype)
-    optin = _smem_limit()
-    share = (optin + _SMEM_RESERVED) // _TILE_BLOCKS_PER_SM - _SMEM_RESERVED - static
-    return (max(0, share), optin - static)
+    limit = _smem_limit() - static
+    budgets = []
+    for cap in _TILE_SMEM_CAPS:
+        if isinstance(cap, _SMShare):
+            cap = (_smem_limit() + _SMEM_RESERVED) // cap.blocks - _SMEM_RESERVED - static
+        budgets.append(limit if cap is None else max(0, min(cap, limit)))
+    return tuple(budgets)
 
 
 def tile_params_fit(layout) -> bool:
