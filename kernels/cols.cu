@@ -12,12 +12,25 @@ using namespace anynorm;
 #define COLS_X 32
 #define COLS_Y 8
 
-// Welford state of column i over reduced[c*chunk : (c+1)*chunk] for each o.
+// The value of slice (o, i / group)'s first element, row 0 of the group's first column
+// (x + res rounded to T with a residual, as h holds it): the shift of the split forward.
+template <typename T>
+__device__ __forceinline__ acc_t<T> slice_shift(const T* __restrict__ x, const T* __restrict__ res, long long o,
+                                                long long reduced, long long inner, long long i, long long group) {
+    const long long e = o * reduced * inner + (i - i % group);
+    return to_acc(res ? add_in_dtype(x[e], res[e]) : x[e]);
+}
+
+// Welford state of d = v - shift over column i's rows reduced[c*chunk : (c+1)*chunk], for
+// each o, with shift the slice's first element (slice_shift; 0 where center == 0, RMS):
+// stats_finalize turns the states into the mean of d and rstd, and cols_apply_fwd forms
+// y from v - shift, exact near the data (the mean itself, rounded to the data's magnitude,
+// never meets v).
 template <typename T>
 __global__ void cols_stats_partial(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,
                                    acc_t<T>* __restrict__ ws_n, acc_t<T>* __restrict__ ws_mean,
                                    acc_t<T>* __restrict__ ws_m2, long long outer, long long reduced,
-                                   long long inner, long long chunk) {
+                                   long long inner, long long chunk, long long group, int center) {
     typedef acc_t<T> A;
     __shared__ A sn[COLS_Y][COLS_X], smean[COLS_Y][COLS_X], sm2[COLS_Y][COLS_X];
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -28,6 +41,7 @@ __global__ void cols_stats_partial(const T* __restrict__ x, const T* __restrict_
     for (long long o = blockIdx.z; o < outer; o += gridDim.z) {
         Welford<A> s = welford_empty<A>();
         if (i < inner) {
+            const A shift = center ? slice_shift(x, res, o, reduced, inner, i, group) : A(0);
             for (long long r = start + ty; r < end; r += COLS_Y) {
                 const long long e = (o * reduced + r) * inner + i;
                 T v = x[e];
@@ -35,7 +49,7 @@ __global__ void cols_stats_partial(const T* __restrict__ x, const T* __restrict_
                     v = add_in_dtype(v, res[e]);
                     h[e] = v;
                 }
-                welford_push(s, to_acc(v));
+                welford_push(s, to_acc(v) - shift);
             }
         }
         sn[ty][tx] = s.n;
@@ -56,6 +70,42 @@ __global__ void cols_stats_partial(const T* __restrict__ x, const T* __restrict_
             ws_m2[k] = s.m2;
         }
         __syncthreads();
+    }
+}
+
+// The split forward's output from the shifted statistics: with shift the slice's first
+// element (slice_shift) and c = mean(v - shift) (stats_finalize's mean of cols_stats_partial's
+// states, in ws_c), y = ((v - shift) - c) * rstd * w + b and mean = shift + c (nullable:
+// written by row 0 of each statistic's first column). RMS (center == 0): shift = c = 0, ws_c
+// and mean null. y nullable (the mean alone). Launch as cols_stats_partial: block (32, 8),
+// grid (ceil(inner/32), nchunk, min(outer, 65535)), rows reduced[c*chunk : (c+1)*chunk].
+template <typename T>
+__global__ void cols_apply_fwd(const T* __restrict__ src, T* __restrict__ y, const void* __restrict__ w_arg,
+                               const void* __restrict__ b_arg, const acc_t<T>* __restrict__ ws_c,
+                               const acc_t<T>* __restrict__ rstd, acc_t<T>* __restrict__ mean,
+                               long long outer, long long reduced, long long inner, long long group,
+                               long long chunk, long long p_div, long long p_len, int center,
+                               int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
+    typedef acc_t<T> A;
+    const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
+    const long long i = (long long)blockIdx.x * COLS_X + threadIdx.x;
+    if (i >= inner) return;
+    const long long start = (long long)blockIdx.y * chunk;
+    const long long end = start + chunk < reduced ? start + chunk : reduced;
+    for (long long o = blockIdx.z; o < outer; o += gridDim.z) {
+        const long long s = o * (inner / group) + i / group;
+        const A shift = center ? to_acc(src[o * reduced * inner + (i - i % group)]) : A(0);
+        const A c = center ? ws_c[s] : A(0);
+        if (mean && blockIdx.y == 0 && threadIdx.y == 0 && i % group == 0) mean[s] = shift + c;
+        if (!y) continue;
+        const A rs = rstd[s];
+        for (long long r = start + threadIdx.y; r < end; r += COLS_Y) {
+            const long long e = (o * reduced + r) * inner + i;
+            const long long p = param_at(map, e);
+            y[e] = from_acc<T>(((to_acc(src[e]) - shift) - c) * rs * weight_at(w, p) + bias_at(b, p));
+        }
     }
 }
 

@@ -200,19 +200,8 @@ __device__ __forceinline__ void apply_forward(const T* __restrict__ src, T* __re
         y[e] = forward_element(src[e], e, map, w, b, mean, mean_lo, rstd, center);
 }
 
-template <typename T>
-__global__ void apply_fwd(const T* __restrict__ src, T* __restrict__ y, const void* __restrict__ w_arg,
-                          const void* __restrict__ b_arg, const acc_t<T>* __restrict__ mean,
-                          const acc_t<T>* __restrict__ rstd, long long total, long long reduced,
-                          long long inner, long long group, long long p_div, long long p_len,
-                          int center, int param_in_t) {
-    const Param<T> w = {w_arg, param_in_t & 1};
-    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
-    const IndexMap map = block_index_map(reduced, inner, group, p_div, p_len);
-    apply_forward(src, y, w, b, mean, (const acc_t<T>*)0, rstd, total, map, center);
-}
-
-// Long rows after rows_stats_finalize: apply_fwd with the mean's rounding mean_lo (nullable).
+// Long rows after rows_stats_finalize: y = ((v - mean) - mean_lo) * rstd * w + b, with the
+// mean's rounding mean_lo (nullable); 16-byte vectors where src and y are aligned.
 template <typename T>
 __global__ void rows_apply_fwd(const T* __restrict__ src, T* __restrict__ y, const void* __restrict__ w_arg,
                                const void* __restrict__ b_arg, const acc_t<T>* __restrict__ mean,
@@ -226,7 +215,7 @@ __global__ void rows_apply_fwd(const T* __restrict__ src, T* __restrict__ y, con
 }
 
 // dx = rstd * (g - mean_g - xhat * mean_gx), g = dy * w (RMS: no mean_g term); vectors as
-// apply_fwd.
+// rows_apply_fwd.
 template <typename T>
 __global__ void apply_bwd(const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
                           const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,

@@ -17,9 +17,19 @@ using namespace anynorm;
 // Loads one thread keeps in flight before storing them to shared memory: scalars, 16-byte
 // vectors (4 x 16 bytes x 256 threads: 16 KiB per block).
 #define TILE_BATCH 8
-#define TILE_VEC_BATCH 4
-// Blocks per SM the register allocation must allow (float64 spills at 3).
-#define TILE_MIN_BLOCKS(T) (sizeof(T) == 8 ? 2 : 3)
+#define TILE_VEC_BATCH 2
+// Blocks per SM the register allocation must allow: the forward 4 x 256 threads (50%
+// occupancy, 64 registers), the backward, which holds twice the state, 3 (37.5%, 80);
+// float64 2 (128 registers: fewer spill).
+#define TILE_MIN_BLOCKS(T) (sizeof(T) == 8 ? 2 : 4)
+#define TILE_MIN_BLOCKS_BWD(T) (sizeof(T) == 8 ? 2 : 3)
+// The loops over a thread's rows stay rolled: unrolled, their loads in flight take the
+// registers that 4 blocks per SM do not have (ptxas spills float32 at 64).
+#ifdef ANYNORM_CUDA_EMU
+#define TILE_ROLLED
+#else
+#define TILE_ROLLED _Pragma("unroll 1")
+#endif
 
 // One thread's place in its block's tile: all `nrows` rows of the columns
 // [start, start + ncols) of inner, the first `valid_cols` of them inside inner.
@@ -160,9 +170,55 @@ __device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ x, cons
         load_rows<T, false>(tile, x, res, h, base, inner, t);
 }
 
-// Forward: mean = sum(v)/n, rstd = 1/sqrt(sum((v - mean)^2)/n + eps) over the tile's rows and
-// the group's columns (two passes over shared memory; RMS: mean 0), then
-// y = (v - mean) * rstd * w + b. y nullable (statistics only).
+// Where an element's parameter index p = (e / p_div) % p_len comes from, with
+// e = (o * reduced + r) * inner + i (the launcher takes the tile kernels only for these):
+// PARAM_COL where p_div * p_len divides inner: p = (i / p_div) % p_len, one per column
+// (NHWC instance/group norm: p = i; no parameters: p_div = p_len = 1);
+// PARAM_ROW where p_div == inner and p_len == reduced: p = r (channels-first layer norm).
+enum { PARAM_COL = 0, PARAM_ROW = 1 };
+
+__device__ __forceinline__ int param_mode(long long inner, long long p_div, long long p_len) {
+    return inner % (p_div * p_len) == 0 ? PARAM_COL : PARAM_ROW;
+}
+
+// The weight (or bias) of tile row r for a thread whose column's own parameter is `own`.
+template <int MODE, typename T>
+__device__ __forceinline__ acc_t<T> param_of_row(const Param<T>& q, acc_t<T> own, int r, acc_t<T> none) {
+    return MODE == PARAM_COL ? own : param_value(q, r, none);
+}
+
+// Relative size of a mean's rounding to A, with a little room: 4 ulps.
+template <typename A> __device__ __forceinline__ A mean_rounding() { return A(4) * A(1.1920928955078125e-7); }
+template <> __device__ __forceinline__ double mean_rounding<double>() { return 4 * 2.220446049250313e-16; }
+
+// y = ((v - shift) - c) * rs * w + b over the thread's rows of its column (mean = shift + c).
+// `wc`, `bc`: the column's own parameters (PARAM_COL).
+template <int MODE, typename T>
+__device__ __forceinline__ void write_y(T* __restrict__ y, const T* tile, const TilePlace& t, long long base,
+                                        long long inner, acc_t<T> shift, acc_t<T> c, acc_t<T> rs,
+                                        acc_t<T> wc, acc_t<T> bc, const Param<T>& w, const Param<T>& b) {
+    typedef acc_t<T> A;
+    const long long step = (long long)t.lanes * inner;
+    long long e = base + (long long)t.k * inner;
+    const A scale = rs * wc;
+    TILE_ROLLED
+    for (int r = t.k; r < t.nrows; r += t.lanes, e += step) {
+        const A d = (to_acc(tile[r * t.ncols + t.c]) - shift) - c;
+        if (MODE == PARAM_COL)
+            y[e] = from_acc<T>(d * scale + bc);
+        else
+            y[e] = from_acc<T>(d * rs * param_of_row<MODE>(w, A(1), r, A(1)) +
+                               param_of_row<MODE>(b, A(0), r, A(0)));
+    }
+}
+
+// Forward, shifted two-pass statistics over the tile's rows and the group's columns (n values):
+//   shift = v[first row, first column of the statistic]    (an element: v - shift is exact near it)
+//   c1 = sum(v - shift) / n,   d = (v - shift) - c1,   c2 = sum(d) / n   (c2: c1's rounding)
+//   mean = shift + (c1 + c2),  rstd = 1/sqrt(sum(d^2)/n - c2^2 + eps)
+//   y = ((v - shift) - (c1 + c2)) * rstd * w + b
+// so y never meets a mean rounded to the data's magnitude (RMS: shift = c1 = c2 = 0).
+// y nullable (statistics only).
 // grid (ceil(inner / width), min(outer, 65535)); dynamic smem reduced * width * sizeof(T).
 template <typename T>
 __global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS(T))
@@ -176,54 +232,107 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
     typedef acc_t<T> A;
     __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
     T* tile = dynamic_shared<T>();
-    const IndexMap& map = block_index_map(reduced, inner, group, p_div, p_len);
     const TilePlace t = tile_place(reduced, inner, group, width);
     const long long i = t.start + t.c;
+    const int mode = param_mode(inner, p_div, p_len);
+    A wc = A(1), bc = A(0);
+    if (mode == PARAM_COL && t.valid) {
+        const long long p = (i / p_div) % p_len;
+        wc = weight_at(w, p);
+        bc = bias_at(b, p);
+    }
     const A n = A(reduced * group);
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
         const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
-        const long long base = tile_base + t.c;
         load_tile(tile, x, res, h, tile_base, inner, t);
         __syncthreads();
-        A mu = A(0);
+        const T* col = tile + t.c;  // row r of the thread's column: col[r * ncols]
+        const A shift = center && t.valid ? to_acc(tile[t.stat_col]) : A(0);
+        A c1 = A(0);
         if (center) {
-            A sum = A(0), unused = A(0);
+            A s1 = A(0), unused = A(0);
             if (t.valid)
-                for (int r = t.k; r < t.nrows; r += t.lanes) sum += to_acc(tile[r * t.ncols + t.c]);
-            tile_sum2(sum, unused, t, part, column);
-            mu = sum / n;
+                TILE_ROLLED
+                for (int r = t.k; r < t.nrows; r += t.lanes) s1 += to_acc(col[r * t.ncols]) - shift;
+            tile_sum2(s1, unused, t, part, column);
+            c1 = s1 / n;
         }
-        // Second pass over the deviations: their sum corrects the first pass's rounding of the
-        // mean (corrected two-pass algorithm: var = (sum d^2 - (sum d)^2 / n) / n).
         A sd = A(0), ss = A(0);
         if (t.valid)
+            TILE_ROLLED
             for (int r = t.k; r < t.nrows; r += t.lanes) {
-                const A d = to_acc(tile[r * t.ncols + t.c]) - mu;
+                const A d = (to_acc(col[r * t.ncols]) - shift) - c1;
                 sd += d;
                 ss += d * d;
             }
         tile_sum2(sd, ss, t, part, column);
-        const A shift = center ? sd / n : A(0);
-        mu += shift;
-        const A var = ss / n - shift * shift;
-        const A rs = inv_sqrt((var > A(0) ? var : A(0)) + A(eps));
+        const A c2 = center ? sd / n : A(0);
+        const A c = c1 + c2;
+        const A var = ss / n - c2 * c2;
+        const A rs = inv_sqrt((var < A(0) ? A(0) : var) + A(eps));
         if (t.valid && t.k == 0 && t.c == t.stat_col) {
             const long long s = o * (inner / group) + i / group;
             if (rstd) rstd[s] = rs;  // optional, as in rows.cu
-            if (mean) mean[s] = mu;
+            if (mean) mean[s] = shift + c;
         }
-        if (y && t.valid)
-            for (int r = t.k; r < t.nrows; r += t.lanes) {
-                const long long e = base + (long long)r * inner;
-                const long long p = param_at(map, e);
-                y[e] = from_acc<T>((to_acc(tile[r * t.ncols + t.c]) - mu) * rs * weight_at(w, p) + bias_at(b, p));
-            }
+        if (y && t.valid) {
+            const long long base = tile_base + t.c;
+            if (mode == PARAM_COL)
+                write_y<PARAM_COL>(y, tile, t, base, inner, shift, c, rs, wc, bc, w, b);
+            else
+                write_y<PARAM_ROW>(y, tile, t, base, inner, shift, c, rs, wc, bc, w, b);
+        }
         __syncthreads();  // the tile is refilled for the next o
+    }
+}
+
+// The backward's two passes over the tile, with xhat = ((x - mean) - c) * rstd:
+// sums of g = dy * w, g * xhat, dy * xhat and dy over the thread's rows, then dx.
+template <int MODE, typename T>
+__device__ __forceinline__ void backward_sums(const T* dy_tile, const T* x_tile, const TilePlace& t,
+                                              acc_t<T> mu, acc_t<T> c, acc_t<T> rs, acc_t<T> wc,
+                                              const Param<T>& w, acc_t<T>* sums) {
+    typedef acc_t<T> A;
+    A sg = A(0), sgx = A(0), sdx = A(0), sd = A(0);
+    TILE_ROLLED
+    for (int r = t.k; r < t.nrows; r += t.lanes) {
+        const int j = r * t.ncols + t.c;
+        const A d = to_acc(dy_tile[j]);
+        const A xhat = ((to_acc(x_tile[j]) - mu) - c) * rs;
+        const A g = d * param_of_row<MODE>(w, wc, r, A(1));
+        sg += g;
+        sgx += g * xhat;
+        sdx += d * xhat;
+        sd += d;
+    }
+    sums[0] = sg;
+    sums[1] = sgx;
+    sums[2] = sdx;
+    sums[3] = sd;
+}
+
+template <int MODE, typename T>
+__device__ __forceinline__ void write_dx(T* __restrict__ dx, const T* dy_tile, const T* x_tile, const TilePlace& t,
+                                         long long base, long long inner, acc_t<T> mu, acc_t<T> c, acc_t<T> rs,
+                                         acc_t<T> wc, acc_t<T> mg, acc_t<T> mgx, const Param<T>& w) {
+    typedef acc_t<T> A;
+    const long long step = (long long)t.lanes * inner;
+    long long e = base + (long long)t.k * inner;
+    TILE_ROLLED
+    for (int r = t.k; r < t.nrows; r += t.lanes, e += step) {
+        const int j = r * t.ncols + t.c;
+        const A g = to_acc(dy_tile[j]) * param_of_row<MODE>(w, wc, r, A(1));
+        const A xhat = ((to_acc(x_tile[j]) - mu) - c) * rs;
+        dx[e] = from_acc<T>(rs * (g - mg - xhat * mgx));
     }
 }
 
 // Backward: g = dy * w, xhat = (x - mean) * rstd,
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (RMS: no mean(g) term).
+// The saved mean is the true mean rounded to A, half an ulp of the data's magnitude away:
+// the tile gives back that rounding, c = sum(x - mean) / n (x - mean is exact near the
+// mean), and xhat = ((x - mean) - c) * rstd. Where |c| exceeds a few ulps of the mean, the
+// mean given is not this tile's and is taken as it is (c = 0).
 // With part_w (nullable; part_b nullable too), also the parameter gradients' partial sums
 // sum(dy * xhat) and sum(dy) of the tile, for param_grad_finish, where the parameter index
 // is the tile's column or row:
@@ -232,7 +341,7 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
 //                    part[(o * gridDim.x + tile) * reduced + r] (chunk = (o, tile)).
 // Launch as cols_fwd_tile; dynamic smem 2 * reduced * width * sizeof(T) (dy tile, then x tile).
 template <typename T>
-__global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS(T))
+__global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS_BWD(T))
 cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
               const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
               acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long outer,
@@ -243,9 +352,10 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
     __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
     T* dy_tile = dynamic_shared<T>();
     T* x_tile = dy_tile + reduced * width;
-    const IndexMap& map = block_index_map(reduced, inner, group, p_div, p_len);
     const TilePlace t = tile_place(reduced, inner, group, width);
     const long long i = t.start + t.c;
+    const int mode = param_mode(inner, p_div, p_len);
+    const A wc = mode == PARAM_COL && t.valid ? weight_at(w, (i / p_div) % p_len) : A(1);
     const A n = A(reduced * group);
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
         const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
@@ -259,50 +369,52 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
             mu = center ? mean[s] : A(0);
             rs = rstd[s];
         }
-        A sg = A(0), sgx = A(0), sdx = A(0), sd = A(0);
-        if (t.valid)
-            for (int r = t.k; r < t.nrows; r += t.lanes) {
-                const int j = r * t.ncols + t.c;
-                const A d = to_acc(dy_tile[j]);
-                const A xhat = (to_acc(x_tile[j]) - mu) * rs;
-                const A g = d * weight_at(w, param_at(map, base + (long long)r * inner));
-                sg += g;
-                sgx += g * xhat;
-                sdx += d * xhat;
-                sd += d;
-            }
-        tile_sum2(sg, sgx, t, part, column);
-        const A mg = center ? sg / n : A(0);
-        const A mgx = sgx / n;
-        if (t.valid)
-            for (int r = t.k; r < t.nrows; r += t.lanes) {
-                const int j = r * t.ncols + t.c;
-                const long long e = base + (long long)r * inner;
-                const A g = to_acc(dy_tile[j]) * weight_at(w, param_at(map, e));
-                const A xhat = (to_acc(x_tile[j]) - mu) * rs;
-                dx[e] = from_acc<T>(rs * (g - mg - xhat * mgx));
-            }
+        A c = A(0);
+        if (center) {
+            A sx = A(0), unused = A(0);
+            if (t.valid)
+                TILE_ROLLED
+                for (int r = t.k; r < t.nrows; r += t.lanes) sx += to_acc(x_tile[r * t.ncols + t.c]) - mu;
+            tile_sum2(sx, unused, t, part, column);
+            c = sx / n;
+            if (!(fabs(c) <= mean_rounding<A>() * fabs(mu))) c = A(0);
+        }
+        A sums[4] = {A(0), A(0), A(0), A(0)};
+        if (t.valid && mode == PARAM_COL)
+            backward_sums<PARAM_COL>(dy_tile, x_tile, t, mu, c, rs, wc, w, sums);
+        else if (t.valid)
+            backward_sums<PARAM_ROW>(dy_tile, x_tile, t, mu, c, rs, wc, w, sums);
+        tile_sum2(sums[0], sums[1], t, part, column);
+        const A mg = center ? sums[0] / n : A(0);
+        const A mgx = sums[1] / n;
+        if (t.valid) {
+            if (mode == PARAM_COL)
+                write_dx<PARAM_COL>(dx, dy_tile, x_tile, t, base, inner, mu, c, rs, wc, mg, mgx, w);
+            else
+                write_dx<PARAM_ROW>(dx, dy_tile, x_tile, t, base, inner, mu, c, rs, wc, mg, mgx, w);
+        }
         if (part_w && !param_rows) {  // per column: the column's lanes add up (no group merge)
             TilePlace own = t;
             own.stat_col = t.c;
             own.ngroup = 1;
-            tile_sum2(sdx, sd, own, part, column);
+            tile_sum2(sums[2], sums[3], own, part, column);
             if (t.valid && t.k == 0) {
-                part_w[o * inner + i] = sdx;
-                if (part_b) part_b[o * inner + i] = sd;
+                part_w[o * inner + i] = sums[2];
+                if (part_b) part_b[o * inner + i] = sums[3];
             }
         } else if (part_w) {  // per row: warp by warp over the rows, lanes across the columns
-            if (t.k == 0) {  // the column's statistics, for every warp
+            if (t.k == 0) {  // the column's statistics, for every warp (mean = mu + c)
                 column[t.c] = mu;
                 column[TILE_THREADS + t.c] = rs;
+                part[t.c] = c;
             }
             __syncthreads();
             const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
             for (int r = warp; r < t.nrows; r += TILE_THREADS / 32) {
                 A rw = A(0), rb = A(0);
-                for (int c = lane; c < t.valid_cols; c += 32) {
-                    const A d = to_acc(dy_tile[r * t.ncols + c]);
-                    rw += d * (to_acc(x_tile[r * t.ncols + c]) - column[c]) * column[TILE_THREADS + c];
+                for (int k = lane; k < t.valid_cols; k += 32) {
+                    const A d = to_acc(dy_tile[r * t.ncols + k]);
+                    rw += d * ((to_acc(x_tile[r * t.ncols + k]) - column[k]) - part[k]) * column[TILE_THREADS + k];
                     rb += d;
                 }
                 rw = warp_sum(rw);

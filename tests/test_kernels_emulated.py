@@ -489,18 +489,18 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
                 kernels("rows_apply_fwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),
                                                  (src, yd, wd, bd, mean, lo, rstd, case.total, reduced,
                                                   case.p_div, case.p_len, center, 0), **launch)
-            get = lambda d: None if d is None else d.get_float()  # noqa: E731
-            return get(yd), get(hd), get(mean), get(rstd)
-        else:
-            kernels("cols_stats_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)),
-                                                 (32, 8), (xd, rd, hd, *ws, outer, reduced, inner, chunk),
-                                                 **launch)
-        kernels("stats_finalize", dtype)((grid or min(_ceil(case.slices, BLOCK), 65535),), (BLOCK,),
-                                         (*ws, mean, rstd, outer, nchunk, inner, group, center, eps), **launch)
-        if want_y:
-            kernels("apply_fwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),
-                                        (hd if res is not None else xd, yd, wd, bd, mean, rstd, case.total,
-                                         reduced, inner, group, case.p_div, case.p_len, center, 0), **launch)
+        else:  # shifted partials (v - the slice's first element): cols_apply_fwd writes y and the mean
+            cgrid = (_ceil(inner, 32), nchunk, grid or min(outer, 65535))
+            kernels("cols_stats_partial", dtype)(cgrid, (32, 8), (xd, rd, hd, *ws, outer, reduced, inner, chunk,
+                                                                  group, center), **launch)
+            shifted = _acc_buf(case.slices, dtype) if center else None
+            kernels("stats_finalize", dtype)((grid or min(_ceil(case.slices, BLOCK), 65535),), (BLOCK,),
+                                             (*ws, shifted, rstd, outer, nchunk, inner, group, center, eps),
+                                             **launch)
+            kernels("cols_apply_fwd", dtype)(cgrid, (32, 8),
+                                             (hd if res is not None else xd, yd, wd, bd, shifted, rstd, mean,
+                                              outer, reduced, inner, group, chunk, case.p_div, case.p_len,
+                                              center, 0), **launch)
     get = lambda d: None if d is None else d.get_float()  # noqa: E731
     return get(yd), get(hd), get(mean), get(rstd)
 

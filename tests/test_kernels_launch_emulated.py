@@ -333,6 +333,7 @@ def test_launch_tile_past_default_shared_memory(emulated, monkeypatch):
     """A 62.5 KiB tile: the kernel is opted in before the launch (the emulator, like a GPU,
     refuses more than 48 KiB of dynamic shared memory otherwise)."""
     monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (64 * 1024,))
+    monkeypatch.setattr(_launch, "_target_blocks", lambda: 2)  # 2 blocks of all 16 columns suffice
     monkeypatch.setattr(_launch, "_smem_allowed", {})
     names = _record_launches(monkeypatch)
     _check("layer_norm", (2, 1000, 4, 4), {"axis": 1}, "float32")
@@ -352,8 +353,8 @@ def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
     assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names
     assert not {"cols_stats_partial", "cols_grad_partial"} & names
 
-    # a "device" of 16 SMs: 4 samples x 2 tiles (1 for bfloat16) are too few blocks
-    monkeypatch.setattr(_launch, "_target_blocks", lambda: 16 * _launch._BLOCKS_PER_SM)
+    # a "device" of 32 SMs: 4 samples x 4 tiles of 16 bytes (2 for bfloat16) are too few blocks
+    monkeypatch.setattr(_launch, "_target_blocks", lambda: 32 * _launch._BLOCKS_PER_SM)
     names.clear()
     _check("instance_norm", (4, 30, 20, 16), {"channel_axis": -1}, dtype)
     assert {"cols_stats_partial", "cols_grad_partial"} <= names

@@ -198,19 +198,22 @@ def test_tile_width_fits_and_covers_whole_statistics(outer, reduced, per_group, 
                                                        budget, target):
     inner = per_group * group
     width = _launch.tile_width(outer, reduced, inner, group, itemsize, copies, budget, target)
-    if width is None:  # nothing fits: not even one sector-wide tile, nor all of inner
-        fit = budget // (copies * reduced * itemsize)
-        assert min(fit, 256) < group or (min(inner, fit, 256) * itemsize < 32 and inner > min(fit, 256))
+    fit = min(budget // (copies * reduced * itemsize), 256)
+    if width is None:  # nothing fits: not all of inner, no sector-wide tile, no 16-byte vectors
+        vector = math.lcm(group, 16 // itemsize)
+        assert inner > fit and fit // group * group * itemsize < 32 and fit // vector * vector * itemsize < 16
         return
     assert 1 <= width <= min(inner, 256) and width % group == 0
     assert copies * reduced * width * itemsize <= budget
-    assert width == inner or width * itemsize >= 32
+    # all of inner, whole sectors, or whole 16-byte vectors where sector-wide tiles are too few
+    assert width == inner or width * itemsize >= 32 or (width * itemsize >= 16 and width * itemsize % 16 == 0)
 
 
 @pytest.mark.parametrize("shape, dtype_size, copies, want", [
     ((64, 96, 56 * 56), 2, 1, 256),  # ConvNeXt stage 1, bfloat16 forward: the widest tile, 48 KiB
-    ((64, 768, 49), 2, 1, 16),  # stage 4: 128 blocks at width 32 are too few for 528; 16 gives 256
-    ((64, 768, 49), 4, 2, 8),  # float32 backward: 8 columns, one sector, two 24 KiB tiles
+    # stage 4: 128 blocks at width 32 and 256 at 16 are too few for 528; 16 bytes (8) give 448
+    ((64, 768, 49), 2, 1, 8),
+    ((64, 768, 49), 4, 2, 4),  # float32 backward: 8 columns give 448 blocks, 4 (16 bytes) 832
     ((64, 96, 56 * 56), 8, 2, 40),  # float64 backward: 42 columns fit, 40 in whole sectors
     ((64, 70000, 3), 4, 1, None),  # a long reduced axis: the split path
 ])
@@ -221,22 +224,23 @@ def test_tile_width_examples(shape, dtype_size, copies, want):
 
 
 @pytest.mark.parametrize("shape, dtype, copies, want", [
-    # NHWC instance norm 32 x 56 x 56 x 64: no 64 KiB tile holds 3136 rows of a sector, a
-    # 98 KiB one does (256 blocks: 2 per H100 SM); the backward's two tiles take 196 KiB
-    ((32, 3136, 64), "float32", 1, (8, 256, 3136 * 8 * 4)),
-    ((32, 3136, 64), "float32", 2, (8, 256, 2 * 3136 * 8 * 4)),
-    # bfloat16: a sector is 16 columns, 4 tiles x 32 samples = 128 blocks < 132 SMs: split
-    ((32, 3136, 64), "bfloat16", 1, None),
+    # NHWC instance norm 32 x 56 x 56 x 64: the first tier (52 KiB, 4 blocks per H100 SM)
+    # holds 3136 rows of 16 bytes (512 blocks); the backward's two tiles take the second
+    # tier (98 KiB: 8 columns make 256 blocks, 4 make 512)
+    ((32, 3136, 64), "float32", 1, (4, 512, 3136 * 4 * 4)),
+    ((32, 3136, 64), "float32", 2, (4, 512, 2 * 3136 * 4 * 4)),
+    # bfloat16: 8 columns (16 bytes), 256 blocks, in the first tier
+    ((32, 3136, 64), "bfloat16", 1, (8, 256, 3136 * 8 * 2)),
     ((32, 784, 256), "float32", 1, (8, 1024, 784 * 8 * 4)),  # the first tier holds it
-    ((64, 768, 49), "float32", 2, (8, 448, 2 * 768 * 8 * 4)),  # ConvNeXt stage 4 backward
+    ((64, 768, 49), "float32", 2, (4, 832, 2 * 768 * 4 * 4)),  # ConvNeXt stage 4 backward
     ((64, 70000, 3), "float32", 1, None),  # longer than any tile
 ])
 def test_tile_tiers_on_h100(monkeypatch, shape, dtype, copies, want):
-    """``_tile`` with an H100's budgets: 64 KiB first, then its 227 KiB opt-in limit."""
-    optin = 232448
-    monkeypatch.setattr(_launch, "_tile_budgets", lambda d: tuple(
-        min(cap or optin, optin - _launch._tile_static_smem(d)) for cap in _launch._TILE_SMEM_CAPS))
+    """``_tile`` with an H100's budgets: 52 KiB first (4 blocks per SM), then its 227 KiB
+    opt-in limit."""
+    monkeypatch.setattr(_launch, "_smem_limit", lambda: 232448)
     monkeypatch.setattr(_launch, "_target_blocks", lambda: _launch._BLOCKS_PER_SM * 132)
+    assert _launch._tile_budgets("float32")[0] == (232448 + 1024) // 4 - 1024 - _launch._tile_static_smem("float32")
     outer, reduced, inner = shape
     layout = _layout.Layout(order=(0, 1, 2), copy=False, outer=outer, reduced=reduced, inner=inner,
                             group=1, p_div=1, p_len=inner)

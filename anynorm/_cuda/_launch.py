@@ -33,12 +33,28 @@ _VECTOR = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}  # elements 
 _MAX_X = 2**31 - 1
 _BLOCKS_PER_SM = 4  # what a launch aims for (_target_blocks)
 _TILE_THREADS = 256  # tiles.cu's block
-# Dynamic shared memory per tile block, tried in turn (None: the device's opt-in limit).
-# 64 KiB keeps 3 blocks on an H100 SM. Past that a tile of up to the whole opt-in limit
-# (227 KiB on H100, 163 KiB on A100; 1-2 blocks per SM) still reads x once where the split
-# path reads it twice; it is taken when it gives at least a block per SM (with fewer, the
+# Dynamic shared memory per tile block, tried in turn: first the share of an SM that keeps
+# _TILE_BLOCKS_PER_SM blocks on it (the forward's register allocation allows 4: 50% occupancy;
+# 52 KiB on an H100, 36 KiB on an A100), then the device's whole opt-in limit (227 KiB on
+# H100, 163 KiB on A100; 1-2 blocks per SM), which still reads x once where the split path
+# reads it twice; that one is taken when it gives at least a block per SM (with fewer, the
 # split path, which also cuts the reduced axis, spreads the work wider).
-_TILE_SMEM_CAPS = (64 * 1024, None)
+_TILE_BLOCKS_PER_SM = 4
+_SMEM_RESERVED = 1024  # per block, taken by the driver on sm_80 and sm_90
+
+
+class _SMShare:
+    """A tile budget: the share of an SM's shared memory that keeps ``blocks`` blocks on it."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def __repr__(self):
+        return f"_SMShare({self.blocks})"
+
+
+# The budgets in turn: an _SMShare, a byte count, or None (the opt-in limit).
+_TILE_SMEM_CAPS = (_SMShare(_TILE_BLOCKS_PER_SM), None)
 _DEFAULT_SMEM = 48 * 1024  # static + dynamic shared memory a block gets without opting in
 _SECTOR = 32  # bytes: a tile row narrower than one DRAM sector wastes bandwidth
 _FINISH_BLOCK = (32, 16)  # param_grad_finish: 32 parameters x 16 lanes over the chunks
@@ -209,16 +225,36 @@ _ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params: its block sum and Inde
 
 def _tile_budgets(dtype) -> tuple:
     """Dynamic shared memory one tile block may take on the current device, per tier of
-    ``_TILE_SMEM_CAPS``."""
-    limit = _smem_limit() - _tile_static_smem(dtype)
-    return tuple(limit if cap is None else min(cap, limit) for cap in _TILE_SMEM_CAPS)
+    ``_TILE_SMEM_CAPS``. An SM holds the opt-in limit plus one block's reservation (228 KiB
+    on H100, 164 KiB on A100), so ``_SMShare(4)`` is 52 KiB on an H100."""
+    static = _tile_static_smem(dtype)
+    limit = _smem_limit() - static
+    budgets = []
+    for cap in _TILE_SMEM_CAPS:
+        if isinstance(cap, _SMShare):
+            cap = (_smem_limit() + _SMEM_RESERVED) // cap.blocks - _SMEM_RESERVED - static
+        budgets.append(limit if cap is None else max(0, min(cap, limit)))
+    return tuple(budgets)
+
+
+def tile_params_fit(layout) -> bool:
+    """Whether tiles.cu finds the parameter index ``p = (e / p_div) % p_len`` of its
+    elements: from the column alone (``p_div * p_len`` divides inner: NHWC instance and
+    group norm, or no parameters) or as the row (``p = r``: channels-first layer norm)."""
+    return (layout.inner % (layout.p_div * layout.p_len) == 0
+            or (layout.p_div == layout.inner and layout.p_len == layout.reduced))
 
 
 def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
     """Inner positions per block of tiles.cu (a multiple of ``group``), or None: the tile
     (``copies`` arrays of ``reduced x width`` elements) must fit ``budget`` bytes with rows
     of at least one sector (or all of ``inner``). Of the widths that fit, the widest that
-    still makes ``target`` blocks, else the narrowest (small grids wait on load latency)."""
+    still makes ``target`` blocks, else the narrowest (small grids wait on load latency).
+    Narrower than those come widths in whole 16-byte vectors (multiples of
+    ``lcm(group, 16 / itemsize)``, at least 16 bytes) that are not whole sectors, for small
+    spatial extents with many channels (ConvNeXt's 64x768x7x7 makes 256 tiles of 16
+    bfloat16 columns, 448 of 8): the neighbouring tile, which reads the rest of a sector,
+    runs at the same time (adjacent blockIdx.x) and finds it in L2."""
     fit = min(budget // (copies * reduced * itemsize), _TILE_THREADS)
     sector = max(1, _SECTOR // itemsize)
     step = math.lcm(group, sector)
@@ -226,6 +262,9 @@ def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
     widths = [w for w in range(fit - fit % step, 0, -step) if w < inner and w * itemsize >= _SECTOR]
     if inner <= fit:
         widths.insert(0, inner)
+    vector = math.lcm(group, max(1, 16 // itemsize))
+    below = min(widths[-1] if widths else fit + 1, fit + 1, inner)
+    widths += [w for w in range((below - 1) // vector * vector, 0, -vector) if w * itemsize >= 16]
     for width in widths:
         if outer * _ceil(inner, width) >= target:
             return width
@@ -236,7 +275,7 @@ def _tile(layout, dtype, copies):
     """(width, grid, dynamic smem bytes) of the tile kernels, or None when no tile fits:
     the first budget of ``_tile_budgets`` that holds one wins, a later one only with at
     least a block per SM."""
-    if layout.rows:
+    if layout.rows or not tile_params_fit(layout):
         return None
     itemsize = 16 // _VECTOR[dtype]
     target = _target_blocks()
@@ -278,28 +317,13 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
                  i64(reduced), i64(inner), i64(group), i64(width), i64(layout.p_div),
                  i64(layout.p_len), center, eps, pin), smem=smem)
         return
-    if rstd is None:  # no statistics wanted, but apply_fwd reads them
+    if rstd is None:  # no statistics wanted, but the split paths' apply reads them
         rstd = _workspace(layout.slices, acc)
         mean = _workspace(layout.slices, acc) if plan.center else None
     if layout.rows:
         _split_row_stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t)
-        return
     else:
-        tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
-        chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
-        ws = _workspace((3, outer * nchunk * inner), dtype=acc)
-        _launch("cols_stats_partial", dtype, (tiles, nchunk, zdim), (32, 8),
-                (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced),
-                 i64(inner), i64(chunk)))
-    slices = layout.slices
-    _launch("stats_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
-            (ws[0], ws[1], ws[2], _ptr(mean), rstd, i64(outer), i64(nchunk), i64(inner),
-             i64(group), center, eps))
-    if y is not None:
-        _launch("apply_fwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
-                (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), rstd,
-                 i64(layout.total), i64(reduced), i64(inner), i64(group), i64(layout.p_div),
-                 i64(layout.p_len), center, pin))
+        _split_columns(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, pin)
 
 
 def _split_row_stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t):
@@ -321,6 +345,33 @@ def _split_row_stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, para
         _launch("rows_apply_fwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
                 (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), _ptr(lo), rstd,
                  i64(layout.total), i64(reduced), i64(layout.p_div), i64(layout.p_len), center, pin))
+
+
+def _split_columns(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, pin):
+    """The columns' split forward: cols_stats_partial (Welford states of v - shift per
+    (o, chunk, i), shift = the slice's first element) -> stats_finalize (the mean of
+    v - shift, into scratch, and rstd) -> cols_apply_fwd (y from v - shift, and the mean)."""
+    acc = acc_dtype(dtype)
+    center, eps = i32(plan.center), f64(plan.eps)
+    outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
+    tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
+    chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
+    ws = _workspace((3, outer * nchunk * inner), dtype=acc)
+    grid = (tiles, nchunk, zdim)
+    _launch("cols_stats_partial", dtype, grid, (32, 8),
+            (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced), i64(inner),
+             i64(chunk), i64(group), center))
+    slices = layout.slices
+    shifted = _workspace((1, slices), dtype=acc)[0] if plan.center else None
+    _launch("stats_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], ws[2], _ptr(shifted), rstd, i64(outer), i64(nchunk), i64(inner),
+             i64(group), center, eps))
+    if y is None and mean is None:
+        return
+    _launch("cols_apply_fwd", dtype, grid, (32, 8),
+            (h if res is not None else src, _ptr(y), _ptr(w), _ptr(b), _ptr(shifted), rstd, _ptr(mean),
+             i64(outer), i64(reduced), i64(inner), i64(group), i64(chunk), i64(layout.p_div),
+             i64(layout.p_len), center, pin))
 
 
 def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd, param_in_t=0):

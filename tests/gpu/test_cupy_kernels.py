@@ -249,7 +249,7 @@ def test_inputs_are_not_modified(cp):
 def test_kernel_cache_reuses_compiled_functions(cp):
     from anynorm._cuda._compile import get_kernel
 
-    assert get_kernel("apply_fwd", "float32") is get_kernel("apply_fwd", "float32")
+    assert get_kernel("apply_bwd", "float32") is get_kernel("apply_bwd", "float32")
 
 
 def test_more_than_2_31_elements(cp):
