@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import types
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -187,6 +188,24 @@ def _backward(bound, plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin=0):
             (dyd, xd, wd, md, sd, dxd, dwd, dbd), pin & 1)
 
 
+
+def forward_float32(op, x, kw):
+    """``(plan, xd, md, sd, y)``: ``_launch.forward`` of the C-contiguous float32 ``x`` without
+    parameters, its device buffers (mean ``md`` None for RMS norm) and ``y`` on the host."""
+    plan = make_plan(op, x, **kw)
+    xd = _device(x, tuple(range(x.ndim)), "float32", 0)
+    yd = emu.empty(x.size, "float32")
+    n = math.prod(plan.stats_shape)
+    md = emu.empty(n, "float32") if plan.center else None
+    sd = emu.empty(n, "float32")
+    _launch.forward(plan, "float32", xd, None, None, None, yd, None, md, sd)
+    return plan, xd, md, sd, yd.get_float().reshape(x.shape)
+
+
+# ANYNORM_EMU_SEED=k reruns every case on other data
+SEED = int(os.environ.get("ANYNORM_EMU_SEED", "0"))
+
+
 def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True, as_ref=None,
            bound=False, stats=True, params_in_x=False):
     """Run forward and backward through ``_launch`` against the reference; with ``as_ref``,
@@ -196,7 +215,8 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     stored in x's dtype (``param_in_t``), not the accumulation dtype."""
     big = (lambda d: d) if as_ref is None else (lambda d: as_ref(d, shape, order))
     small = (lambda d: d) if as_ref is None else as_ref
-    rng = np.random.default_rng(abs(hash((op, shape, dtype, residual))) % 2**32)
+    # a seed of the case itself (str hashes change per process: PYTHONHASHSEED)
+    rng = np.random.default_rng(zlib.crc32(repr((op, shape, dtype, residual, SEED)).encode()))
     order = order or tuple(range(len(shape)))
     acc = "float64" if dtype == "float64" else "float32"
     x = _rounded(rng.standard_normal(shape) * 3 + 1, dtype)
@@ -250,7 +270,9 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
                   big(dxd), small(dwd), small(dbd), pin)
         _assert_scaled(_host(dxd, shape, order), rdx, 1.5 * TOL[dtype], "dx")
         if w is not None:
-            grad_tol = 1e-13 if acc == "float64" else 2e-5  # float32 sums of ~1e4 terms: 5e-6 seen
+            # float32 sums of ~1e4 terms of either sign: the error is relative to their
+            # magnitudes' sum (~1e4 here), not to the result (~50): 2.2e-5 of it seen
+            grad_tol = 1e-13 if acc == "float64" else 5e-5
             _assert_scaled(dwd.get_float().reshape(pshape), rdw, grad_tol, "dweight")
             _assert_scaled(dbd.get_float().reshape(pshape), rdb, grad_tol, "dbias")
 

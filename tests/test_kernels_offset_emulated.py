@@ -11,7 +11,6 @@ holds rather than trusting the rounded saved mean.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -56,14 +55,8 @@ def _data(shape, offset, seed=11):
 
 
 def _ours_forward(op, x, kw):
-    plan = make_plan(op, x, **kw)
-    xd = L._device(x, tuple(range(x.ndim)), "float32", 0)
-    yd = L.emu.empty(x.size, "float32")
-    n = math.prod(plan.stats_shape)
-    md = L.emu.empty(n, "float32") if plan.center else None
-    sd = L.emu.empty(n, "float32")
-    _launch.forward(plan, "float32", xd, None, None, None, yd, None, md, sd)
-    return plan, yd.get_float().reshape(x.shape), (None if md is None else md.get_float()), sd.get_float()
+    plan, _, md, sd, y = L.forward_float32(op, x, kw)
+    return plan, y, (None if md is None else md.get_float()), sd.get_float()
 
 
 def forward_errors(op, shape, kw, offset):

@@ -17,24 +17,15 @@ innermost): ``rows.cu``, issue 14, and not here.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-_NAME = "anynorm_emu_harness"
-if _NAME in sys.modules:
-    emu = sys.modules[_NAME]
-else:
-    _spec = importlib.util.spec_from_file_location(_NAME, _HERE / "emulation" / "emu_harness.py")
-    emu = importlib.util.module_from_spec(_spec)
-    sys.modules[_NAME] = emu
-    _spec.loader.exec_module(emu)
+from test_kernels_launch_emulated import emu  # the emulation harness, loaded once
 
+_HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
                                 reason="the CUDA emulation needs g++ and fork()")
 
