@@ -40,7 +40,7 @@ import numpy as np
 from . import _reference
 from ._numpy_columns import ColumnsForward
 from ._numpy_half import half_to_float
-from ._numpy_rows import RowsForward
+from ._numpy_rows import RowsForward, _ones
 
 __all__ = ["forward", "backward", "BLOCK_BYTES", "NUM_THREADS"]
 
@@ -169,21 +169,6 @@ class _Scratch:
         if buffer is None:
             buffer = self.buffers[slot] = np.empty(self.size, self.dtype)
         return buffer[:math.prod(shape)].reshape(shape)
-
-
-_ONES = {}
-
-
-def _ones(n, dtype):
-    """A read-only vector of ones: ``ones @ a`` and ``vecdot(a, ones)`` are BLAS sums."""
-    key = (n, np.dtype(dtype))
-    ones = _ONES.get(key)
-    if ones is None:
-        ones = np.ones(n, dtype)
-        ones.flags.writeable = False
-        if n <= 1 << 22:
-            _ONES[key] = ones
-    return ones
 
 
 def _merged(arr, axes):

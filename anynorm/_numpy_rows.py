@@ -36,7 +36,8 @@ _ONES = {}
 
 
 def _ones(n, dtype):
-    """A read-only vector of n ones: ``x @ ones`` is a BLAS row sum."""
+    """A read-only vector of n ones: ``x @ ones``, ``ones @ a`` and ``vecdot(a, ones)`` are
+    BLAS sums (cached up to 4M elements)."""
     key = (n, np.dtype(dtype))
     ones = _ONES.get(key)
     if ones is None:
