@@ -45,6 +45,12 @@ SLOW_FILES = {
     # variant, a thread per CUDA thread)
     "test_kernels_emulated.py",
     "test_kernels_launch_emulated.py",
+    # the row kernels far from zero and with NaN/Inf on the emulator; their ptxas occupancy
+    # and SASS through nvcc
+    "test_kernels_offset_emulated.py",
+    "test_kernels_nan_emulated.py",
+    "test_kernels_occupancy.py",
+    "test_kernels_sass.py",
     # the columns kernels far from zero on the emulator; their ptxas/SASS proxies through NVRTC
     "test_tiles_accuracy.py",
     "test_tiles_proxies.py",
