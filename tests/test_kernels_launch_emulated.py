@@ -249,7 +249,9 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     _assert_scaled(_host(yd, shape, order), ry, TOL[dtype], "y")
     if y_alone is not None:
         np.testing.assert_array_equal(y_alone, _host(yd, shape, order))
-    stat_tol = 1e-14 if acc == "float64" else 2e-6
+    # float32 means of ~1e4 values of scale 3 (|mean| ~ 1): rounding relative to the data,
+    # not to the mean (2.2e-6 seen)
+    stat_tol = 1e-14 if acc == "float64" else 4e-6
     _assert_scaled(sd.get_float().reshape(plan.stats_shape), rrstd, stat_tol, "rstd")
     if plan.center:
         _assert_scaled(md.get_float().reshape(plan.stats_shape), rmean, stat_tol, "mean")
