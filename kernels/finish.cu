@@ -175,15 +175,18 @@ __device__ __forceinline__ T backward_element(T dyv, T xv, long long e, const In
     return from_acc<T>(r * (g - mg - xhat * mean_gx[s]));
 }
 
-// y = ((v - mean) - mean_lo) * rstd * w + b elementwise (v = x, or h when a residual was
-// added): 16-byte accesses where both buffers start aligned, the last total % V elements one
-// by one.
+// Long rows after rows_stats_finalize: y = ((v - mean) - mean_lo) * rstd * w + b
+// elementwise (v = x, or h when a residual was added; mean_lo nullable: the mean's rounding):
+// 16-byte accesses where both buffers start aligned, the last total % V elements one by one.
 template <typename T>
-__device__ __forceinline__ void apply_forward(const T* __restrict__ src, T* __restrict__ y, const Param<T> w,
-                                              const Param<T> b, const acc_t<T>* __restrict__ mean,
-                                              const acc_t<T>* __restrict__ mean_lo,
-                                              const acc_t<T>* __restrict__ rstd, long long total,
-                                              const IndexMap& map, int center) {
+__global__ void rows_apply_fwd(const T* __restrict__ src, T* __restrict__ y, const void* __restrict__ w_arg,
+                               const void* __restrict__ b_arg, const acc_t<T>* __restrict__ mean,
+                               const acc_t<T>* __restrict__ mean_lo, const acc_t<T>* __restrict__ rstd,
+                               long long total, long long count, long long p_div, long long p_len,
+                               int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
+    const IndexMap map = block_index_map(count, 1, 1, p_div, p_len);
     const int V = VecLen<T>::value;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -198,20 +201,6 @@ __device__ __forceinline__ void apply_forward(const T* __restrict__ src, T* __re
     }
     for (long long e = nvec * V + first; e < total; e += stride)
         y[e] = forward_element(src[e], e, map, w, b, mean, mean_lo, rstd, center);
-}
-
-// Long rows after rows_stats_finalize: y = ((v - mean) - mean_lo) * rstd * w + b, with the
-// mean's rounding mean_lo (nullable); 16-byte vectors where src and y are aligned.
-template <typename T>
-__global__ void rows_apply_fwd(const T* __restrict__ src, T* __restrict__ y, const void* __restrict__ w_arg,
-                               const void* __restrict__ b_arg, const acc_t<T>* __restrict__ mean,
-                               const acc_t<T>* __restrict__ mean_lo, const acc_t<T>* __restrict__ rstd,
-                               long long total, long long count, long long p_div, long long p_len,
-                               int center, int param_in_t) {
-    const Param<T> w = {w_arg, param_in_t & 1};
-    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
-    const IndexMap map = block_index_map(count, 1, 1, p_div, p_len);
-    apply_forward(src, y, w, b, mean, mean_lo, rstd, total, map, center);
 }
 
 // dx = rstd * (g - mean_g - xhat * mean_gx), g = dy * w (RMS: no mean_g term); vectors as
