@@ -394,13 +394,14 @@ class _ForwardCall:
             kernel.apply(np.add, work, self.b[param_index], yb)
 
 
-def _run(boxes, work, scratch_for):
-    """Run ``work(boxes_part, scratch)`` over the boxes, split across threads when large.
+def _run(boxes, work, scratch_for, parallel):
+    """Run ``work(boxes_part, scratch)`` over the boxes, split across threads when
+    ``parallel`` (:func:`_parallel`) and there are enough of them.
 
     NumPy and BLAS release the GIL inside their loops, so boxes on separate cores overlap.
     Returns the list of ``work``'s results.
     """
-    threads = min(NUM_THREADS, len(boxes) // 4)
+    threads = min(NUM_THREADS, len(boxes) // 4) if parallel else 1
     if threads <= 1:
         return [work(boxes, scratch_for())]
     step = -(-len(boxes) // threads)
@@ -482,18 +483,11 @@ def forward(plan, x, weight=None, bias=None, residual=None):
     for path in (RowsForward, ColumnsForward):
         call = path.make(plan, layout, x, weight, bias, residual)
         if call is not None:
-            blocks = call.blocks()
-            if _parallel(x):
-                _run(blocks, call.run, call.buffers)
-            else:
-                call.run(blocks, call.buffers())
+            _run(call.blocks(), call.run, call.buffers, _parallel(x))
             return call.results()
     call = _ForwardCall(plan, layout, weight, bias, residual)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
-    if _parallel(x):
-        _run(call.boxes, call.run, scratch_for)
-    else:
-        call.run(call.boxes, scratch_for())
+    _run(call.boxes, call.run, scratch_for, _parallel(x))
     mean = call.mean.reshape(plan.stats_shape) if plan.center else None
     return call.y.reshape(plan.shape), call.h, mean, call.rstd.reshape(plan.stats_shape)
 
@@ -573,10 +567,7 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
         return _reference.backward(plan, dy, x, weight, mean, rstd)
     call = _BackwardCall(plan, dy, x, weight, mean, rstd)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
-    if _parallel(x):
-        parts = _run(call.boxes, call.run, scratch_for)
-    else:
-        parts = [call.run(call.boxes, scratch_for())]
+    parts = _run(call.boxes, call.run, scratch_for, _parallel(x))
     dx = call.dx.reshape(plan.shape)
     if weight is None:
         return dx, None, None
