@@ -364,7 +364,7 @@ class _EagerNorm(torch.autograd.Function):
         y, h, mean, rstd = output = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual,
                                                                 True, site)
         ctx.save_for_backward(x if residual is None else h, weight)
-        ctx.stats = (mean if plan.center else None, rstd)
+        ctx.stats = mean, rstd  # mean None for RMS norm
         _save_flags(ctx, weight, bias, residual)
         ctx.plan, ctx.site = plan, site
         if stats:
