@@ -182,6 +182,27 @@ def test_torch_func_grad():
     torch.testing.assert_close(got, want)
 
 
+def test_tensor_left_over_from_a_transform():
+    """A tensor kept from inside a finished torch.func transform (a dead functorch wrapper)
+    takes the op, whose autograd.Function unwraps it: the eager route calls the C apply,
+    which would hand the wrapper itself to the runner."""
+    plan, x, w, b, _ = _inputs(CASES[0])
+    kept = []
+
+    def keep(t):
+        kept.append(t * 1)
+        return t.sum()
+
+    torch.func.grad(keep)(x.detach())
+    (dead,) = kept
+    assert dead.requires_grad and torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    assert ops._route(dead, w, b, None) == ops.OP
+    assert ops._route(dead.detach().requires_grad_(), w, b, None) == ops.AUTOGRAD
+    y = ops.forward(plan, dead, w, b)[0]
+    want = _reference.forward(plan, x.detach(), w.detach(), b.detach(), None)[0]
+    torch.testing.assert_close(y.detach(), want)
+
+
 def test_backward_entry_point_shapes():
     plan, x, w, _, _ = _inputs(CASES[5])
     dy = torch.randn(plan.shape, dtype=x.dtype)
