@@ -40,7 +40,7 @@ import numpy as np
 from . import _reference
 from ._numpy_columns import ColumnsForward
 from ._numpy_half import half_to_float
-from ._numpy_rows import RowsForward, _ones
+from ._numpy_rows import RowsForward, col_sums, reduce_sums, row_dots, row_sums
 
 __all__ = ["forward", "backward", "BLOCK_BYTES", "NUM_THREADS"]
 
@@ -221,25 +221,27 @@ class _Kernel:
         layout, s = self.layout, self.split
         if self.mode == "rows":
             n = math.prod(arr.shape[s:])
-            np.copyto(out, np.vecdot(arr.reshape(-1, n), _ones(n, arr.dtype)).reshape(out.shape))
+            a2 = arr.reshape(-1, n)
+            np.copyto(out, row_sums(a2, np.empty(a2.shape[0], arr.dtype)).reshape(out.shape))
             return
         if self.mode == "columns":
             a2 = _as_2d(arr, s)
             if a2 is not None:
-                col = np.matmul(_ones(a2.shape[0], arr.dtype), a2).reshape(arr.shape[s:])
+                col = col_sums(a2, np.empty(a2.shape[1], arr.dtype)).reshape(arr.shape[s:])
                 inner = tuple(a - s for a in layout.reduce if a >= s)
                 if inner:
-                    col = np.add.reduce(col, axis=inner, keepdims=True)
+                    col = reduce_sums(col, inner, np.empty(
+                        tuple(1 if a in inner else e for a, e in enumerate(col.shape)), col.dtype))
                 np.copyto(out, col.reshape(out.shape))
                 return
-        np.add.reduce(arr, axis=layout.reduce, keepdims=True, out=out)
+        reduce_sums(arr, layout.reduce, out)
 
     def sum_squares(self, arr, out, scratch):
         """``out[...] = sum(arr * arr)`` over the reduced axes (keepdims)."""
         if self.mode == "rows":
             n = math.prod(arr.shape[self.split:])
             a2 = arr.reshape(-1, n)
-            np.copyto(out, np.vecdot(a2, a2).reshape(out.shape))
+            np.copyto(out, row_dots(a2, np.empty(a2.shape[0], arr.dtype)).reshape(out.shape))
             return
         squares = scratch.get("squares", arr.shape)
         np.multiply(arr, arr, out=squares)
@@ -301,6 +303,15 @@ def _statistics(plan, kernel, xa, xc, mean_out, rstd_out, scratch):
     correction = np.empty_like(mean_out)
     kernel.sums(xc, correction)
     np.divide(correction, n, out=correction)
+    if _far_off(correction, rstd_out, plan.eps):
+        # the first mean missed by more than std / 4 (long float32 sums of data far from
+        # zero): sum(d*d) / n - c*c would cancel, so centre again and redo both sums
+        kernel.apply(np.subtract, xc, correction, xc)
+        np.add(mean_out, correction, out=mean_out)
+        kernel.sum_squares(xc, rstd_out, scratch)
+        np.divide(rstd_out, n, out=rstd_out)
+        kernel.sums(xc, correction)
+        np.divide(correction, n, out=correction)
     np.subtract(rstd_out, correction * correction, out=rstd_out)
     np.maximum(rstd_out, 0, out=rstd_out)
     _rstd_from_var(plan, rstd_out)
@@ -308,6 +319,13 @@ def _statistics(plan, kernel, xa, xc, mean_out, rstd_out, scratch):
         kernel.apply(np.subtract, xc, correction, xc)
     np.add(mean_out, correction, out=mean_out)
     return xc
+
+
+def _far_off(c, q, eps):
+    """True where some slice's correction ``c`` (mean of ``d = x - first mean``) exceeds a
+    quarter of its standard deviation, ``q = mean(d*d)`` being ``var + c*c``."""
+    c2 = c * c
+    return bool(np.any(np.greater(c2, SKIP_CORRECTION ** 2 * (q - c2 + eps))))
 
 
 def _as_acc(plan, src, scratch, slot="cast"):

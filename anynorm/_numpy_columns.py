@@ -170,13 +170,13 @@ class ColumnsForward:
         t = bufs["t"][:xa.size].reshape(xa.shape)
         m, v = self.mean[b, q0:q1], self.rstd[b, q0:q1]
         inv = 1.0 / self.P
-        np.matmul(self.ones, xa, out=m)
+        _numpy_rows.col_sums(xa, m)
         m *= inv
         np.subtract(xa, m, out=d)
         np.multiply(d, d, out=t)
-        np.matmul(self.ones, t, out=v)
+        _numpy_rows.col_sums(t, v)
         v *= inv
-        _correct_columns(d, m, v, self.ones, self.plan.eps)
+        _correct_columns(d, m, v, self.plan.eps)
         _rstd(v, self.plan.eps)
         last = yb if work is None else d
         if self.w is not None:
@@ -200,7 +200,8 @@ class ColumnsForward:
         m, v = self.mean[b0:b1], self.rstd[b0:b1]
         n = self.P * (self.Q // self.groups)
         chunks = self._chunks(b1 - b0)
-        s1 = np.zeros((b1 - b0, self.Q), self.acc)
+        # chunks of at most SUM_RUN rows, their column sums added in float64
+        s1 = np.zeros((b1 - b0, self.Q), np.float64)
         s2 = np.zeros_like(s1)
         for p0, p1 in chunks:
             xc = xa[:, p0:p1]
@@ -248,8 +249,15 @@ class ColumnsForward:
         """Row ranges of ~``ROW_BLOCK_BYTES`` over ``nb`` samples, multiples of ``k`` rows."""
         k = self.k
         rows = _numpy_rows.ROW_BLOCK_BYTES // (nb * self.Q * self.acc.itemsize)
-        rows = max(k, rows // k * k)
+        rows = max(k, min(rows, _numpy_rows.SUM_RUN) // k * k)
         return [(p, min(p + rows, self.P)) for p in range(0, self.P, rows)]
+
+    def _col_sums(self, a):
+        """Column sums of each sample of ``a`` (nb, P, Q): (nb, Q), float64 over long runs."""
+        out = np.empty((a.shape[0], a.shape[2]), self.acc)
+        for i in range(a.shape[0]):
+            _numpy_rows.col_sums(a[i], out[i])
+        return out
 
     def _group_sums(self, cols, out):
         """``out[b, g]``: the sum of column sums ``cols[b, q]`` over group g's columns."""
@@ -263,15 +271,15 @@ class ColumnsForward:
         per_col = self.Q // self.groups
         k = self.k
         rows = (d.shape[0], self.P // k, k * self.Q)
-        self._group_sums(np.matmul(self.ones, xa), m)
+        self._group_sums(self._col_sums(xa), m)
         m *= 1.0 / n
         np.subtract(xa.reshape(rows), np.tile(np.repeat(m, per_col, axis=1), k)[:, None, :],
                     out=d.reshape(rows))
         np.multiply(d, d, out=t)
-        self._group_sums(np.matmul(self.ones, t), v)
+        self._group_sums(self._col_sums(t), v)
         v *= 1.0 / n
         c = np.empty_like(m)
-        self._group_sums(np.matmul(self.ones, d), c)
+        self._group_sums(self._col_sums(d), c)
         c *= 1.0 / n
         v -= c * c
         np.maximum(v, 0, out=v)
@@ -286,7 +294,7 @@ class ColumnsForward:
         return self.y, None, mean, self.rstd.reshape(plan.stats_shape)
 
 
-def _correct_columns(d, m, v, ones, eps):
+def _correct_columns(d, m, v, eps):
     """The two-pass correction ``c = mean(d)``: ``v -= c*c``, ``d -= c``, ``m += c`` for the
     columns of ``d`` (P, chunk) with ``|m| > SKIP_CORRECTION * std``, where ``c`` (the first
     sum's rounding, ~eps * |m|) could show in y; gathered when they are few."""
@@ -295,15 +303,26 @@ def _correct_columns(d, m, v, ones, eps):
         return
     few = far.size * 4 < m.size
     part = d[:, far] if few else d
-    c = np.matmul(ones, part) * (1.0 / d.shape[0])
+    inv = 1.0 / d.shape[0]
+    c = _numpy_rows.col_sums(part, np.empty(part.shape[1], d.dtype)) * inv
     np.subtract(part, c, out=part)
+    vp = v[far] if few else v
+    if _numpy_rows.far_off(c, vp, eps):
+        # the first mean missed by more than std / 4 (long float32 sums far from zero):
+        # vp - c*c would cancel; part is centred again now, so redo both sums
+        vp = _numpy_rows.col_sums(part * part, np.empty_like(c)) * inv
+        c2 = _numpy_rows.col_sums(part, np.empty_like(c)) * inv
+        np.subtract(part, c2, out=part)
+        vp = vp - c2 * c2
+        c = c + c2
+    else:
+        vp = vp - c * c
     if few:
         d[:, far] = part
-        v[far] = np.maximum(v[far] - c * c, 0)
+        v[far] = np.maximum(vp, 0)
         m[far] += c
     else:
-        v -= c * c
-        np.maximum(v, 0, out=v)
+        np.maximum(vp, 0, out=v)
         m += c
 
 

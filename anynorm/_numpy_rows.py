@@ -25,12 +25,22 @@ import numpy as np
 
 from ._numpy_half import float_to_half, half_to_float
 
-__all__ = ["ROW_BLOCK_BYTES", "RowsForward"]
+__all__ = ["ROW_BLOCK_BYTES", "COL_RUN", "REDUCE_RUN", "RowsForward", "SUM_RUN", "col_sums", "far_off", "reduce_sums", "row_dots", "row_sums"]
 
 ROW_BLOCK_BYTES = 256 << 10  # accumulation-dtype bytes of x per block
 MIN_RUN = 64  # shortest run of constant parameters for the "per run" affine step
 SKIP_CORRECTION = 0.25  # largest |mean| * rstd of a block at which the correction is skipped
 
+
+# longest runs of float32 terms that one BLAS/NumPy reduction call sums per output: longer
+# sums are cut into runs whose float32 partial sums are added in float64.  A float32 sum
+# of L terms added one after another errs by up to ~L * eps relative (262144 rows: 2.3e-4
+# at offset 1e4).  Row sums and dot products (BLAS: 32 accumulators) stay within a few eps
+# up to 4096 terms, sgemv's column sums (row after row) up to 1024, NumPy's add.reduce
+# along an outer axis (slice after slice) up to 256 (measured on sums of squares)
+SUM_RUN = 4096
+COL_RUN = 1024
+REDUCE_RUN = 256
 
 _ONES = {}
 
@@ -46,6 +56,78 @@ def _ones(n, dtype):
         if n <= 1 << 22:
             _ONES[key] = ones
     return ones
+
+
+def _runs(n, run=SUM_RUN):
+    return [(a, min(a + run, n)) for a in range(0, n, run)]
+
+
+def row_sums(a, out):
+    """``out[i] = sum(a[i, :])`` for a 2-d ``a`` (rows of unit stride) by BLAS, in float64 over
+    runs of ``SUM_RUN`` where the rows are longer and ``a`` is float32."""
+    n = a.shape[1]
+    if n <= SUM_RUN or a.dtype != np.float32:
+        return np.matmul(a, _ones(n, a.dtype), out=out)
+    acc = np.zeros(out.shape, np.float64)
+    for a0, a1 in _runs(n):
+        acc += np.matmul(a[:, a0:a1], _ones(a1 - a0, a.dtype))
+    np.copyto(out, acc, casting="same_kind")
+    return out
+
+
+def row_dots(a, out):
+    """``out[i] = a[i, :] . a[i, :]`` (BLAS dot products), float64 over runs as :func:`row_sums`."""
+    n = a.shape[1]
+    if n <= SUM_RUN or a.dtype != np.float32:
+        return np.vecdot(a, a, out=out)
+    acc = np.zeros(out.shape, np.float64)
+    for a0, a1 in _runs(n):
+        part = a[:, a0:a1]
+        acc += np.vecdot(part, part)
+    np.copyto(out, acc, casting="same_kind")
+    return out
+
+
+def col_sums(a, out):
+    """``out[j] = sum(a[:, j])`` (``ones @ a``, BLAS) for a 2-d ``a``, float64 over runs of
+    ``COL_RUN`` rows where ``a`` is longer and float32 (sgemv adds row after row)."""
+    n = a.shape[0]
+    if n <= COL_RUN or a.dtype != np.float32:
+        return np.matmul(_ones(n, a.dtype), a, out=out)
+    acc = np.zeros(out.shape, np.float64)
+    for a0, a1 in _runs(n, COL_RUN):
+        acc += np.matmul(_ones(a1 - a0, a.dtype), a[a0:a1])
+    np.copyto(out, acc, casting="same_kind")
+    return out
+
+
+def reduce_sums(a, axes, out):
+    """``np.add.reduce(a, axes, keepdims=True, out=out)``; for float32 with more than
+    ``REDUCE_RUN`` terms per output, the outermost reduced axis of length > 1 is cut so that
+    each call sums at most ``REDUCE_RUN`` terms (NumPy adds along non-inner axes one slice
+    after another), the partial sums added in float64."""
+    count = math.prod(a.shape[k] for k in axes)
+    if count <= REDUCE_RUN or a.dtype != np.float32:
+        return np.add.reduce(a, axis=axes, keepdims=True, out=out)
+    k = next(k for k in axes if a.shape[k] > 1)
+    length = a.shape[k]
+    step = max(1, REDUCE_RUN // (count // length))
+    acc = np.zeros(out.shape, np.float64)
+    part = np.empty(out.shape, a.dtype)
+    lead = (slice(None),) * k
+    for s in range(0, length, step):
+        reduce_sums(a[lead + (slice(s, s + step),)], axes, part)
+        acc += part
+    np.copyto(out, acc, casting="same_kind")
+    return out
+
+
+def far_off(c, q, eps):
+    """True where some slice's correction ``c`` (the mean of ``d = x - first mean``) exceeds
+    ``SKIP_CORRECTION`` of its standard deviation, ``q = mean(d*d)`` being ``var + c*c``:
+    then ``q - c*c`` would cancel and the centring is redone."""
+    c2 = c * c
+    return bool(np.any(np.greater(c2, SKIP_CORRECTION ** 2 * (q - c2 + eps))))
 
 
 def _affine_mode(layout, has_params):
@@ -109,7 +191,6 @@ class RowsForward:
         self.mean = np.empty(self.rows, acc)
         self.rstd = np.empty(self.rows, acc)
         self.block_rows = max(1, min(self.rows, ROW_BLOCK_BYTES // (self.n * acc.itemsize)))
-        self.ones = _ones(self.n, acc)
         self.w, self.b = self._params(layout, k, weight), self._params(layout, k, bias)
         self.b_tile = None
         if self.mode == "outer" and self.b is not None:
@@ -158,7 +239,7 @@ class RowsForward:
         m, r = self.mean[s0:s1], self.rstd[s0:s1]
         d, offset = xa, None  # y = (d - offset) * ...
         if not plan.center:
-            np.vecdot(xa, xa, out=r)
+            row_dots(xa, r)
             np.multiply(r, 1.0 / self.n, out=r)
         elif self.mode != "outer" and self._one_pass(xa, m, r):
             offset = m
@@ -177,9 +258,9 @@ class RowsForward:
         ``|m| <= SKIP_CORRECTION * std`` (then v's rounding, ~eps * (v + m*m), is within
         1.07 eps * v: as exact as the two-pass), else False and the two-pass redoes it."""
         inv_n = 1.0 / self.n
-        np.matmul(x, self.ones, out=m)
+        row_sums(x, m)
         np.multiply(m, inv_n, out=m)
-        np.vecdot(x, x, out=v)
+        row_dots(x, v)
         np.multiply(v, inv_n, out=v)
         squares = m * m
         v -= squares
@@ -191,15 +272,24 @@ class RowsForward:
         sum's rounding, ~eps * |m|) could show in y, i.e. where some row has
         ``|m| > SKIP_CORRECTION * std``."""
         inv_n = 1.0 / self.n
-        np.matmul(x, self.ones, out=m)
+        row_sums(x, m)
         np.multiply(m, inv_n, out=m)
         np.subtract(x, m[:, None], out=d)
-        np.vecdot(d, d, out=v)
+        row_dots(d, v)
         np.multiply(v, inv_n, out=v)
         if not np.any(np.greater(m * m, SKIP_CORRECTION ** 2 * (v + self.plan.eps))):
             return
-        c = np.matmul(d, self.ones)
+        c = row_sums(d, np.empty_like(m))
         c *= inv_n
+        if far_off(c, v, self.plan.eps):
+            # the first mean missed by more than std / 4 (long float32 sums far from zero):
+            # v - c*c would cancel, so centre again and redo both sums
+            np.subtract(d, c[:, None], out=d)
+            m += c
+            row_dots(d, v)
+            v *= inv_n
+            row_sums(d, c)
+            c *= inv_n
         v -= c * c
         np.maximum(v, 0, out=v)
         if np.any(np.greater(c * c, np.finfo(self.acc).eps ** 2 * (v + self.plan.eps))):
