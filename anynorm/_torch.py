@@ -38,13 +38,12 @@ import torch
 
 from . import _numpy, _reference
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "forward_runner", "backward"]
 
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
                  torch.float64: np.dtype(np.float64)}
 _HALF = (torch.float16, torch.bfloat16)
 NATIVE_MAX_ROW = 2048
-_NUMPY_CHECK = 16384  # statistics from which the conditioning check runs in NumPy
 SHORT_RUN = 1024
 # Largest max |mean| * rstd at which a kernel's output stays within an ulp or so of the
 # exact one (measured: float32 rows at ratio 2 err 7e-7, ratio 8 1.5e-6; the channels-last
@@ -169,27 +168,43 @@ def _run(plan, lay, t, w, b):
 
 
 def _conditioned(mean, rstd, limit):
-    """True unless some slice's ``|mean| * rstd`` exceeds ``limit`` (NaN rows pass: the
-    result is NaN on every path)."""
+    """True unless some slice's ``|mean| * rstd`` exceeds ``limit`` (NaN slices pass: their
+    result is NaN on every path; the other slices are still checked).  CPU statistics of any
+    shape and float dtype, each tensor one kernel gave (same dtype)."""
     if mean.requires_grad:  # detach() costs a microsecond where there is no graph to leave
         mean, rstd = mean.detach(), rstd.detach()
-    if mean.numel() >= _NUMPY_CHECK and mean.device.type == "cpu":
-        # many statistics: NumPy's single-threaded loops, no OpenMP region per torch op
-        # (on a busy machine each of those waits for its threads: milliseconds)
-        ratio = np.multiply(mean.numpy(), rstd.numpy())
-        worst = float(np.abs(ratio, out=ratio).max())
-    else:
-        worst = float((mean * rstd).abs_().max())
+    if mean.numel() <= _LIST_CHECK:
+        # a few statistics: two tolist() calls and a Python loop, no torch or NumPy op
+        return _lists_within(mean.tolist(), rstd.tolist(), limit)
+    if mean.dtype == torch.bfloat16:  # NumPy has no bfloat16
+        mean, rstd = mean.float(), rstd.float()
+    # NumPy's single-threaded loops on the tensors' memory: no OpenMP region per torch op (on
+    # a busy machine each of those waits for its threads), and fmax ignores NaN slices
+    ratio = np.multiply(mean.numpy(), rstd.numpy())
+    worst = _FMAX(np.abs(ratio, out=ratio), axis=None)
     return not worst > limit
+
+
+_LIST_CHECK = 32  # statistics up to which the check runs on Python floats
+_FMAX = np.fmax.reduce
+
+
+def _lists_within(means, rstds, limit):
+    """:func:`_conditioned` on the nested lists ``tolist()`` gives."""
+    for m, r in zip(means, rstds):
+        if type(m) is list:
+            if not _lists_within(m, r, limit):
+                return False
+        elif abs(m * r) > limit:
+            return False
+    return True
 
 
 def _shifted(plan, lay, src, shift, w, b):
     """Torch's kernel on ``src - shift`` (``shift``: detached, x's dtype, statistics' view
-    shape), the shift added back to the mean."""
+    shape): ``(y, mean, rstd)``, the mean that of ``src - shift`` (the caller adds the shift)."""
     moved = (src.reshape(plan.view_shape) - shift).reshape(plan.shape)
-    y, mean, rstd = _run(plan, lay, moved, w, b)
-    mean = mean + shift.reshape(plan.stats_shape).to(mean.dtype)
-    return y, mean, rstd
+    return _run(plan, lay, moved, w, b)
 
 
 def _first_elements(plan, src):
@@ -214,17 +229,14 @@ def native_forward(plan, src, weight, bias):
     if torch.compiler.is_compiling():
         if lay.channels_last:
             return None
-        return _shifted(plan, lay, src, _first_elements(plan, src), w, b)
+        shift = _first_elements(plan, src)
+        y, mean, rstd = _shifted(plan, lay, src, shift, w, b)
+        return y, mean + shift.reshape(plan.stats_shape).to(mean.dtype), rstd
     out = _run(plan, lay, src, w, b)
     if _conditioned(out[1], out[2], limit):
         return out
     # far from zero: again on x - mean (exact there), which is centred to a few ulps
-    shift = out[1].detach().reshape(plan.stats_view_shape).to(src.dtype)
-    out = _shifted(plan, lay, src, shift, w, b)
-    centred = out[1] - shift.reshape(plan.stats_shape).to(out[1].dtype)
-    if _conditioned(centred, out[2], limit):
-        return out
-    return None
+    return _shift_and_rerun(plan, lay, src, out[1], w, b, limit)
 
 
 def _stats(plan, t):
@@ -332,6 +344,115 @@ def forward(plan, x, weight=None, bias=None, residual=None):
     if native is not None:
         y, mean, rstd = native
         return y, h, mean, rstd
+    return _exact_forward(plan, x, weight, bias, residual)
+
+
+def forward_runner(plan, x, stats):
+    """``run(x, weight, bias, residual) -> (y, h, mean, rstd)``: :func:`forward` for one call
+    signature (``x``'s shape, strides, dtype and device; the parameters' dtypes), with what
+    the signature decides worked out here once: the layout, torch's routine and its
+    arguments, the conditioning limit.  A plain call (no residual, CPU, torch's kernel
+    first) then costs the kernel, the check and a few Python steps; the statistics are
+    None unless ``stats`` (or autograd) asks for them, which lets float16/bfloat16 take
+    their parameters as given (torch's kernels accumulate in float32 either way: only
+    the returned statistics would be rounded to x's dtype)."""
+    def general(x, weight, bias, residual):
+        return forward(plan, x, weight, bias, residual)
+
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or plan.dtype not in _LIMITS
+            or x.numel() == 0 or not _prefers_native(plan)):
+        return general
+    lay = _layout(plan, x)
+    if lay.kind not in ("rows", "groups"):
+        return general
+    kernel = _kernel(plan, lay)
+    dtype = plan.dtype
+    half = dtype in _HALF
+    allowed = (dtype, torch.float32) if half else (dtype,)
+    center = plan.center
+    # half inputs with their statistics asked for: float32 parameters make torch's kernels
+    # return float32 statistics (RMS norm's always are)
+    float_params = half and stats and center
+    limit = _LIMITS[plan.dtype][1 if lay.channels_last else 0]
+    public = _publisher(plan, lay)
+    is_compiling = torch.compiler.is_compiling
+
+    def run(x, weight, bias, residual):
+        if (residual is not None or is_compiling()
+                or (weight is not None and weight.dtype not in allowed)
+                or (bias is not None and bias.dtype not in allowed)):
+            return general(x, weight, bias, residual)
+        w, b = weight, bias
+        if half and (float_params or (w is not None and w.dtype is not dtype)
+                     or (b is not None and b.dtype is not dtype)):
+            w, b = _float_params(plan, w, b, plan.param_shape)
+        y, mean, rstd = kernel(x, w, b)
+        if not center:
+            return y, None, None, public(rstd) if stats else None
+        if _conditioned(mean, rstd, limit):
+            return (y, None, public(mean), public(rstd)) if stats else (y, None, None, None)
+        # far from zero: torch's kernel again on x - shift (the shift: this run's mean in
+        # x's dtype), checked again; else the exact executors, as forward falls back
+        out = _shift_and_rerun(plan, lay, x, public(mean), w, b, limit)
+        if out is not None:
+            return (out[0], None, out[1], out[2]) if stats else (out[0], None, None, None)
+        return _exact_forward(plan, x, weight, bias, None)
+
+    return run
+
+
+def _kernel(plan, lay):
+    """``kernel(t, w, b) -> (y, mean, rstd)``: torch's routine for this layout, y in x's
+    layout, the statistics as the routine returns them (see :func:`_publisher`)."""
+    eps = plan.eps
+    if lay.kind == "rows":
+        normalized = lay.normalized
+        if plan.op == "rms_norm":
+            def routine(t, w, b, _rms=torch._fused_rms_norm):
+                y, rstd = _rms(t, normalized, w, eps)
+                return y, None, rstd
+        else:
+            def routine(t, w, b, _ln=torch.native_layer_norm):
+                return _ln(t, normalized, w, b, eps)
+        if lay.order is None:
+            return routine
+        order, inverse = lay.order, lay.inverse
+
+        def moved(t, w, b):
+            y, mean, rstd = routine(t.permute(order), w, b)
+            return y.permute(inverse), mean, rstd
+        return moved
+    n, c, spatial, groups, order, inverse = lay.n, lay.c, lay.spatial, lay.groups, lay.order, lay.inverse
+
+    def grouped(t, w, b, _gn=torch.native_group_norm):
+        if order is not None:
+            t = t.permute(order)
+        y, mean, rstd = _gn(t, w, b, n, c, spatial, groups, eps)
+        return (y if inverse is None else y.permute(inverse)), mean, rstd
+    return grouped
+
+
+def _publisher(plan, lay):
+    """``public(stat)``: a statistic as :func:`_kernel` gives it, in the public shape."""
+    if lay.kind == "rows" and lay.inverse is not None:
+        inverse = lay.inverse
+        return lambda t: _stats(plan, t.permute(inverse))
+    return lambda t: _stats(plan, t)
+
+
+def _shift_and_rerun(plan, lay, src, mean, w, b, limit):
+    """``(y, mean, rstd)`` of torch's kernel on ``src - shift`` (``shift``: ``mean``, the
+    public-shape mean of a first run, rounded to x's dtype), if the statistics it shows are
+    well conditioned; else None."""
+    shift = mean.detach().reshape(plan.stats_view_shape).to(src.dtype)
+    y, centred, rstd = _shifted(plan, lay, src, shift, w, b)
+    if not _conditioned(centred, rstd, limit):
+        return None
+    return y, centred + shift.reshape(plan.stats_shape).to(centred.dtype), rstd
+
+
+def _exact_forward(plan, x, weight, bias, residual):
+    """The exact executors, as :func:`forward` falls back to them."""
     # NumPy's float16 arithmetic is slow: the array-API core (torch ops) serves it
     if plan.dtype != torch.float16 and _numpy_eligible(plan, x, weight, bias, residual):
         return _numpy_forward(plan, x, weight, bias, residual)
