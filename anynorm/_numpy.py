@@ -195,13 +195,32 @@ def _as_2d(arr, s):
                                            writeable=arr.flags.writeable)
 
 
+def _column_sums(arr, s, reduce, out):
+    """``out[...] = sum of arr over the axes reduce`` (keepdims) where those are the axes
+    before ``s`` and possibly some after it: column sums ``ones @ arr`` (BLAS) of ``arr`` as
+    a ``(rows, columns)`` matrix, then NumPy's sums over the rest.  False (nothing written)
+    where ``arr`` is no such matrix."""
+    a2 = _as_2d(arr, s)
+    if a2 is None:
+        return False
+    col = col_sums(a2, np.empty(a2.shape[1], arr.dtype)).reshape(arr.shape[s:])
+    inner = tuple(a - s for a in reduce if a >= s)
+    if inner:
+        col = reduce_sums(col, inner, np.empty(
+            tuple(1 if a in inner else e for a, e in enumerate(col.shape)), col.dtype))
+    np.copyto(out, col.reshape(out.shape))
+    return True
+
+
 class _Kernel:
     """Sums over the reduced axes and broadcast arithmetic for one box layout.
 
     ``"rows"``: reduced axes trailing and contiguous: each slice is a row, summed by BLAS
     (``vecdot``).  ``"columns"``: the box is ``(P, Q)`` with reduced axes in front of axis
     ``s`` (channels-last, channels-first): column sums are ``ones @ box`` (BLAS); per-column
-    operands are tiled so NumPy's inner loops stay long.  ``"generic"``: ``add.reduce``.
+    operands are tiled so NumPy's inner loops stay long.  ``"batched"``: leading kept axes
+    (several samples per box) in front of a ``"columns"`` box, summed per leading index.
+    ``"generic"``: ``add.reduce``.
     """
 
     def __init__(self, layout, box_shape, arrays):
@@ -215,6 +234,13 @@ class _Kernel:
         s = next((a for a in range(d) if a not in layout.reduce and box_shape[a] > 1), None)
         if s is not None and math.prod(box_shape[:s]) > 1:
             self.mode, self.split = "columns", s
+            return
+        # kept axes in front of the reduced ones (several samples per box, channels-last):
+        # each leading index is a "columns" box of its own
+        r0 = layout.reduce[0]
+        s = next((a for a in range(r0, d) if a not in layout.reduce and box_shape[a] > 1), None)
+        if r0 > 0 and s is not None and math.prod(box_shape[r0:s]) > 1:
+            self.mode, self.split, self.lead = "batched", s, r0
 
     def sums(self, arr, out):
         """``out[...] = add.reduce(arr, reduced axes, keepdims)`` by the fastest route."""
@@ -224,15 +250,12 @@ class _Kernel:
             a2 = arr.reshape(-1, n)
             np.copyto(out, row_sums(a2, np.empty(a2.shape[0], arr.dtype)).reshape(out.shape))
             return
-        if self.mode == "columns":
-            a2 = _as_2d(arr, s)
-            if a2 is not None:
-                col = col_sums(a2, np.empty(a2.shape[1], arr.dtype)).reshape(arr.shape[s:])
-                inner = tuple(a - s for a in layout.reduce if a >= s)
-                if inner:
-                    col = reduce_sums(col, inner, np.empty(
-                        tuple(1 if a in inner else e for a, e in enumerate(col.shape)), col.dtype))
-                np.copyto(out, col.reshape(out.shape))
+        if self.mode == "columns" and _column_sums(arr, s, layout.reduce, out):
+            return
+        if self.mode == "batched":
+            lead = self.lead
+            reduce = tuple(a - lead for a in layout.reduce)
+            if all(_column_sums(arr[i], s - lead, reduce, out[i]) for i in np.ndindex(arr.shape[:lead])):
                 return
         reduce_sums(arr, layout.reduce, out)
 

@@ -11,13 +11,15 @@ weight along ``P``), in L2-sized blocks ``x[b, :, q0:q1]``::
     y = d * (w (x) r) + b_tile
 
 ``"cl"`` (float16 NHWC instance/group norm: ``P`` = H*W, ``Q`` = C = G * Cg, one slice per
-group of ``Cg`` columns, weight along ``Q``), whole samples at a time::
+group of ``Cg`` columns, weight along ``Q``), whole samples at a time, in sweeps of
+L2-sized chunks of rows (column sums added in float64)::
 
-    s1 = (1 @ x) summed per group;  s2 = (1 @ x*x) summed per group   (one-pass, taken
-    m = s1 / n;  v = s2 / n - m*m      only where every |m| <= SKIP_CORRECTION * std)
-    y = x * a + c,  a = r * w,  c = b - m * a         (per column: two passes)
+    m = (1 @ x) / n  summed per group                              (sweep 1)
+    d = x - m;  q = (1 @ d*d) / n;  c = (1 @ d) / n  per group     (sweep 2, d in the output)
+    v = q - c*c   [sweep 2 again on d - c where |c| > std / 4]
+    y = d * a + s,  a = r * w,  s = b - c * a                      (sweep 3, in place)
 
-(else the two-pass with ``d = x - m`` and its correction).  Per-column operands are tiled
+Per-column operands are tiled
 ``k`` times and ``x[b]`` viewed as ``(P / k, k * Q)``, so NumPy's inner loops run over
 ``k * Q`` elements rather than ``Q`` (64 channels: 3-8x slower loops).
 """
@@ -33,6 +35,9 @@ from ._numpy_half import float_to_half, half_to_float
 
 __all__ = ["ColumnsForward"]
 
+# float32/float64 NHWC take "cl" too: off, the general blocking measured 1.9x faster (the
+# two-pass "cl" needs a third sweep over samples that do not fit L2)
+CL_FLOAT = False
 SAMPLE_ELEMENTS = 1 << 18  # "cl": several samples per block below this size
 LOOP_ELEMENTS = 4096  # target inner-loop length for per-column operands
 SHORT_ROW = 256  # without parameters, "cl" (whole samples) below this many columns
@@ -77,9 +82,7 @@ class ColumnsForward:
         if half and np.dtype(plan.dtype) != np.float16:
             return None
         found = _pattern(layout)
-        # float32/float64 NHWC: the general blocking measured 10-15% faster than "cl" (whose
-        # gain is the per-block float16 conversion)
-        if found is None or found[0] == "cl" and not half:
+        if found is None or found[0] == "cl" and not (half or CL_FLOAT):
             return None
         return cls(plan, layout, found, x, weight, bias, half)
 
@@ -191,73 +194,82 @@ class ColumnsForward:
         self._finish(d, yb, bufs)
 
     def _cl_block(self, block, bufs):
-        """Samples ``b0:b1``: statistics in one sweep of L2-sized chunks of rows, then
-        ``y = x * a + c`` in a second sweep (x's samples, up to ``SAMPLE_ELEMENTS``, stay in L3)."""
+        """Samples ``b0:b1`` in sweeps of L2-sized chunks of rows (x's samples, up to
+        ``SAMPLE_ELEMENTS``, stay in L3): column sums of x; then ``d = x - m`` into the output,
+        with the column sums of ``d*d`` and of ``d``; then ``y = d * a + c`` in place, with
+        ``a = r * w`` and ``c = b - mean(d) * a`` (the two-pass correction folded in)."""
         b0, b1 = block
         xa, work = self._source(self.x3[b0:b1], bufs)
         yb = self.y3[b0:b1]
         out = yb if work is None else work
+        nb = b1 - b0
         m, v = self.mean[b0:b1], self.rstd[b0:b1]
         n = self.P * (self.Q // self.groups)
-        chunks = self._chunks(b1 - b0)
-        # chunks of at most SUM_RUN rows, their column sums added in float64
-        s1 = np.zeros((b1 - b0, self.Q), np.float64)
-        s2 = np.zeros_like(s1)
+        per_col, k = self.Q // self.groups, self.k
+        chunks = self._chunks(nb)
+        s1 = np.zeros((nb, self.Q), np.float64)  # chunks of <= SUM_RUN rows, added in float64
         for p0, p1 in chunks:
-            xc = xa[:, p0:p1]
-            s1 += np.matmul(self.ones[:p1 - p0], xc)
-            t = bufs["t"][:xc.size].reshape(xc.shape)
-            np.multiply(xc, xc, out=t)
-            s2 += np.matmul(self.ones[:p1 - p0], t)
+            s1 += np.matmul(self.ones[:p1 - p0], xa[:, p0:p1])
         self._group_sums(s1, m)
         m *= 1.0 / n
-        self._group_sums(s2, v)
-        v *= 1.0 / n
-        squares = m * m
-        v -= squares
-        d, offset = xa, m
-        if np.any(np.greater(squares, _numpy_rows.SKIP_CORRECTION ** 2 * (v + self.plan.eps))):
-            d, offset = self._cl_two_pass(xa, out, np.empty_like(xa), m, v, n), None
+        q, c = self._centre(xa, out, m, chunks, bufs)
+        if _numpy_rows.far_off(c, q, self.plan.eps):
+            # the first mean missed by more than std / 4: centre on m + c and sum again
+            m += c
+            q, c = self._centre(out, out, c, chunks, bufs)
+        np.subtract(q, c * c, out=v)
+        np.maximum(v, 0, out=v)
+        m += c
         _rstd(v, self.plan.eps)
-        per_col = self.Q // self.groups
         scale = np.repeat(v, per_col, axis=1)  # (nb, Q)
         if self.w is not None:
             scale *= self.w
-        shift = None if self.b is None else np.broadcast_to(self.b, scale.shape).copy()
-        if offset is not None:
-            mq = np.repeat(offset, per_col, axis=1) * scale
-            shift = -mq if shift is None else np.subtract(shift, mq, out=shift)
-        k = self.k
+        shift = np.repeat(c, per_col, axis=1) * scale
+        shift = -shift if self.b is None else np.subtract(self.b, shift, out=shift)
         scale = np.tile(scale, k)[:, None, :]
-        shift = None if shift is None else np.tile(shift, k)[:, None, :]
+        shift = np.tile(shift, k)[:, None, :]
         for p0, p1 in chunks:
-            rows = (b1 - b0, (p1 - p0) // k, k * self.Q)
+            rows = (nb, (p1 - p0) // k, k * self.Q)
             oc = out[:, p0:p1].reshape(rows)
-            if shift is None:
-                np.multiply(d[:, p0:p1].reshape(rows), scale, out=oc)
-            else:  # via a fresh temporary: in place (or via the reused scratch) measured 1.5x slower
-                t = np.empty(rows, self.acc)
-                np.multiply(d[:, p0:p1].reshape(rows), scale, out=t)
-                np.add(t, shift, out=oc)
+            np.multiply(oc, scale, out=oc)
+            np.add(oc, shift, out=oc)
             if self.half:
-                size = (b1 - b0) * (p1 - p0) * self.Q
+                size = nb * (p1 - p0) * self.Q
                 shape = out[:, p0:p1].shape
                 float_to_half(out[:, p0:p1], yb[:, p0:p1], bufs["t"][:size].view(np.uint32).reshape(shape),
                               bufs["u"][:size].reshape(shape))
+
+    def _centre(self, xa, d, m, chunks, bufs):
+        """``d = x - m`` (per group) chunk by chunk; returns ``(mean(d*d), mean(d))`` per
+        group (nb, G), from column sums added in float64."""
+        nb, k = xa.shape[0], self.k
+        n = self.P * (self.Q // self.groups)
+        mt = np.tile(np.repeat(m, self.Q // self.groups, axis=1), k)[:, None, :]
+        sq = np.zeros((nb, self.Q), np.float64)
+        sd = np.zeros_like(sq)
+        for p0, p1 in chunks:
+            rows = (nb, (p1 - p0) // k, k * self.Q)
+            dc = d[:, p0:p1]
+            np.subtract(xa[:, p0:p1].reshape(rows), mt, out=dc.reshape(rows))
+            t = bufs["t"][:dc.size].reshape(dc.shape)
+            np.multiply(dc, dc, out=t)
+            ones = self.ones[:p1 - p0]
+            sq += np.matmul(ones, t)
+            sd += np.matmul(ones, dc)
+        q = np.empty(m.shape, self.acc)
+        c = np.empty(m.shape, self.acc)
+        self._group_sums(sq, q)
+        self._group_sums(sd, c)
+        q *= 1.0 / n
+        c *= 1.0 / n
+        return q, c
 
     def _chunks(self, nb):
         """Row ranges of ~``ROW_BLOCK_BYTES`` over ``nb`` samples, multiples of ``k`` rows."""
         k = self.k
         rows = _numpy_rows.ROW_BLOCK_BYTES // (nb * self.Q * self.acc.itemsize)
-        rows = max(k, min(rows, _numpy_rows.SUM_RUN) // k * k)
+        rows = max(k, min(rows, _numpy_rows.COL_RUN) // k * k)
         return [(p, min(p + rows, self.P)) for p in range(0, self.P, rows)]
-
-    def _col_sums(self, a):
-        """Column sums of each sample of ``a`` (nb, P, Q): (nb, Q), float64 over long runs."""
-        out = np.empty((a.shape[0], a.shape[2]), self.acc)
-        for i in range(a.shape[0]):
-            _numpy_rows.col_sums(a[i], out[i])
-        return out
 
     def _group_sums(self, cols, out):
         """``out[b, g]``: the sum of column sums ``cols[b, q]`` over group g's columns."""
@@ -265,28 +277,6 @@ class ColumnsForward:
             np.copyto(out, cols)
         else:
             np.add.reduce(cols.reshape(out.shape[0], self.groups, -1), axis=2, out=out)
-
-    def _cl_two_pass(self, xa, d, t, m, v, n):
-        """Two-pass statistics of a "cl" block into ``m``, ``v``; returns ``d = x - m``."""
-        per_col = self.Q // self.groups
-        k = self.k
-        rows = (d.shape[0], self.P // k, k * self.Q)
-        self._group_sums(self._col_sums(xa), m)
-        m *= 1.0 / n
-        np.subtract(xa.reshape(rows), np.tile(np.repeat(m, per_col, axis=1), k)[:, None, :],
-                    out=d.reshape(rows))
-        np.multiply(d, d, out=t)
-        self._group_sums(self._col_sums(t), v)
-        v *= 1.0 / n
-        c = np.empty_like(m)
-        self._group_sums(self._col_sums(d), c)
-        c *= 1.0 / n
-        v -= c * c
-        np.maximum(v, 0, out=v)
-        np.subtract(d.reshape(rows), np.tile(np.repeat(c, per_col, axis=1), k)[:, None, :],
-                    out=d.reshape(rows))
-        m += c
-        return d
 
     def results(self):
         plan = self.plan

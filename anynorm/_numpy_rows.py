@@ -12,6 +12,9 @@ in a core's L2) are read from memory once; per block::
     y = d * (r * w_k) + b_k          "run": weight constant on runs of S elements (the
                                      spatial run of a channel: float16 instance/group norm)
 
+(no one-pass ``E[x^2] - E[x]^2`` anywhere; sums over more than ``SUM_RUN`` terms are added
+in float64 over runs, and the centring is redone where the first mean missed by > std/4).
+
 Every elementwise pass is same-shape or broadcasts a column (NumPy's row broadcasts are
 2-8x slower).  float16 blocks are converted by :mod:`anynorm._numpy_half`, the arithmetic
 runs in float32 in place in the converted block.
@@ -25,7 +28,8 @@ import numpy as np
 
 from ._numpy_half import float_to_half, half_to_float
 
-__all__ = ["ROW_BLOCK_BYTES", "COL_RUN", "REDUCE_RUN", "RowsForward", "SUM_RUN", "col_sums", "far_off", "reduce_sums", "row_dots", "row_sums"]
+__all__ = ["COL_RUN", "REDUCE_RUN", "ROW_BLOCK_BYTES", "SUM_RUN", "RowsForward", "col_sums", "far_off",
+           "reduce_sums", "row_dots", "row_sums"]
 
 ROW_BLOCK_BYTES = 256 << 10  # accumulation-dtype bytes of x per block
 MIN_RUN = 64  # shortest run of constant parameters for the "per run" affine step
@@ -58,8 +62,20 @@ def _ones(n, dtype):
     return ones
 
 
-def _runs(n, run=SUM_RUN):
-    return [(a, min(a + run, n)) for a in range(0, n, run)]
+def _in_runs(a, axis, run, fn):
+    """``fn`` of ``a`` cut along ``axis`` (0 or 1 of a 2-d ``a``) into runs of ``run``: one
+    call on the whole runs stacked along a new axis, one on the remainder; the float32
+    partial results added in float64 and returned."""
+    n = a.shape[axis]
+    k = n // run
+    if axis == 0:
+        whole, rest = a[:k * run].reshape(k, run, a.shape[1]), a[k * run:]
+    else:
+        whole, rest = a[:, :k * run].reshape(a.shape[0], k, run), a[:, k * run:]
+    acc = np.add.reduce(fn(whole), axis=0 if axis == 0 else 1, dtype=np.float64)
+    if rest.shape[axis]:
+        acc += fn(rest)
+    return acc
 
 
 def row_sums(a, out):
@@ -68,9 +84,7 @@ def row_sums(a, out):
     n = a.shape[1]
     if n <= SUM_RUN or a.dtype != np.float32:
         return np.matmul(a, _ones(n, a.dtype), out=out)
-    acc = np.zeros(out.shape, np.float64)
-    for a0, a1 in _runs(n):
-        acc += np.matmul(a[:, a0:a1], _ones(a1 - a0, a.dtype))
+    acc = _in_runs(a, 1, SUM_RUN, lambda p: np.matmul(p, _ones(p.shape[-1], a.dtype)))
     np.copyto(out, acc, casting="same_kind")
     return out
 
@@ -80,10 +94,7 @@ def row_dots(a, out):
     n = a.shape[1]
     if n <= SUM_RUN or a.dtype != np.float32:
         return np.vecdot(a, a, out=out)
-    acc = np.zeros(out.shape, np.float64)
-    for a0, a1 in _runs(n):
-        part = a[:, a0:a1]
-        acc += np.vecdot(part, part)
+    acc = _in_runs(a, 1, SUM_RUN, lambda p: np.vecdot(p, p))
     np.copyto(out, acc, casting="same_kind")
     return out
 
@@ -94,9 +105,7 @@ def col_sums(a, out):
     n = a.shape[0]
     if n <= COL_RUN or a.dtype != np.float32:
         return np.matmul(_ones(n, a.dtype), a, out=out)
-    acc = np.zeros(out.shape, np.float64)
-    for a0, a1 in _runs(n, COL_RUN):
-        acc += np.matmul(_ones(a1 - a0, a.dtype), a[a0:a1])
+    acc = _in_runs(a, 0, COL_RUN, lambda p: np.matmul(_ones(p.shape[-2], a.dtype), p))
     np.copyto(out, acc, casting="same_kind")
     return out
 
@@ -237,34 +246,19 @@ class RowsForward:
                 xa = np.add(xa, self.r2[s0:s1], out=self.h2[s0:s1])
             yw = self.y2[s0:s1]
         m, r = self.mean[s0:s1], self.rstd[s0:s1]
-        d, offset = xa, None  # y = (d - offset) * ...
+        d = xa
         if not plan.center:
             row_dots(xa, r)
             np.multiply(r, 1.0 / self.n, out=r)
-        elif self.mode != "outer" and self._one_pass(xa, m, r):
-            offset = m
         else:
             self._two_pass(xa, yw, m, r)
             d = yw
         np.add(r, plan.eps, out=r)
         np.sqrt(r, out=r)
         np.divide(1.0, r, out=r)
-        self._affine(d, yw, yw, offset, r, s0, s1, bufs["t"][:rb])
+        self._affine(d, yw, yw, r, s0, s1, bufs["t"][:rb])
         if self.half:
             float_to_half(yw, self.y2[s0:s1], bufs["t"][:rb].view(np.uint32), bufs["u"][:rb])
-
-    def _one_pass(self, x, m, v):
-        """``m = sum(x) / n``, ``v = (x . x) / n - m * m``; True where every row has
-        ``|m| <= SKIP_CORRECTION * std`` (then v's rounding, ~eps * (v + m*m), is within
-        1.07 eps * v: as exact as the two-pass), else False and the two-pass redoes it."""
-        inv_n = 1.0 / self.n
-        row_sums(x, m)
-        np.multiply(m, inv_n, out=m)
-        row_dots(x, v)
-        np.multiply(v, inv_n, out=v)
-        squares = m * m
-        v -= squares
-        return not np.any(np.greater(squares, SKIP_CORRECTION ** 2 * (v + self.plan.eps)))
 
     def _two_pass(self, x, d, m, v):
         """``m = sum(x) / n``, ``d = x - m``, ``v = (d . d) / n``; then the correction
@@ -296,11 +290,11 @@ class RowsForward:
             np.subtract(d, c[:, None], out=d)
         m += c
 
-    def _affine(self, d, work, y, m, r, s0, s1, t):
-        """``y = (d - m) * (r * w) + b`` for rows ``s0:s1`` (``m``: None where ``d`` is
-        centered already); ``work``: where a first pass may go (``d``'s block or scratch),
-        ``t``: a block-sized temporary; the last pass writes ``y``."""
-        if self.mode == "outer":  # d is centered here
+    def _affine(self, d, work, y, r, s0, s1, t):
+        """``y = d * (r * w) + b`` for rows ``s0:s1`` (``d``: centred, or x for RMS norm);
+        ``work``: where a first pass may go (``d``'s block or scratch), ``t``: a block-sized
+        temporary; the last pass writes ``y``."""
+        if self.mode == "outer":
             factor = r[:, None]
             if self.w is not None:
                 factor = np.multiply(r[:, None], self.w, out=t)
@@ -315,11 +309,7 @@ class RowsForward:
         scale = np.repeat(r, per_row) if per_row > 1 else r.copy()
         if self.w is not None:
             scale *= self.w[rows]
-        # y = d * scale + shift, with shift = b - m * scale folding the centering in
-        shift = None if self.b is None else self.b[rows].copy()
-        if m is not None:
-            mean = np.repeat(m, per_row) if per_row > 1 else m
-            shift = -(mean * scale) if shift is None else shift - mean * scale
+        shift = None if self.b is None else self.b[rows]
         d3, y3 = d.reshape(-1, self.run_length), y.reshape(-1, self.run_length)
         if shift is None:
             np.multiply(d3, scale[:, None], out=y3)
