@@ -31,7 +31,7 @@ from ._numpy_half import float_to_half, half_to_float
 __all__ = ["COL_RUN", "REDUCE_RUN", "ROW_BLOCK_BYTES", "SUM_RUN", "RowsForward", "col_sums", "far_off",
            "reduce_sums", "row_dots", "row_sums"]
 
-ROW_BLOCK_BYTES = 256 << 10  # accumulation-dtype bytes of x per block
+ROW_BLOCK_BYTES = 512 << 10  # accumulation-dtype bytes of x per block (256K: 1.1x the time)
 MIN_RUN = 64  # shortest run of constant parameters for the "per run" affine step
 SKIP_CORRECTION = 0.25  # largest |mean| * rstd of a block at which the correction is skipped
 
@@ -271,7 +271,10 @@ class RowsForward:
         np.subtract(x, m[:, None], out=d)
         row_dots(d, v)
         np.multiply(v, inv_n, out=v)
-        if not np.any(np.greater(m * m, SKIP_CORRECTION ** 2 * (v + self.plan.eps))):
+        m2 = m * m
+        k2 = SKIP_CORRECTION ** 2
+        # cheap sufficient test first (two reductions on the block's few rows)
+        if m2.max() <= k2 * (v.min() + self.plan.eps) or not (m2 > k2 * (v + self.plan.eps)).any():
             return
         c = row_sums(d, np.empty_like(m))
         c *= inv_n
