@@ -44,6 +44,7 @@ SHORT_ROW = 256  # without parameters, "cl" (whole samples) below this many colu
 # "cf": whole samples up to this size (measured: y written in strided L2-sized blocks cost
 # 1.7x the time of y written in whole contiguous samples, which stay in L3)
 CF_BLOCK_BYTES = 2 << 20
+CF_IN_Y = True  # "cf" blocks of whole samples centre x into y's block (no temporary)
 
 
 def _pattern(layout):
@@ -169,7 +170,12 @@ class ColumnsForward:
         b, q0, q1 = block
         xa, work = self._source(self.x3[b, :, q0:q1], bufs)
         yb = self.y3[b, :, q0:q1]
-        d = np.empty(xa.shape, self.acc) if work is None else work
+        if work is not None:
+            d = work
+        elif CF_IN_Y and q1 - q0 == self.Q:
+            d = yb  # whole samples: y's block is contiguous, d lives there
+        else:
+            d = np.empty(xa.shape, self.acc)
         t = bufs["t"][:xa.size].reshape(xa.shape)
         m, v = self.mean[b, q0:q1], self.rstd[b, q0:q1]
         inv = 1.0 / self.P
@@ -181,7 +187,7 @@ class ColumnsForward:
         v *= inv
         _correct_columns(d, m, v, self.plan.eps)
         _rstd(v, self.plan.eps)
-        last = yb if work is None else d
+        last = yb if work is None or d is yb else d
         if self.w is not None:
             np.multiply(self.w, v, out=t)
         else:
