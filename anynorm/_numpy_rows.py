@@ -271,10 +271,7 @@ class RowsForward:
         np.subtract(x, m[:, None], out=d)
         row_dots(d, v)
         np.multiply(v, inv_n, out=v)
-        m2 = m * m
-        k2 = SKIP_CORRECTION ** 2
-        # cheap sufficient test first (two reductions on the block's few rows)
-        if m2.max() <= k2 * (v.min() + self.plan.eps) or not (m2 > k2 * (v + self.plan.eps)).any():
+        if not np.greater(m * m, SKIP_CORRECTION ** 2 * (v + self.plan.eps)).any():
             return
         c = row_sums(d, np.empty_like(m))
         c *= inv_n
