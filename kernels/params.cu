@@ -83,15 +83,24 @@ __global__ void param_grad_rows(const T* __restrict__ dy, const T* __restrict__ 
     }
 }
 
+// One dweight or dbias value, in the accumulation type or (`in_t`) in T itself: a float16/
+// bfloat16 model's parameters take their gradients in their own dtype, rounded once here
+// rather than by a conversion kernel after every backward.
+template <typename T>
+__device__ __forceinline__ void store_param_grad(void* out, int in_t, long long p, acc_t<T> v) {
+    if (in_t) static_cast<T*>(out)[p] = from_acc<T>(v);
+    else static_cast<acc_t<T>*>(out)[p] = v;
+}
+
 // dweight[p] = sum_c part_w[c * p_len + p] (dbias likewise). Block (32, FINISH_LANES): the
 // block's 32 consecutive p, each summed by FINISH_LANES threads over every FINISH_LANES-th
 // chunk (loads of many chunks in flight), then added up in shared memory in a fixed order.
-// Grid-stride over groups of 32 p.
+// Grid-stride over groups of 32 p. `grad_in_t`: bit 0 dweight, bit 1 dbias hold T.
 #define FINISH_LANES 16
 template <typename T>
 __global__ void param_grad_finish(const acc_t<T>* __restrict__ part_w, const acc_t<T>* __restrict__ part_b,
-                                  acc_t<T>* __restrict__ dweight, acc_t<T>* __restrict__ dbias,
-                                  long long p_len, long long nchunk) {
+                                  void* __restrict__ dweight, void* __restrict__ dbias,
+                                  long long p_len, long long nchunk, int grad_in_t) {
     typedef acc_t<T> A;
     __shared__ A sw[FINISH_LANES][33], sb[FINISH_LANES][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -113,8 +122,8 @@ __global__ void param_grad_finish(const acc_t<T>* __restrict__ part_w, const acc
                 dw += sw[q][tx];
                 db += sb[q][tx];
             }
-            dweight[p] = dw;
-            if (dbias) dbias[p] = db;
+            store_param_grad<T>(dweight, grad_in_t & 1, p, dw);
+            if (dbias) store_param_grad<T>(dbias, grad_in_t & 2, p, db);
         }
         __syncthreads();
     }

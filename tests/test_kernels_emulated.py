@@ -572,7 +572,7 @@ def run_param_grads(kernels, case, dtype, dy, x, mean, rstd, *, center=1, with_b
                                            chunk, center), **launch)
     dw, db = emu.empty(p_len, A), (emu.empty(p_len, A) if with_bias else None)
     kernels("param_grad_finish", dtype)((min(_ceil(p_len, 32), 65535),), FINISH_BLOCK,
-                                        (part_w, part_b, dw, db, p_len, nchunk), **launch)
+                                        (part_w, part_b, dw, db, p_len, nchunk, 0), **launch)
     return dw.get_float(), (db.get_float() if with_bias else None)
 
 
@@ -755,7 +755,7 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
             *((case.p_len,) if per_row else ()), center, 0), shared_mem=smem, schedule=schedule)
     dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
     kernels("param_grad_finish", dtype)((min(_ceil(case.p_len, 32), 65535),), FINISH_BLOCK,
-                                        (parts[0], part_b, dw, db, case.p_len, nchunk), schedule=schedule)
+                                        (parts[0], part_b, dw, db, case.p_len, nchunk, 0), schedule=schedule)
     dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, w, center, 1e-5)
     _close(dxd.get_float().reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
            scale=max(1.0, float(np.abs(dx_ref).max())))
@@ -909,7 +909,7 @@ def test_tile_param_grads(kernels, dtype, name, make, width, with_bias):
                                      case.reduced, case.inner, case.group, width, case.p_div, case.p_len,
                                      param_rows, 1, 0), shared_mem=_tile_bytes(case, dtype, width, 2))
     dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
-    kernels("param_grad_finish", dtype)((1,), FINISH_BLOCK, (parts[0], part_b, dw, db, case.p_len, nchunk))
+    kernels("param_grad_finish", dtype)((1,), FINISH_BLOCK, (parts[0], part_b, dw, db, case.p_len, nchunk, 0))
     dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, w, 1, 1e-5)
     _close(dxd.get_float().reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
            scale=max(1.0, float(np.abs(dx_ref).max())))

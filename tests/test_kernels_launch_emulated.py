@@ -159,11 +159,11 @@ def _assert_scaled(got, want, rtol, what):
     assert err <= rtol * max(1.0, float(np.abs(want).max(initial=0))), (what, err)
 
 
-def _replay(record, plan, dtype, layout, names, buffers, pin):
+def _replay(record, plan, dtype, layout, names, buffers, pin, *extra):
     """Record a schedule (``_bound``) for the buffers given (``names`` -> DeviceArray or None)
     and replay it with their addresses, as the hot path does."""
     present = {name for name, d in zip(names, buffers) if d is not None}
-    bound = record(plan, dtype, layout, present, pin)
+    bound = record(plan, dtype, layout, present, pin, *extra)
     scratch = emu.empty(max(1, bound.scratch_bytes), "uint8") if bound.scratch_bytes else None
     ptrs = [0 if d is None else d.ptr for d in buffers] + [0 if scratch is None else scratch.ptr]
     bound.run(ptrs, None)
@@ -179,13 +179,13 @@ def _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, md, sd, pin=0):
             (xd, rd, hd, yd, wd, bd, md, sd), pin)
 
 
-def _backward(bound, plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin=0):
+def _backward(bound, plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin=0, gin=0):
     if not bound:
-        _launch.backward(plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin & 1)
+        _launch.backward(plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin & 1, gin)
         return
     layout = _layout.plan_layout(plan, xd.elem_strides, plan.has_weight or dwd is not None)
     _replay(_bound.record_backward, plan, dtype, layout, _bound.BACKWARD_SLOTS[:-1],
-            (dyd, xd, wd, md, sd, dxd, dwd, dbd), pin & 1)
+            (dyd, xd, wd, md, sd, dxd, dwd, dbd), pin & 1, gin)
 
 
 
@@ -212,7 +212,8 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     every buffer is handed over as a torch TensorRef (``emulated_torch``); with ``bound``, the
     schedules are recorded once and replayed on the buffers' addresses (``_bound``), the
     forward without statistics unless ``stats``; with ``params_in_x`` the weight and bias are
-    stored in x's dtype (``param_in_t``), not the accumulation dtype."""
+    stored in x's dtype (``param_in_t``), not the accumulation dtype, and take their
+    gradients in it (``grad_in_t``)."""
     big = (lambda d: d) if as_ref is None else (lambda d: as_ref(d, shape, order))
     small = (lambda d: d) if as_ref is None else as_ref
     # a seed of the case itself (str hashes change per process: PYTHONHASHSEED)
@@ -226,6 +227,7 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     w = _rounded(rng.standard_normal(pshape) * 0.5 + 1, pdtype) if with_params else None
     b = _rounded(rng.standard_normal(pshape) * 0.5, pdtype) if with_params and op != "rms_norm" else None
     pin = (int(w is not None) | 2 * int(b is not None)) if params_in_x else 0
+    gin = 3 if params_in_x and dtype != acc else 0  # dweight/dbias written in x's dtype
     plan = make_plan(op, x, w, b, res, **kw)
     xd = _device(x, order, dtype, offset)
     assert not _layout.plan_layout(plan, xd.elem_strides).copy
@@ -265,16 +267,19 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     for given_stats in (False, True):
         dxd = emu.empty(x.size, dtype, offset)
         plen = math.prod(pshape)
-        dwd = emu.empty(plen, acc) if w is not None else None
-        dbd = emu.empty(plen, acc) if w is not None else None
+        gdtype = dtype if gin else acc
+        dwd = emu.empty(plen, gdtype) if w is not None else None
+        dbd = emu.empty(plen, gdtype) if w is not None else None
         mean, rstd = ((md if plan.center else None), sd) if given_stats else (None, None)
         _backward(bound, bplan, dtype, big(dydev), big(hdev), small(wd), small(mean), small(rstd),
-                  big(dxd), small(dwd), small(dbd), pin)
+                  big(dxd), small(dwd), small(dbd), pin, gin)
         _assert_scaled(_host(dxd, shape, order), rdx, 1.5 * TOL[dtype], "dx")
         if w is not None:
             # float32 sums of ~1e4 terms of either sign: the error is relative to their
             # magnitudes' sum (~1e4 here), not to the result (~50): 2.2e-5 of it seen
             grad_tol = 1e-13 if acc == "float64" else 5e-5
+            if gin:  # and one rounding to x's dtype
+                grad_tol += TOL[dtype]
             _assert_scaled(dwd.get_float().reshape(pshape), rdw, grad_tol, "dweight")
             _assert_scaled(dbd.get_float().reshape(pshape), rdb, grad_tol, "dbias")
 

@@ -134,7 +134,7 @@ def run_tile_backward(tiles, case, dy, x, w, mean, rstd):
          case.param_rows, 1, 0), shared_mem=_smem(case, 2))
     dw, db = emu.empty(case.p_len, "float32"), emu.empty(case.p_len, "float32")
     tiles.get_function("param_grad_finish<float>")((1,), (32, 16), (parts[0], parts[1], dw, db, case.p_len,
-                                                                    nchunk))
+                                                                    nchunk, 0))
     return dxd.get_float().reshape(case.shape), dw.get_float()
 
 

@@ -166,11 +166,13 @@ def schedule_forward(plan, dtype, layout, present, param_in_t=0, device=None) ->
         plan, layout, dtype, x, res, h, y, w, b, mean, rstd, param_in_t), device)
 
 
-def schedule_backward(plan, dtype, layout, present, param_in_t=0, device=None) -> Schedule:
+def schedule_backward(plan, dtype, layout, present, param_in_t=0, device=None,
+                      grad_in_t=0) -> Schedule:
     """The backward of ``plan`` (``_launch.backward``'s schedule, no copies); ``present``:
     the backward slot names the call has (no ``rstd``: statistics recomputed; no ``dw``:
     no parameter gradients; ``db`` only with ``dw``); ``param_in_t`` 1 when the weight holds
-    x's dtype; ``device`` as in :func:`schedule_forward`."""
+    x's dtype; ``grad_in_t`` bit 0 / bit 1 when dweight / dbias are written in x's dtype;
+    ``device`` as in :func:`schedule_forward`."""
     assert not layout.copy
     dy, x, w, mean, rstd, dx, dw, db, _ = _slots(BACKWARD_SLOTS, set(present) | {"dy", "x", "dx"})
 
@@ -184,9 +186,9 @@ def schedule_backward(plan, dtype, layout, present, param_in_t=0, device=None) -
         fused = _launch._dx(plan, layout, dtype, dy, x, w, mean, rstd, dx,
                             None if dw is None else db is not None, param_in_t)
         if fused is not None:
-            _launch._finish_param_grads(*fused, layout.p_len, dtype, dw, db)
+            _launch._finish_param_grads(*fused, layout.p_len, dtype, dw, db, grad_in_t)
         elif dw is not None:
-            _launch._param_grads(plan, layout, dtype, dy, x, mean, rstd, dw, db)
+            _launch._param_grads(plan, layout, dtype, dy, x, mean, rstd, dw, db, grad_in_t)
 
     return _record(BACKWARD_SLOTS.index("scratch"), schedule, device)
 
@@ -196,6 +198,7 @@ def record_forward(plan, dtype, layout, present, param_in_t=0) -> BoundLaunch:
     return BoundLaunch(schedule_forward(plan, dtype, layout, present, param_in_t))
 
 
-def record_backward(plan, dtype, layout, present, param_in_t=0) -> BoundLaunch:
+def record_backward(plan, dtype, layout, present, param_in_t=0, grad_in_t=0) -> BoundLaunch:
     """:func:`schedule_backward` for the current device, bound to its compiled kernels."""
-    return BoundLaunch(schedule_backward(plan, dtype, layout, present, param_in_t))
+    return BoundLaunch(schedule_backward(plan, dtype, layout, present, param_in_t,
+                                         grad_in_t=grad_in_t))

@@ -4,8 +4,8 @@ Inputs and outputs are CuPy arrays (or torch tensors as ``_interop.TensorRef``),
 preallocated by the caller: ``y``/``h``/``dx``
 with ``x``'s shape and dtype (any strides), statistics contiguous in the public statistics
 shape and the accumulation dtype, ``dweight``/``dbias`` contiguous ``(p_len,)`` in the
-accumulation dtype. ``weight``/``bias`` arrive contiguous and already in the accumulation
-dtype. ``dtype`` is the kernel dtype key ("float16", "bfloat16", "float32", "float64").
+accumulation dtype or x's (``grad_in_t``). ``weight``/``bias`` arrive contiguous, in the
+accumulation dtype or x's (``param_in_t``). ``dtype`` is the kernel dtype key ("float16", "bfloat16", "float32", "float64").
 Which kernels run for which layout: kernels/README.md.
 """
 
@@ -536,14 +536,15 @@ def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias,
     return part, layout.a_len
 
 
-def _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias):
-    """dweight/dbias from per-chunk partial sums ``part[k][c * p_len + p]``."""
+def _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias, grad_in_t=0):
+    """dweight/dbias from per-chunk partial sums ``part[k][c * p_len + p]``; ``grad_in_t``:
+    bit 0 / bit 1 when dweight / dbias hold x's dtype (else the accumulation dtype)."""
     _launch("param_grad_finish", dtype, (_grid_1d(p_len, _FINISH_BLOCK[0], _MAX_Y),), _FINISH_BLOCK,
             (part[0], _ptr(part[1] if dbias is not None else None), dweight, _ptr(dbias),
-             i64(p_len), i64(nchunk)))
+             i64(p_len), i64(nchunk), i32(grad_in_t)))
 
 
-def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias):
+def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias, grad_in_t=0):
     acc = acc_dtype(dtype)
     center = i32(plan.center)
     a_len, p_len, b_len = layout.a_len, layout.p_len, layout.b_len
@@ -562,12 +563,14 @@ def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias):
         _launch("param_grad_rows", dtype, (p_len, nchunk), (_BLOCK,),
                 (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
                  i64(a_len), i64(p_len), i64(b_len)) + geometry + (i64(chunk), center))
-    _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias)
+    _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias, grad_in_t)
 
 
-def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias, param_in_t=0):
+def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias, param_in_t=0,
+             grad_in_t=0):
     """dx (and dweight/dbias unless None); ``mean``/``rstd`` None to recompute them;
-    ``param_in_t`` 1 when ``weight`` holds x's dtype."""
+    ``param_in_t`` 1 when ``weight`` holds x's dtype; ``grad_in_t`` bit 0 / bit 1 when
+    ``dweight`` / ``dbias`` do (else they hold the accumulation dtype)."""
     need_params = plan.has_weight or dweight is not None
     layout = plan_layout(plan, _buffers.element_strides(x), need_params)
     xb = _buffers.input_buffer(plan, layout, x)
@@ -582,6 +585,6 @@ def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias, param_i
                 None if dweight is None else dbias is not None, param_in_t)
     _buffers.store(plan, layout, dxb, dx)
     if fused is not None:
-        _finish_param_grads(*fused, layout.p_len, dtype, dweight, dbias)
+        _finish_param_grads(*fused, layout.p_len, dtype, dweight, dbias, grad_in_t)
     elif dweight is not None:
-        _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias)
+        _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias, grad_in_t)

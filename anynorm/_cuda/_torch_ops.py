@@ -120,16 +120,28 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     return y, h, mean, rstd
 
 
+def _grad_in_t(x_dtype, acc, param_grads) -> int:
+    """Bits 0 / 1 when dweight / dbias are to be written in x's (half) dtype: ``param_grads``
+    a (weight dtype, bias dtype) pair naming it."""
+    if param_grads is True or not param_grads or x_dtype is acc:
+        return 0
+    weight_dtype, bias_dtype = param_grads
+    return (weight_dtype == x_dtype) | (bias_dtype == x_dtype) << 1
+
+
 def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
-    """dx, and with ``param_grads`` dweight/dbias in the accumulation dtype (else empty).
-    ``site``: the forward's (:func:`_forward_run`), where the bound backward is kept per
-    strides of x and dy, ``param_grads`` and whether statistics came."""
+    """dx, and with ``param_grads`` dweight/dbias (else empty), in the accumulation dtype or,
+    where ``param_grads`` is a (weight dtype, bias dtype) pair naming x's half dtype, in that
+    dtype (written so by the kernel: no conversion after it). ``site``: the forward's
+    (:func:`_forward_run`), where the bound backward is kept per strides of x and dy, which
+    gradients are written in which dtype and whether statistics came."""
     acc = _acc(x.dtype)
     dx = torch.empty_like(x)
     shape = plan.param_shape if param_grads else (0,)
     alloc = x.new_empty if x.numel() else x.new_zeros  # the kernels write every element
-    dw = alloc(shape, dtype=acc)
-    db = alloc(shape, dtype=acc)
+    grad_in_t = _grad_in_t(x.dtype, acc, param_grads)
+    dw = alloc(shape, dtype=x.dtype if grad_in_t & 1 else acc)
+    db = alloc(shape, dtype=x.dtype if grad_in_t & 2 else acc)
     if not x.numel():
         return dx, dw, db
     if rstd is None:
@@ -140,7 +152,7 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
     dy = _as(dy, x.dtype)
     key = kept = None
     if site is not None:
-        key = x.stride(), dy.stride(), param_grads, rstd is None
+        key = x.stride(), dy.stride(), bool(param_grads), grad_in_t, rstd is None
         kept = site.get(key)
     if kept is not None:
         bound, device = kept
@@ -148,8 +160,8 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
         given_weight = weight
         weight, _, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight)
         device = x.get_device()
-        bound = _bound_backward(plan, x, dy, weight, rstd is not None, param_grads, device,
-                                param_in_t)
+        bound = _bound_backward(plan, x, dy, weight, rstd is not None, bool(param_grads), device,
+                                param_in_t, grad_in_t)
         if key is not None and bound is not None and weight is given_weight:
             site[key] = bound, device
     if bound is None:
@@ -157,7 +169,7 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
         with _interop.on_torch_stream(x.device):
             _launch.backward(plan, _interop.dtype_key(x.dtype), ref(dy), ref(x), ref(weight),
                              ref(mean), ref(rstd), ref(dx), ref(dw) if param_grads else None,
-                             ref(db) if param_grads else None, param_in_t)
+                             ref(db) if param_grads else None, param_in_t, grad_in_t)
         return dx, dw, db
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
@@ -202,10 +214,11 @@ def _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t):
     return bound
 
 
-def _bound_backward(plan, x, dy, weight, has_stats, param_grads, device, param_in_t):
+def _bound_backward(plan, x, dy, weight, has_stats, param_grads, device, param_in_t,
+                    grad_in_t=0):
     """The recorded backward schedule for this signature, or None (copies needed)."""
     key = ("bound-backward", x.stride(), dy.stride(), weight is not None, has_stats, param_grads,
-           device, param_in_t)
+           device, param_in_t, grad_in_t)
     try:
         return plan.memo[key]
     except KeyError:
@@ -221,7 +234,7 @@ def _bound_backward(plan, x, dy, weight, has_stats, param_grads, device, param_i
             present |= {"dw", "db"}
         with _interop.on_device(device):
             bound = _bound.record_backward(plan, _interop.dtype_key(x.dtype), layout, present,
-                                           param_in_t)
+                                           param_in_t, grad_in_t)
     plan.memo[key] = bound
     return bound
 
@@ -386,8 +399,11 @@ def _norm_backward(ctx, dy, other_grads, saved):
     run = RUNNERS[_device_type(dy)][1]
     site = getattr(ctx, "site", None)  # _TransformNorm's ctx has none
 
-    def run_backward(*args):
-        return run(ctx.plan, *args, site)
+    grad_dtypes = ctx.weight_dtype, ctx.bias_dtype
+
+    def run_backward(dy, src, weight, mean, rstd, param_grads):
+        # param_grads as the dtypes wanted: the kernel writes half gradients as they are
+        return run(ctx.plan, dy, src, weight, mean, rstd, param_grads and grad_dtypes, site)
 
     if not torch.is_grad_enabled():  # the engine's default (no create_graph)
         return _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh, saved, run_backward)
@@ -501,9 +517,10 @@ def forward_runner(plan, stats):
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """``(dx, dweight, dbias)``; dweight/dbias None without weight."""
     if _route(x, dy, weight, mean, rstd) == RUN:
-        dx, dw, db = RUNNERS[_device_type(x)][1](plan, dy, x, weight, mean, rstd, weight is not None)
+        wanted = weight is not None and (weight.dtype, weight.dtype)
+        dx, dw, db = RUNNERS[_device_type(x)][1](plan, dy, x, weight, mean, rstd, wanted)
     else:
         dx, dw, db = _backward_op(dy, x, weight, mean, rstd, *_op_args(plan), weight is not None)
     if weight is None:
         return dx, None, None
-    return dx, dw.to(weight.dtype), db.to(weight.dtype)
+    return dx, _as(dw, weight.dtype), _as(db, weight.dtype)
