@@ -15,7 +15,7 @@ import cupy
 from . import _bound, _buffers, _launch, _layout
 from ._interop import dtype_key, run_on_cupy_stream
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "forward_runner", "backward"]
 
 
 def _param(arr, dtype):
@@ -54,9 +54,9 @@ def _bound_forward(plan, x, residual, weight, bias, stats, param_in_t):
     return bound
 
 
-def _bound_backward(plan, x, dy, weight, has_stats, param_grads, param_in_t):
+def _bound_backward(plan, x, dy, weight, has_stats, param_grads, param_in_t, grad_in_t):
     key = ("bound-backward", x.strides, dy.strides, weight is not None, has_stats, param_grads,
-           x.data.device_id, param_in_t)
+           x.data.device_id, param_in_t, grad_in_t)
     try:
         return plan.memo[key]
     except KeyError:
@@ -70,14 +70,17 @@ def _bound_backward(plan, x, dy, weight, has_stats, param_grads, param_in_t):
         if param_grads:
             present |= {"dw", "db"}
         with x.device:
-            bound = _bound.record_backward(plan, dtype_key(x.dtype), layout, present, param_in_t)
+            bound = _bound.record_backward(plan, dtype_key(x.dtype), layout, present, param_in_t,
+                                           grad_in_t)
     plan.memo[key] = bound
     return bound
 
 
-def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
+def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=None):
     """``(y, h, mean, rstd)``; ``h`` None without residual, ``mean`` None for RMS norm, both
-    statistics None with ``stats=False`` where the kernels need not write them."""
+    statistics None with ``stats=False`` where the kernels need not write them. ``site``: a
+    dict kept per call signature (:func:`forward_runner`), where the bound launch the first
+    call finds is kept when the parameters need no conversion."""
     key = dtype_key(x.dtype)
     acc = _launch.acc_dtype(key)
     y = cupy.empty_like(x)
@@ -88,8 +91,14 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
         rstd = cupy.empty(plan.stats_shape, dtype=acc)
     if not x.size:
         return y, h, mean, rstd
-    weight, bias, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight, bias)
-    bound = _bound_forward(plan, x, residual, weight, bias, stats, param_in_t)
+    bound = None if site is None else site.get(stats)
+    if bound is None:
+        given_weight, given_bias = weight, bias
+        weight, bias, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight, bias)
+        bound = _bound_forward(plan, x, residual, weight, bias, stats, param_in_t)
+        if (site is not None and bound is not None and weight is given_weight
+                and bias is given_bias):
+            site[stats] = bound
     if bound is None:
         if rstd is None:
             mean = cupy.empty(plan.stats_shape, dtype=acc) if plan.center else None
@@ -103,25 +112,41 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
     return y, h, mean, rstd
 
 
+def forward_runner(plan, stats):
+    """``run(x, weight, bias, residual)``: :func:`forward` for one call signature, which
+    ``anynorm._calls`` keeps; the launch its first call binds is kept with it."""
+    site = {}
+
+    def run(x, weight, bias, residual):
+        return forward(plan, x, weight, bias, residual, stats, site)
+
+    return run
+
+
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """``(dx, dweight, dbias)`` with dweight/dbias in weight's dtype (None without weight)."""
     key = dtype_key(x.dtype)
     acc = _launch.acc_dtype(key)
     dx = cupy.empty_like(x)
     dw = db = None
+    # a half weight of x's dtype takes its gradients in that dtype, written by the kernel
+    grad_in_t = 3 if weight is not None and weight.dtype == x.dtype != acc else 0
     if weight is not None:
         alloc = cupy.empty if x.size else cupy.zeros  # the kernels write every element
-        dw = alloc(math.prod(plan.param_shape), dtype=acc)
-        db = alloc(math.prod(plan.param_shape), dtype=acc)
+        grad_dtype = x.dtype if grad_in_t else acc
+        dw = alloc(math.prod(plan.param_shape), dtype=grad_dtype)
+        db = alloc(math.prod(plan.param_shape), dtype=grad_dtype)
     if x.size:
         rstd = _param(rstd, acc)
         mean = _param(mean, acc) if plan.center and rstd is not None else None
         dy = dy.astype(x.dtype, copy=False)
         w, _, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight)
-        bound = _bound_backward(plan, x, dy, w, rstd is not None, dw is not None, param_in_t)
+        bound = _bound_backward(plan, x, dy, w, rstd is not None, dw is not None, param_in_t,
+                                grad_in_t)
         if bound is None:
             with x.device:
-                _launch.backward(plan, key, dy, x, w, mean, rstd, dx, dw, db, param_in_t)
+                _launch.backward(plan, key, dy, x, w, mean, rstd, dx, dw, db, param_in_t,
+                                 grad_in_t)
         else:
             scratch = _scratch(bound)
             run_on_cupy_stream(bound, (dy.data.ptr, x.data.ptr, _ptr(w), _ptr(mean), _ptr(rstd),

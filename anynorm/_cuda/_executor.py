@@ -93,11 +93,7 @@ def forward_runner(plan, x, stats):
     (its library is part of it, so the choice between torch and CuPy is made here once)."""
     if array_api_compat.is_torch_array(x):
         return _torch_ops().forward_runner(plan, stats)
-
-    def run(x, weight, bias, residual, _forward=_cupy_exec.forward):
-        return _forward(plan, x, weight, bias, residual, stats)
-
-    return run
+    return _cupy_exec.forward_runner(plan, stats)
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
