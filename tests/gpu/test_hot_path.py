@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import anynorm
-from gpu_support import assert_close
+from gpu_support import assert_close, assert_close_normwise
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -156,6 +156,29 @@ def test_cupy_stream_capture():
     cp.testing.assert_array_equal(y, want)
 
 
+def test_cupy_repeat_calls_reuse_the_bound_launch(monkeypatch):
+    """A CuPy call signature keeps the launch its first call bound: one schedule lookup for
+    three calls; parameters that need a conversion (float64 weight on float32 x) are
+    converted, and looked up, on every call."""
+    cp = pytest.importorskip("cupy")
+    from anynorm._cuda import _cupy_exec
+
+    looked_up = []
+    find = _cupy_exec._bound_forward
+    monkeypatch.setattr(_cupy_exec, "_bound_forward",
+                        lambda *args: looked_up.append(1) or find(*args))
+    x = cp.asarray(_input((64, 768), None).cpu().numpy())
+    for w_dtype, lookups in ((cp.float32, 1), (cp.float64, 3)):
+        looked_up.clear()
+        w = cp.full(768, 2.0, w_dtype)
+        ys = [anynorm.layer_norm(x, w) for _ in range(3)]
+        assert len(looked_up) == lookups, w_dtype
+        with anynorm.use_backend("reference"):
+            want = anynorm.layer_norm(x, w.astype(cp.float32))
+        for y in ys:
+            assert_close(y, want, torch.float32)
+
+
 def test_same_shape_other_strides_dtypes_devices_never_reuse_a_launcher():
     shape = (8, 96, 14, 14)
     for fmt in (None, torch.channels_last, None, torch.channels_last):
@@ -193,6 +216,33 @@ def test_inference_is_one_kernel_and_one_allocation(x_dtype, w_dtype):
             torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1 and "rows_fwd" in kernels[0], kernels
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16),
+                                              (torch.float16, torch.float16)])
+def test_training_step_runs_no_conversion_kernels(x_dtype, w_dtype):
+    """Forward + backward launch anynorm's kernels and nothing else: weight and bias are read
+    as they are stored, and dweight/dbias are written in the parameters' dtype by the finish
+    kernel (no copy kernels converting them, no zeroing). Gradients match torch's."""
+    x = _input((64, 768), None, x_dtype).requires_grad_()
+    w, b = (t.requires_grad_() for t in _params("layer_norm", (64, 768), {}, w_dtype))
+    dy = torch.randn_like(x)
+    anynorm.layer_norm(x, w, b).backward(dy)
+    torch.cuda.synchronize()
+    x.grad = w.grad = b.grad = None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        anynorm.layer_norm(x, w, b).backward(dy)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert all(any(k in name for k in ("rows_", "param_grad")) for name in kernels), kernels
+    assert w.grad.dtype == b.grad.dtype == w_dtype
+    got = x.grad, w.grad, b.grad
+    x.grad = w.grad = b.grad = None
+    torch.nn.functional.layer_norm(x.float(), (768,), w.float(), b.float()).backward(dy.float())
+    for mine, want, what in zip(got, (x.grad, w.grad, b.grad), ("dx", "dweight", "dbias")):
+        assert_close_normwise(mine.float(), want, x_dtype, what)
 
 
 def test_opcheck_in_a_fresh_process():
