@@ -13,7 +13,10 @@ by torch CPU tensors. Allocations are CPU ones, so figures are close to, not equ
 on a GPU host. Printed per route of ``anynorm._cuda._torch_ops``: inference (the runner),
 training forward + backward (``_EagerNorm``) and both again through the registered custom op,
 the route torch.compile and dispatch modes take; and torch's own ``F.layer_norm`` on the same
-CPU tensors (which includes its CPU arithmetic, so it is a ceiling on torch's host cost).
+CPU tensors (which includes its CPU arithmetic, so it is a ceiling on torch's host cost),
+and the floor of the design: an empty Python ``autograd.Function`` over the same tensors.
+Times are this thread's CPU time (interleaved rounds, medians), which other processes on a
+shared machine disturb far less than wall time.
 The real figure on a GPU is ``gpu_report.py``'s overhead section.
 """
 
@@ -24,7 +27,7 @@ import contextlib
 import pathlib
 import statistics
 import sys
-import timeit
+import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -107,14 +110,38 @@ def _stub_cuda():
     return ops
 
 
+def _thread_us(fn, number):
+    """Microseconds of this thread's CPU time per call: all of a call's work runs on it here
+    (torch has one thread, and the autograd engine runs CPU backward on the caller's), and
+    unlike wall time it does not count the time other processes of a shared machine hold
+    the core."""
+    start = time.thread_time_ns()
+    for _ in range(number):
+        fn()
+    return (time.thread_time_ns() - start) / number / 1e3
+
+
 def _interleaved_us(fns, number, rounds):
     """Per function: the median and the (min, max) over ``rounds`` of microseconds per call,
     the functions timed in turn within each round (shared machines drift between rounds)."""
     samples = {key: [] for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
-            samples[key].append(timeit.timeit(fn, number=number) / number * 1e6)
+            samples[key].append(_thread_us(fn, number))
     return {key: (statistics.median(v), min(v), max(v)) for key, v in samples.items()}
+
+
+class _EmptyNorm(torch.autograd.Function):
+    """The floor of any Python ``autograd.Function`` over (x, weight, bias): allocates y
+    and the three gradients, computes nothing."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return torch.empty_like(dy), dy.new_empty(dy.shape[-1:]), dy.new_empty(dy.shape[-1:])
 
 
 def _op_route(ops, fn):
@@ -162,12 +189,16 @@ def main(argv=None):
     def torch_train():
         F.layer_norm(xg, (n,), wg, bg).backward(dy)
 
+    def empty_function_train():
+        _EmptyNorm.apply(xg, wg, bg).backward(dy)
+
     rows = [("inference", infer, torch_infer), ("training forward + backward", train, torch_train)]
     fns = {}
     for name, mine, theirs in rows:
         fns[name, "eager"] = mine
         fns[name, "op"] = _op_route(ops, mine)
         fns[name, "torch"] = theirs
+    fns["floor"] = empty_function_train
     times = _interleaved_us(fns, max(1, args.number // args.rounds), args.rounds)
     eager = {name: times[name, "eager"][0] for name, _, _ in rows}
     via_op = {name: times[name, "op"][0] for name, _, _ in rows}
@@ -188,6 +219,11 @@ def main(argv=None):
         spread = " / ".join(f"{times[name, k][1]:.0f}-{times[name, k][2]:.0f}" for k in ("eager", "op", "torch"))
         print(f"| {name} | {eager[name]:.1f} | {via_op[name]:.1f} | {eager[name] / via_op[name]:.2f} | "
               f"{peer[name]:.1f} | {spread} |")
+    floor = times["floor"][0]
+    print(f"floor of a Python autograd.Function: {floor:.1f} us for forward + backward of an "
+          f"empty one over (x, w, b) (its four allocations, autograd's recording and engine); "
+          f"anynorm's training call spends {eager['training forward + backward'] - floor:.1f} us "
+          f"above it")
     print(f"host ratio: inference {eager['inference'] / peer['inference']:.2f}x, "
           f"training {eager['training forward + backward'] / peer['training forward + backward']:.2f}x")
     if args.profile:
