@@ -15,7 +15,7 @@ import cupy
 from . import _bound, _buffers, _launch, _layout
 from ._interop import dtype_key, run_on_cupy_stream
 
-__all__ = ["forward", "forward_runner", "backward"]
+__all__ = ["forward", "backward"]
 
 
 def _param(arr, dtype):
@@ -79,7 +79,7 @@ def _bound_backward(plan, x, dy, weight, has_stats, param_grads, param_in_t, gra
 def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=None):
     """``(y, h, mean, rstd)``; ``h`` None without residual, ``mean`` None for RMS norm, both
     statistics None with ``stats=False`` where the kernels need not write them. ``site``: a
-    dict kept per call signature (:func:`forward_runner`), where the bound launch the first
+    dict kept per call signature (``_executor.forward_runner``), where the bound launch the first
     call finds is kept when the parameters need no conversion."""
     key = dtype_key(x.dtype)
     acc = _launch.acc_dtype(key)
@@ -110,17 +110,6 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=Non
     run_on_cupy_stream(bound, (x.data.ptr, _ptr(residual), _ptr(h), y.data.ptr, _ptr(weight),
                                _ptr(bias), _ptr(mean), _ptr(rstd), _ptr(scratch)), x.data.device_id)
     return y, h, mean, rstd
-
-
-def forward_runner(plan, stats):
-    """``run(x, weight, bias, residual)``: :func:`forward` for one call signature, which
-    ``anynorm._calls`` keeps; the launch its first call binds is kept with it."""
-    site = {}
-
-    def run(x, weight, bias, residual):
-        return forward(plan, x, weight, bias, residual, stats, site)
-
-    return run
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):

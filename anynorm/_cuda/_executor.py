@@ -89,11 +89,17 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
 
 
 def forward_runner(plan, x, stats):
-    """``run(x, weight, bias, residual)``: :func:`forward` for the call signature of ``x``
-    (its library is part of it, so the choice between torch and CuPy is made here once)."""
-    if array_api_compat.is_torch_array(x):
-        return _torch_ops().forward_runner(plan, stats)
-    return _cupy_exec.forward_runner(plan, stats)
+    """``run(x, weight, bias, residual)``: :func:`forward` for the call signature of ``x``,
+    which ``anynorm._calls`` keeps (its library is part of it, so the choice between torch
+    and CuPy is made here once), with a ``site`` dict where the launch its first call binds
+    is kept."""
+    forward = _torch_ops().forward if array_api_compat.is_torch_array(x) else _cupy_exec.forward
+    site = {}
+
+    def run(x, weight, bias, residual):
+        return forward(plan, x, weight, bias, residual, stats, site)
+
+    return run
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):

@@ -83,7 +83,7 @@ def _param(t, dtype):
 def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     """``(y, h, mean, rstd)`` of ``plan``; ``h`` None without residual, ``mean`` None for RMS
     norm, both statistics None when ``stats`` is False (inference: only y is written).
-    ``site``: a dict kept per call signature (:func:`forward_runner`), where the bound launch
+    ``site``: a dict kept per call signature (``_executor.forward_runner``), where the bound launch
     found by the first call is kept (per ``stats``) when the parameters need no conversion."""
     acc = _acc(x.dtype)
     y = torch.empty_like(x)
@@ -501,17 +501,6 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=Non
         y, h, mean, rstd = _forward_op(x, weight, bias, residual, *_op_args(plan))
         h, mean = (h if residual is not None else None), (mean if plan.center else None)
     return y, h, mean, rstd
-
-
-def forward_runner(plan, stats):
-    """``run(x, weight, bias, residual)``: :func:`forward` for one call signature, which
-    ``anynorm._calls`` keeps; the launch its first call binds is kept with it."""
-    site = {}
-
-    def run(x, weight, bias, residual):
-        return forward(plan, x, weight, bias, residual, stats, site)
-
-    return run
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
