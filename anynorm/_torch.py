@@ -89,14 +89,17 @@ class _Layout:
     ``kind``: "rows" (layer/RMS norm, the normalized axes moved last when they are not),
     "groups" (group/instance norm on the NCHW view, channels on axis 1), "batch" (float16
     instance norm of contiguous NCHW: batch norm's kernel on (1, N*C, HW)); ``channels_last``:
-    the NCHW view is channels-last memory (torch's E[x^2] - E[x]^2 kernel)."""
+    the NCHW view is channels-last memory (torch's E[x^2] - E[x]^2 kernel); ``copy``: the
+    NCHW view is neither, and float16/bfloat16 copy it to contiguous memory (x's dtype) for
+    torch's kernel rather than take the array-API core, which would convert whole arrays to
+    float32 (float32/float64 take the exact executors there: kind None)."""
 
     __slots__ = ("kind", "order", "inverse", "normalized", "n", "c", "spatial", "groups",
-                 "channels_last")
+                 "channels_last", "copy")
 
     def __init__(self, plan, src):
         ndim = len(plan.shape)
-        self.channels_last = False
+        self.channels_last = self.copy = False
         if plan.op in ("layer_norm", "rms_norm"):
             self.kind = "rows"
             order = [a for a in range(ndim) if a not in plan.reduce_axes] + list(plan.reduce_axes)
@@ -117,6 +120,8 @@ class _Layout:
                 self.kind = "batch"  # torch's float16 group-norm kernel is 1.5x slower
         elif _channels_last_memory(view):
             self.channels_last = True
+        elif plan.dtype in _HALF:
+            self.copy = True
         else:
             self.kind = None
 
@@ -141,7 +146,9 @@ def _run(plan, lay, t, w, b):
             w = w.reshape(normalized)
         if b is not None and b.dim() != len(normalized):
             b = b.reshape(normalized)
-        if plan.op == "rms_norm":
+        if plan.op == "rms_norm" and plan.dtype in _HALF and not torch.compiler.is_compiling():
+            y, mean, rstd = _blocked_rms(t, normalized, plan.count, w, plan.eps)
+        elif plan.op == "rms_norm":
             # torch.compile cannot trace the Python binding, only the aten op behind it
             fused_rms = torch.ops.aten._fused_rms_norm if torch.compiler.is_compiling() else torch._fused_rms_norm
             y, rstd = fused_rms(t, normalized, w, plan.eps)
@@ -154,6 +161,8 @@ def _run(plan, lay, t, w, b):
         return y, _stats(plan, mean), _stats(plan, rstd)
     if lay.order is not None:
         t = t.permute(lay.order)
+    if lay.copy:
+        t = t.contiguous()
     if lay.kind == "batch":  # instance norm as F.instance_norm runs it: batch norm of (1, N*C, HW)
         y, mean, rstd = torch.native_batch_norm(
             t.reshape(1, lay.n * lay.c, lay.spatial), None if w is None else w.repeat(lay.n),
@@ -173,19 +182,27 @@ def _conditioned(mean, rstd, limit):
     shape and float dtype, each tensor one kernel gave (same dtype)."""
     if mean.requires_grad:  # detach() costs a microsecond where there is no graph to leave
         mean, rstd = mean.detach(), rstd.detach()
-    if mean.numel() <= _LIST_CHECK:
+    n = mean.numel()
+    if n <= _LIST_CHECK:
         # a few statistics: two tolist() calls and a Python loop, no torch or NumPy op
         return _lists_within(mean.tolist(), rstd.tolist(), limit)
+    if n < _NUMPY_CHECK:
+        # three torch ops and an item() (measured the cheapest between 32 and 8192 slices)
+        worst = float((mean * rstd).abs_().max())
+        if worst == worst:
+            return not worst > limit
+        # a NaN slice: NumPy's fmax below skips it and finds the worst of the others
     if mean.dtype == torch.bfloat16:  # NumPy has no bfloat16
         mean, rstd = mean.float(), rstd.float()
-    # NumPy's single-threaded loops on the tensors' memory: no OpenMP region per torch op (on
-    # a busy machine each of those waits for its threads), and fmax ignores NaN slices
+    # many statistics: NumPy's single-threaded loops on the tensors' memory, no OpenMP region
+    # per torch op (on a busy machine each of those waits for its threads)
     ratio = np.multiply(mean.numpy(), rstd.numpy())
     worst = _FMAX(np.abs(ratio, out=ratio), axis=None)
     return not worst > limit
 
 
 _LIST_CHECK = 32  # statistics up to which the check runs on Python floats
+_NUMPY_CHECK = 32768  # statistics from which it runs in NumPy (torch's ops go parallel there)
 _FMAX = np.fmax.reduce
 
 
@@ -407,7 +424,12 @@ def _kernel(plan, lay):
     eps = plan.eps
     if lay.kind == "rows":
         normalized = lay.normalized
-        if plan.op == "rms_norm":
+        if plan.op == "rms_norm" and plan.dtype in _HALF:
+            count = plan.count
+
+            def routine(t, w, b):
+                return _blocked_rms(t, normalized, count, w, eps)
+        elif plan.op == "rms_norm":
             def routine(t, w, b, _rms=torch._fused_rms_norm):
                 y, rstd = _rms(t, normalized, w, eps)
                 return y, None, rstd
@@ -423,13 +445,54 @@ def _kernel(plan, lay):
             return y.permute(inverse), mean, rstd
         return moved
     n, c, spatial, groups, order, inverse = lay.n, lay.c, lay.spatial, lay.groups, lay.order, lay.inverse
+    copy = lay.copy
 
     def grouped(t, w, b, _gn=torch.native_group_norm):
         if order is not None:
             t = t.permute(order)
+        if copy:
+            t = t.contiguous()
         y, mean, rstd = _gn(t, w, b, n, c, spatial, groups, eps)
         return (y if inverse is None else y.permute(inverse)), mean, rstd
     return grouped
+
+
+_BLOCK_BYTES = 1 << 18  # float32 bytes of one block of rows: L2-resident on any CPU
+
+
+def _blocked_rms(t, normalized, count, w, eps):
+    """RMS norm of half-precision rows ``t`` (normalized axes last), torch's
+    ``_fused_rms_norm`` results: ``(y, None, rstd)``, rstd float32.
+
+    torch's CPU routine is composite: it converts the whole of x to float32 and makes
+    three more float32 passes (5x the time measured at 8192 x 4096).  Here blocks of rows
+    (``_BLOCK_BYTES`` of float32) are converted, reduced, scaled and written back: one
+    read of x, one write of y.  Arrays that fit one block, and calls autograd records
+    (which need torch's differentiable composite), take torch's routine."""
+    if t.nbytes * 2 <= _BLOCK_BYTES or (torch.is_grad_enabled() and (
+            t.requires_grad or (w is not None and w.requires_grad))):
+        y, rstd = torch._fused_rms_norm(t, normalized, w, eps)
+        return y, None, rstd
+    rows = t.numel() // count
+    x2 = t.reshape(rows, count)
+    y = torch.empty((rows, count), dtype=t.dtype)
+    rstd = torch.empty((rows, 1), dtype=torch.float32)
+    step = max(1, _BLOCK_BYTES // (4 * count))
+    buf = torch.empty((min(step, rows), count), dtype=torch.float32)
+    wf = None if w is None else w.reshape(count).to(torch.float32)
+    scale = 1.0 / count
+    for i in range(0, rows, step):
+        j = min(i + step, rows)
+        xf, r = buf[:j - i], rstd[i:j]
+        xf.copy_(x2[i:j])
+        torch.linalg.vector_norm(xf, dim=1, keepdim=True, out=r)  # float32 accumulation
+        r.square_().mul_(scale).add_(eps).rsqrt_()
+        xf.mul_(r)
+        if wf is not None:
+            xf.mul_(wf)
+        y[i:j].copy_(xf)
+    keep = t.shape[:t.dim() - len(normalized)] + (1,) * len(normalized)
+    return y.view(t.shape), None, rstd.view(keep)
 
 
 def _publisher(plan, lay):
