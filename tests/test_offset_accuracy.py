@@ -29,7 +29,8 @@ CASES = [
     ("gn nchw", "group_norm", (2, 32, 8, 8), dict(channel_axis=1, num_groups=8)),
     ("gn nhwc", "group_norm", (2, 8, 8, 32), dict(channel_axis=-1, num_groups=8)),
 ]
-BACKENDS = ["numpy", "torch", "torch-autograd", "array-api-strict", "dask", "jax"]
+# the CUDA variants skip without a GPU (tests/gpu runs them on one)
+BACKENDS = ["numpy", "torch", "torch-autograd", "array-api-strict", "dask", "jax", "torch-cuda", "cupy"]
 F32_EPS = float(np.finfo(np.float32).eps)
 
 
@@ -111,30 +112,73 @@ def _channels_last_nhwc(x):
 GN_OFFSETS = [10.0, 100.0, 1e3, 1e4, 1e6]
 
 
+def _device(name):
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return name
+
+
 @pytest.mark.parametrize("offset", GN_OFFSETS)
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
-def test_channels_last_group_norm_on_torch(offset, grad):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_channels_last_group_norm_on_torch(offset, grad, device):
     """torch's channels-last group-norm kernel computes E[x^2] - E[x]^2 (error 1e-4 at offset 10,
     1e3 at 1e4); anynorm must never hand it such data."""
     import anynorm
 
+    device = _device(device)
     shape = (2, 8, 8, 64)
     x = _data(shape, offset, seed=1)
     kw = dict(channel_axis=-1, num_groups=8)
     y_ref, mean_ref, _ = _reference("group_norm", x, kw)
     torch_err = float(np.max(np.abs(_torch_functional("group_norm", x, kw) - y_ref)))
     for channels_first in (False, True):
-        xt = _channels_last_nhwc(x)
+        xt = _channels_last_nhwc(x).to(device)
         if channels_first:  # the same memory as a channels_last NCHW tensor, channel_axis=1
             xt = xt.permute(0, 3, 1, 2)
             assert xt.is_contiguous(memory_format=torch.channels_last)
         xt.requires_grad_(grad)
         y, mean, _ = anynorm.group_norm(xt, 8, channel_axis=1 if channels_first else -1, return_stats=True)
-        y = y.detach()
+        y = y.detach().cpu()
         if channels_first:
             y = y.permute(0, 2, 3, 1)
         check_error(y.numpy(), y_ref, torch_err, f"channels-last group norm at {offset:g}")
-        assert np.max(np.abs(mean.detach().numpy() - mean_ref)) <= 4 * F32_EPS * offset
+        assert np.max(np.abs(mean.detach().cpu().numpy() - mean_ref)) <= 4 * F32_EPS * offset
+
+
+# channels_last (NCHW and NCDHW) torch tensors, channel_axis=1: every op whose torch route
+# sees their memory (ConvNeXt's channels-first layer norm included)
+CL_CASES = [
+    ("ln channels-first", "layer_norm", (2, 32, 6, 7), dict(axis=1)),
+    ("rms channels-first", "rms_norm", (2, 32, 6, 7), dict(axis=1)),
+    ("in", "instance_norm", (2, 16, 6, 7), dict(channel_axis=1)),
+    ("gn", "group_norm", (2, 32, 6, 7), dict(channel_axis=1, num_groups=8)),
+    ("gn 3-d", "group_norm", (2, 16, 3, 4, 5), dict(channel_axis=1, num_groups=4)),
+    ("in 3-d", "instance_norm", (2, 16, 3, 4, 5), dict(channel_axis=1)),
+]
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name,op,shape,kw", CL_CASES, ids=[c[0] for c in CL_CASES])
+def test_channels_last_tensors_on_torch(name, op, shape, kw, device, grad, offset):
+    """Tensors in torch's channels_last / channels_last_3d memory format: at most half torch's
+    error (torch's own on the same data, contiguous), the statistics to float32 rounding."""
+    device = _device(device)
+    x = _data(shape, offset, seed=5)
+    y_ref, mean_ref, rstd_ref = _reference(op, x, kw)
+    torch_err = float(np.max(np.abs(_torch_functional(op, x, kw) - y_ref)))
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    xt = torch.from_numpy(x).to(device).contiguous(memory_format=fmt).requires_grad_(grad)
+    out = call(op, xt, return_stats=True, **kw)
+    check_error(out[0].detach().cpu().numpy(), y_ref, torch_err, f"channels_last {name} at {offset:g}")
+    if mean_ref is not None:
+        assert np.max(np.abs(out[1].detach().cpu().numpy() - mean_ref)) <= 4 * F32_EPS * offset
+    np.testing.assert_allclose(out[-1].detach().cpu().numpy(), rstd_ref, rtol=64 * F32_EPS)
+    if grad:  # the graph runs back through whichever route served
+        out[0].sum().backward()
+        assert xt.grad is not None and torch.isfinite(xt.grad).all()
 
 
 @pytest.mark.parametrize("offset", [100.0, 1e4])
@@ -247,3 +291,120 @@ def test_half_dtypes_far_from_zero_on_torch(name, op, shape, kw, dtype, offset):
         if mean_ref is not None:
             assert np.max(np.abs(out[1].detach().numpy() - mean_ref)) <= 8 * F32_EPS * offset
         np.testing.assert_allclose(out[-1].detach().numpy(), rstd_ref, rtol=1e-5)
+        # without the statistics (torch's kernels then take half parameters as given and
+        # check the conditioning on half statistics): y as exact, with and without weights
+        y = call(op, xt.clone().requires_grad_(requires_grad), **kw).detach().double().numpy()
+        assert np.max(np.abs(y - y_ref)) <= HALF_ULP[dtype] * np.max(np.abs(y_ref)), name
+    pshape = tuple(shape[a] for a in _norm_axes(kw["axis"], len(shape))) if "axis" in kw else (shape[kw["channel_axis"]],)
+    rng = np.random.default_rng(9)
+    w64, b64 = rng.random(pshape) + 0.5, rng.random(pshape) - 0.5
+    w, b = torch.from_numpy(w64).to(tdtype), torch.from_numpy(b64).to(tdtype)
+    wr, br = w.double().numpy(), b.double().numpy()
+    eps = _eps(op) if op != "rms_norm" else float(torch.finfo(tdtype).eps)
+    y_ref = reference.forward(op, x, wr, None if op == "rms_norm" else br, eps=eps, **kw)[0]
+    for params in ((w, b), (w.float(), b.float()), (w, b.float())):
+        args = (params[0],) if op == "rms_norm" else params
+        y = call(op, xt, *args, **kw).double().numpy()
+        assert np.max(np.abs(y - y_ref)) <= 2 * HALF_ULP[dtype] * np.max(np.abs(y_ref)), (name, params[0].dtype, params[1].dtype)
+
+
+def _norm_axes(axis, ndim):
+    return sorted(a % ndim for a in (axis if isinstance(axis, tuple) else (axis,)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm"])
+def test_half_strided_group_norm_takes_torch_kernel(op, dtype, monkeypatch):
+    """float16/bfloat16 tensors of neither contiguous nor channels-last memory: torch's kernel on
+    a contiguous copy in x's dtype, exact far from zero, never the array-API core (which
+    converts whole arrays to float32)."""
+    from anynorm import _reference as core
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the array-API core served a half-precision torch tensor")
+
+    monkeypatch.setattr(core, "forward", refuse)
+    tdtype = getattr(torch, dtype)
+    base = torch.from_numpy(1e3 + 8 * np.random.default_rng(10).standard_normal((2, 16, 6, 14))).to(tdtype)
+    kw = dict(channel_axis=1) if op == "instance_norm" else dict(channel_axis=1, num_groups=4)
+    for xt, k in ((base[:, :, :, ::2], kw), (base[:, :, :, ::2].permute(0, 2, 3, 1), dict(kw, channel_axis=-1))):
+        assert not xt.is_contiguous()
+        x = xt.double().numpy()
+        y_ref = reference.forward(op, x, eps=1e-5, **k)[0]
+        for grad in (False, True):
+            y = call(op, xt.clone().requires_grad_(grad), **k).detach().double().numpy()
+            assert np.max(np.abs(y - y_ref)) <= HALF_ULP[dtype] * np.max(np.abs(y_ref))
+
+
+# (op, shape, keyword arguments) of half-precision calls whose memory is measured
+HALF_MEMORY_CASES = [
+    ("layer_norm", (256, 2048), dict(axis=-1)),
+    ("layer_norm", (4, 96, 24, 24), dict(axis=1)),
+    ("rms_norm", (256, 2048), dict(axis=-1)),
+    ("instance_norm", (4, 64, 24, 24), dict(channel_axis=1)),
+    ("group_norm", (4, 64, 24, 24), dict(channel_axis=1, num_groups=8)),
+    ("group_norm", (4, 24, 24, 64), dict(channel_axis=-1, num_groups=8)),
+]
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3])
+@pytest.mark.parametrize("op,shape,kw", HALF_MEMORY_CASES, ids=[f"{c[0]}{c[1]}" for c in HALF_MEMORY_CASES])
+def test_half_torch_never_converts_whole_arrays(op, shape, kw, offset):
+    """bfloat16/float16 torch CPU tensors: no allocation of a float32 copy of x (2x its bytes);
+    float32 lives in torch's kernels' row/cache-sized buffers only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for tdtype in (torch.bfloat16, torch.float16):
+        xt = torch.from_numpy(offset + 8 * np.random.default_rng(11).standard_normal(shape)).to(tdtype)
+        if op == "group_norm" and kw["channel_axis"] == -1:
+            xt = xt.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+        x = xt.double().numpy()
+        eps = float(torch.finfo(tdtype).eps) if op == "rms_norm" else 1e-5
+        y_ref = reference.forward(op, x, eps=eps, **kw)[0]
+        for stats in (False, True):
+            call(op, xt, return_stats=stats, **kw)  # first call of the signature: plan, layout
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                out = call(op, xt, return_stats=stats, **kw)
+            biggest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+            assert biggest < 2 * xt.nbytes, (op, tdtype, stats, biggest, xt.nbytes)
+            y = (out[0] if stats else out).double().numpy()
+            assert np.max(np.abs(y - y_ref)) <= HALF_ULP[str(tdtype)[6:]] * np.max(np.abs(y_ref))
+
+
+# the NumPy executor's float16 instance/group norm held 5.5-7x x's bytes in temporaries
+# (float32/float64 copies of whole arrays) when this test was written: its owner's to fix
+_NUMPY_F16_GAP = pytest.mark.xfail(reason="NumPy executor: float16 instance/group norm convert whole arrays (issue 16)",
+                                   strict=False)
+
+
+@pytest.mark.parametrize("op,shape,kw", [
+    pytest.param(*c, marks=_NUMPY_F16_GAP) if c[0] in ("instance_norm", "group_norm") else c
+    for c in HALF_MEMORY_CASES], ids=[f"{c[0]}{c[1]}" for c in HALF_MEMORY_CASES])
+def test_float16_numpy_never_converts_whole_arrays(op, shape, kw):
+    """float16 NumPy arrays: the peak traced memory beyond y stays under a float32 copy of x."""
+    import tracemalloc
+
+    x = (1e3 + 8 * np.random.default_rng(12).standard_normal(shape)).astype(np.float16)
+    call(op, x, **kw)
+    tracemalloc.start()
+    try:
+        y = call(op, x, **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak - y.nbytes < 2 * x.nbytes, (op, shape, peak / x.nbytes)
+
+
+@pytest.mark.parametrize("rows", [8, 1000, 40000])
+def test_nan_slice_does_not_hide_far_rows(rows):
+    """A NaN slice gives NaN; the conditioning check must still see the other slices far from
+    zero (a NaN-propagating max would wave them through torch's kernel unshifted)."""
+    import anynorm
+
+    x = _data((rows, 16), 0.0, seed=13)
+    x[-1] += 1e4  # far from zero
+    x[0, 3] = np.nan
+    y = anynorm.layer_norm(torch.from_numpy(x)).numpy()
+    assert np.isnan(y[0]).all() and not np.isnan(y[1:]).any()
+    y_ref = _reference("layer_norm", x[1:], dict(axis=-1))[0]
+    assert np.max(np.abs(y[1:] - y_ref)) <= _ulp_bound(y_ref)
