@@ -22,7 +22,11 @@ Backward per box, with ``xhat = (x - mean) * rstd`` and ``g = dy * weight``::
     dx = rstd * (g - xhat * mean(g * xhat) - mean(g))          (no mean(g) for RMS norm)
     dweight += sum(dy * xhat),  dbias += sum(dy)               (over the non-parameter axes)
 
-float16/bfloat16-like inputs are cast per box into a float32 temporary.  Adjacent view axes of
+float32 sums over more than a few thousand terms (long reduced axes, outer axes summed slice
+after slice) are cut into runs (:data:`anynorm._numpy_rows.SUM_RUN` and friends) whose partial
+sums are added in float64, and the centring is redone where the first mean missed by more
+than a quarter of the standard deviation: errors stay at float32 rounding for any extent and
+offset.  float16/bfloat16-like inputs are cast per box into a float32 temporary.  Adjacent view axes of
 the same kind (reduced or kept, parameter or not) are merged first when strides allow, so
 layer norm rows, NCHW and NHWC instance/group norm and channels-first layer norm all become
 2- to 4-axis boxes.  Peak extra memory: the outputs plus a few box-sized temporaries.
