@@ -5,15 +5,23 @@ torch's CPU kernels (``native_layer_norm``, ``native_group_norm``, ``_fused_rms_
 compute the contract's formula, return the statistics and carry autograd; they serve
 layer/RMS norm over any axes (the normalized axes moved last, as ``F.layer_norm`` needs),
 group norm with channels on axis 1 of a contiguous or channels-last (NHWC) tensor, and
-instance norm as group norm with one channel per group.  float16/bfloat16 inputs run them
-with float32 parameters, so the statistics are accumulated and returned in float32 and
-only cache-sized rows are ever converted.
+instance norm as group norm with one channel per group.  float16/bfloat16 inputs: the
+kernels accumulate in float32 and convert only cache-sized rows; they take float32
+parameters where the statistics are asked for (then returned in float32), else the
+parameters as given.  torch's CPU RMS norm is composite (a float32 copy of the whole
+array): half rows take :func:`_blocked_rms` instead, and half group/instance norm on
+memory neither contiguous nor channels-last a contiguous copy in x's dtype.
+
+:func:`forward_runner` works out, once per call signature, what a call needs (layout,
+routine, arguments, limit): a plain call costs torch's kernel, the check and a few Python
+steps (the call layer in ``_calls``/``_functional`` adds about as much again).
 
 Accuracy: these kernels are exact only on well-conditioned slices.  The row kernels scale
 as ``x * rstd - mean * rstd``, which loses ``|mean| * rstd`` ulps, and the channels-last
 group-norm kernel takes ``E[x^2] - E[x]^2``, which loses ``(|mean| * rstd)^2`` of them (all
 digits at an offset of 1e4).  So every centred call checks the conditioning its own
-statistics show (``max |mean| * rstd`` against ``_LIMITS``); a call over the limit runs
+statistics show (``max |mean| * rstd`` against ``_LIMITS``: Python floats for a few
+statistics, three torch ops below 32768, NumPy beyond; NaN slices never hide the others); a call over the limit runs
 again on ``x - shift``, the shift being the first run's mean rounded to x's dtype and
 detached from autograd (layer and group norm are shift-invariant: ``x - shift`` is exact
 for rows far from zero, its statistics well conditioned, and ``shift`` is added back to the
