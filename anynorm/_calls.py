@@ -83,11 +83,12 @@ def _torch_signature(t):
         bind_torch()
         if _is_compiling is None:  # inside a trace before torch was bound
             return None
-    return t.shape, t.stride(), t.dtype, t.is_cuda, t.get_device()
+    _TORCH_TYPES.add(type(t))
+    return t.shape, t.stride(), t.dtype, t.device
 
 
 _SIGNERS = {}  # array type -> its signature function
-_TORCH_TYPES = set()  # the types signed by _torch_signature
+_TORCH_TYPES = set()  # the types _torch_signature signed once torch was bound (inlined then)
 
 
 def _sign(a):
@@ -103,8 +104,6 @@ def _sign(a):
             return False
         sign = {"numpy": _numpy_signature, "cupy": _cupy_signature,
                 "torch": _torch_signature}.get(kind, _other_signature)
-        if sign is _torch_signature:
-            _TORCH_TYPES.add(type(a))
         _SIGNERS[type(a)] = sign
     try:
         signature = sign(a)
@@ -135,6 +134,9 @@ def signature(*arrays):
     torch.compile traces the call: its shapes may be symbolic; asked once per call)."""
     out = []
     for a in arrays:
+        if type(a) in _TORCH_TYPES:  # the hot case, _torch_signature inlined
+            out.append((type(a), (a.shape, a.stride(), a.dtype, a.device)))
+            continue
         s = _sign(a)
         if s is False:
             return None

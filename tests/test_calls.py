@@ -124,7 +124,8 @@ def test_signature_keys_device_and_library():
     torch = pytest.importorskip("torch")
     t = torch.ones(3, 4)
     (kind, sig), = _calls.signature(t)
-    assert kind is torch.Tensor and sig == (t.shape, t.stride(), t.dtype, False, -1)
+    assert kind is torch.Tensor and sig == (t.shape, t.stride(), t.dtype, torch.device("cpu"))
+    assert _calls.signature(t) == _calls.signature(t)  # the inlined key once the type is known
     (kind, sig), = _calls.signature(np.ones((3, 4), np.float32))
     assert kind is np.ndarray and sig[1] == (16, 4)
     assert _calls.signature([1.0, 2.0]) is None  # not an array: the uncached path reports it
