@@ -568,14 +568,17 @@ __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict_
     }
 }
 
-// sum(g) and sum(g * xhat) over row[c*chunk : (c+1)*chunk] for block (c, row). Row `row`
-// uses the statistics of slice row / stats_div (1; or, for the rows of segments that NCHW
-// group norm's backward sums, the segments per slice).
+// sum(g) and sum(g * xhat) over row[c*chunk : (c+1)*chunk] for block (c, row), xhat from
+// the saved mean, (x - mean) * rstd; ws_d (nullable) takes sum(x - mean), from which
+// rows_grad_finalize finds the saved mean's rounding (x - mean is exact near the mean). Row
+// `row` uses the statistics of slice row / stats_div (1; or, for the rows of segments that
+// NCHW group norm's backward sums, the segments per slice).
 template <typename T>
 __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict__ x,
                                   const void* __restrict__ w_arg, const acc_t<T>* __restrict__ mean,
                                   const acc_t<T>* __restrict__ rstd, acc_t<T>* __restrict__ ws_g,
-                                  acc_t<T>* __restrict__ ws_gx, long long rows, long long count,
+                                  acc_t<T>* __restrict__ ws_gx, acc_t<T>* __restrict__ ws_d,
+                                  long long rows, long long count,
                                   long long chunk, long long p_div, long long p_len,
                                   long long stats_div, int center, int param_in_t) {
     const Param<T> w = {w_arg, param_in_t & 1};
@@ -594,26 +597,35 @@ __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict_
         const A r = rstd[s];
         const bool vec = aligned16(x + base) && aligned16(dy + base);
         const long long vlen = vec ? (len / V) * V : 0;
-        A sg = A(0), sgx = A(0);
+        A sg = A(0), sgx = A(0), sd = A(0);
         for (long long j = (long long)threadIdx.x * V; j < vlen; j += (long long)blockDim.x * V) {
             const Vec16<T> xv = load16(x + base + j);
             const Vec16<T> dv = load16(dy + base + j);
             for (int q = 0; q < V; ++q) {
                 const A g = to_acc(dv.v[q]) * weight_at(w, param_at(map, base + j + q));
+                const A d = to_acc(xv.v[q]) - mu;
                 sg += g;
-                sgx += g * (to_acc(xv.v[q]) - mu) * r;
+                sgx += g * d * r;
+                sd += d;
             }
         }
         for (long long j = vlen + threadIdx.x; j < len; j += blockDim.x) {
             const A g = to_acc(dy[base + j]) * weight_at(w, param_at(map, base + j));
+            const A d = to_acc(x[base + j]) - mu;
             sg += g;
-            sgx += g * (to_acc(x[base + j]) - mu) * r;
+            sgx += g * d * r;
+            sd += d;
         }
         block_allsum2(sg, sgx, smem);
+        if (ws_d) {  // uniform over the block
+            A unused = A(0);
+            block_allsum2(sd, unused, smem);
+        }
         if (threadIdx.x == 0) {
             const long long k = row * nchunk + blockIdx.x;
             ws_g[k] = sg;
             ws_gx[k] = sgx;
+            if (ws_d) ws_d[k] = sd;
         }
     }
 }

@@ -417,7 +417,7 @@ def test_launch_row_backward_up_to_16384_in_registers(emulated, monkeypatch, dty
     float32 (ITEMS=16 would spill under that bound) and float64 take the chunked path."""
     names = _record_launches(monkeypatch)
     _check("layer_norm", (3, 12000), {}, dtype)
-    chunked = {"rows_grad_partial", "grad_finalize", "apply_bwd"}
+    chunked = {"rows_grad_partial", "rows_grad_finalize", "apply_bwd"}
     if one_pass:
         assert "rows_bwd_block_params" in names and not chunked & names
         assert not {"param_grad_cols", "param_grad_rows"} & names
@@ -436,13 +436,13 @@ def test_launch_long_rows_of_segments(emulated, monkeypatch, dtype):
                           ("instance_norm", (2, 2, 130, 131), {"channel_axis": 1})]:
         names.clear()
         _check(op, shape, kw, dtype)
-        assert segmented <= names and not {"param_grad_rows", "grad_finalize"} & names, names
+        assert segmented <= names and not {"param_grad_rows", "rows_grad_finalize"} & names, names
     names.clear()
     _check("group_norm", (2, 6, 90, 70), {"channel_axis": 1, "num_groups": 2}, dtype, with_params=False)
-    assert "grad_finalize" in names and "segment_grad_finalize" not in names
+    assert "rows_grad_finalize" in names and "segment_grad_finalize" not in names
     names.clear()
     _check("group_norm", (1, 4096, 4, 4), {"channel_axis": 1, "num_groups": 2}, dtype)  # segments of 16
-    assert {"grad_finalize", "param_grad_rows"} <= names and "segment_grad_finalize" not in names
+    assert {"rows_grad_finalize", "param_grad_rows"} <= names and "segment_grad_finalize" not in names
 
 
 def _record_launches(monkeypatch):

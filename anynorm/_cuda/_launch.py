@@ -473,11 +473,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
         if param_grads is not None and _segmented(layout):
             return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads,
                                    param_in_t)
-        chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
-        ws = _workspace((2, outer * nchunk), dtype=acc)
-        _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
-                (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer), i64(reduced),
-                 i64(chunk), pdiv, plen, i64(1), center, pin))
+        return _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t)
     else:
         tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
         chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
@@ -494,6 +490,26 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
              i64(outer), i64(nchunk), i64(inner), i64(group), f64(plan.count), pin))
     _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
     return (part, outer) if by_column else None
+
+
+def _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t=0):
+    """Long rows' dx: rows_grad_partial (per (row, chunk): sum(g), sum(g * xhat) and, centred,
+    sum(x - mean)) -> rows_grad_finalize (the means of g and g * xhat about the exact mean:
+    the saved mean's rounding, mean(x - mean), taken out) -> apply_bwd."""
+    acc = acc_dtype(dtype)
+    outer, reduced = layout.outer, layout.reduced
+    chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
+    ws = _workspace((3 if plan.center else 2, outer * nchunk), dtype=acc)
+    _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
+            (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], ws[2] if plan.center else NULL, i64(outer),
+             i64(reduced), i64(chunk), i64(layout.p_div), i64(layout.p_len), i64(1), i32(plan.center),
+             i32(param_in_t)))
+    means = _workspace((2, outer), dtype=acc)
+    _launch("rows_grad_finalize", dtype, (_grid_1d(outer, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], ws[2] if plan.center else NULL, rstd, means[0], means[1], i64(outer),
+             i64(nchunk), f64(plan.count)))
+    _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
+    return None
 
 
 def _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t=0):
@@ -523,7 +539,7 @@ def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias,
     chunk, nchunk = _split(seg, min(segs, _MAX_Y), _target_blocks(), 4096, align=256)
     ws = _workspace((2, segs * nchunk), dtype=acc)
     _launch("rows_grad_partial", dtype, (nchunk, min(segs, _MAX_Y)), (_BLOCK,),
-            (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], i64(segs), i64(seg), i64(chunk),
+            (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], NULL, i64(segs), i64(seg), i64(chunk),
              i64(1), i64(1), i64(per_row), i32(plan.center), i32(0)))
     slices = layout.slices
     means = _workspace((2, slices), dtype=acc)
