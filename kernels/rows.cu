@@ -316,15 +316,34 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
         mu = Team::allsum(s, smem) / A(count);
     }
     A sg = A(0), sgx = A(0);
-    ANYNORM_UNROLL
-    for (int k = 0; k < ITEMS; ++k) {
-        const int idx = team_item<V>(k, rank, Team::size(), vec);
-        if (idx < count) {
-            xh[k] = (xh[k] - mu) * r;
-            sums.add(k, idx, g[k], xh[k]);  // g is still dy here
-            g[k] *= weight_at(w, row_param(base, idx, plain, map));
-            sg += g[k];
-            sgx += g[k] * xh[k];
+    if (vec && plain && param_vec_ok(w)) {  // the weight in 16-byte vectors too
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; k += V) {
+            const int idx = team_item<V>(k, rank, Team::size(), true);
+            if (idx < count) {
+                A wv[V];
+                param_vec(w, idx, wv, A(1));
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) {
+                    xh[k + j] = (xh[k + j] - mu) * r;
+                    sums.add(k + j, idx + j, g[k + j], xh[k + j]);  // g is still dy here
+                    g[k + j] *= wv[j];
+                    sg += g[k + j];
+                    sgx += g[k + j] * xh[k + j];
+                }
+            }
+        }
+    } else {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) {
+            const int idx = team_item<V>(k, rank, Team::size(), vec);
+            if (idx < count) {
+                xh[k] = (xh[k] - mu) * r;
+                sums.add(k, idx, g[k], xh[k]);  // g is still dy here
+                g[k] *= weight_at(w, row_param(base, idx, plain, map));
+                sg += g[k];
+                sgx += g[k] * xh[k];
+            }
         }
     }
     Team::allsum2(sg, sgx, smem);
