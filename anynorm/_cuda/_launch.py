@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _buffers
 from ._args import NULL, f64, i32, i64
-from ._compile import block_threads_max, get_kernel, items_of
+from ._compile import MULTI_ITEMS, block_threads_max, get_kernel, items_of
 from ._interop import TensorRef
 from ._layout import plan_layout
 
@@ -151,6 +151,26 @@ def _row_kernel(prefix, rows, count, dtype, warp=None):
         if threads <= block_threads_max(kernel, dtype):
             return kernel, (_grid_1d(rows, 1),), (threads,), items
     return None
+
+
+_MULTI_BLOCK = 256  # rows_fwd_multi's block (rows.cu: MULTI_BLOCK)
+
+
+def _multi_rows(layout, dtype, has_params):
+    """(kernel, grid, block, ITEMS) of rows_fwd_multi, or None: rows whose team (ITEMS = one
+    16-byte vector per thread, a power of two of threads) fits its block, plain (p = position
+    in the row) where there are parameters. A persistent grid: at most ``_target_blocks()``
+    blocks (4 per SM: 32 warps at the kernel's 64 registers), each taking groups of
+    ``256 / team`` rows in turn, its weight and bias loaded once."""
+    count = layout.reduced
+    if not layout.rows or (has_params and (layout.p_div != 1 or layout.p_len != count)):
+        return None
+    items = MULTI_ITEMS[dtype]
+    team = 1 << (_ceil(count, items) - 1).bit_length()
+    if team > _MULTI_BLOCK:
+        return None
+    groups = _ceil(layout.outer, _MULTI_BLOCK // team)
+    return "rows_fwd_multi", (min(groups, _target_blocks()),), (_MULTI_BLOCK,), items
 
 
 def _split(length, parallel, target, min_chunk, align=1):
@@ -302,6 +322,13 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
     acc = acc_dtype(dtype)
     center, eps, pin = i32(plan.center), f64(plan.eps), i32(param_in_t)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
+    multi = _multi_rows(layout, dtype, w is not None or b is not None)
+    if multi is not None:
+        kernel, grid, block, items = multi
+        _launch(kernel, dtype, grid, block,
+                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
+                 i64(reduced), center, eps, pin), items=items)
+        return
     row = _row_kernel("rows_fwd", outer, reduced, dtype) if layout.rows else None
     if row is not None:
         kernel, grid, block, items = row
