@@ -105,6 +105,36 @@ __global__ void grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>*
     }
 }
 
+// Long rows after rows_grad_partial: mean_g = sum(g) / count and mean_gx = sum(g * xhat) /
+// count per row, with xhat from the exact mean. The partials took x - mean from the saved
+// mean, rounded (near 1e6 in float32, to 1/16); ws_d (nullable: taken as 0) holds sum(x - mean),
+// exact terms, so lo = sum(x - mean) / count is that rounding, the true xhat is
+// (x - mean) * rstd - lo * rstd, and so sum(g * xhat) loses lo * rstd * sum(g). apply_bwd,
+// which forms (x - mean) * rstd, gets the rest of the correction folded into mean_g:
+// dx = rstd * (g - (mean_g - lo * rstd * mean_gx) - (x - mean) * rstd * mean_gx).
+template <typename T>
+__global__ void rows_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>* __restrict__ ws_gx,
+                                   const acc_t<T>* __restrict__ ws_d, const acc_t<T>* __restrict__ rstd,
+                                   acc_t<T>* __restrict__ mean_g, acc_t<T>* __restrict__ mean_gx,
+                                   long long rows, long long nchunk, double count) {
+    typedef acc_t<T> A;
+    const A n = A(count);
+    for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < rows;
+         row += (long long)gridDim.x * blockDim.x) {
+        A sg = A(0), sgx = A(0), sd = A(0);
+        for (long long c = 0; c < nchunk; ++c) {
+            sg += ws_g[row * nchunk + c];
+            sgx += ws_gx[row * nchunk + c];
+            if (ws_d) sd += ws_d[row * nchunk + c];
+        }
+        const A lo_r = sd / n * rstd[row];
+        const A mg = sg / n;
+        const A mgx = (sgx - lo_r * sg) / n;
+        mean_g[row] = mg - lo_r * mgx;
+        mean_gx[row] = mgx;
+    }
+}
+
 // Rows made of segments of one parameter each (NCHW group norm: a row holds C/G channels of
 // HW elements; instance norm: one): rows_grad_partial, run over the segments with no weight,
 // left sum(dy) and sum(dy * xhat) per (segment, chunk) at ws[k * nchunk + c]. Per slice s

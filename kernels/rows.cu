@@ -1,7 +1,9 @@
 // Rows family (inner == 1): every normalized slice is `count` contiguous elements.
 //
 // Short rows (count <= 32 * ITEMS): one warp per row; medium rows (count <= blockDim.x *
-// ITEMS): one block per row, sized to the row. Either way a "team" of threads holds the row
+// ITEMS): one block per row, sized to the row; short plain rows forward (rows_fwd_multi):
+// several teams per block, each thread's weight and bias loaded once for all its rows.
+// Either way a "team" of threads holds the row
 // in registers (ITEMS values per thread) and takes exact two-pass statistics of
 // d = v - shift from them: x is read once, y written once. Long rows: rows_*_partial reduce
 // chunks of a row per block; the chunks are merged by finish.cu (rows_stats_finalize /
@@ -74,16 +76,16 @@ __device__ __forceinline__ long long row_param(long long base, int idx, bool pla
 }
 
 // Read the row into v as v - shift (x, or h = x + res with h written); zeros past the end.
-template <typename T, int ITEMS, typename Team>
+template <typename T, int ITEMS>
 __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restrict__ x,
                                          const T* __restrict__ res, T* __restrict__ h, int count,
-                                         int rank, bool vec, acc_t<T> shift = acc_t<T>(0)) {
+                                         int rank, int size, bool vec, acc_t<T> shift = acc_t<T>(0)) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     if (vec) {
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; k += V) {
-            const int idx = team_item<V>(k, rank, Team::size(), true);
+            const int idx = team_item<V>(k, rank, size, true);
             if (idx < count) {
                 Vec16<T> xv = load16(x + idx);
                 if (res) {
@@ -102,7 +104,7 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
     } else {
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; ++k) {
-            const int idx = team_item<V>(k, rank, Team::size(), false);
+            const int idx = team_item<V>(k, rank, size, false);
             if (idx < count) {
                 T xv = x[idx];
                 if (res) {
@@ -118,14 +120,14 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
 }
 
 // Write v (in the accumulation type) to the row of y.
-template <typename T, int ITEMS, typename Team>
+template <typename T, int ITEMS>
 __device__ __forceinline__ void store_row(T* __restrict__ y, const acc_t<T> (&v)[ITEMS], int count,
-                                          int rank, bool vec) {
+                                          int rank, int size, bool vec) {
     const int V = VecLen<T>::value;
     if (vec) {
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; k += V) {
-            const int idx = team_item<V>(k, rank, Team::size(), true);
+            const int idx = team_item<V>(k, rank, size, true);
             if (idx < count) {
                 Vec16<T> out;
                 ANYNORM_UNROLL
@@ -136,7 +138,7 @@ __device__ __forceinline__ void store_row(T* __restrict__ y, const acc_t<T> (&v)
     } else {
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; ++k) {
-            const int idx = team_item<V>(k, rank, Team::size(), false);
+            const int idx = team_item<V>(k, rank, size, false);
             if (idx < count) y[idx] = from_acc<T>(v[k]);
         }
     }
@@ -175,7 +177,7 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
     // Two passes over the registers, of d = v - shift: mean(d), then sum((d - mean(d))^2).
     const A shift = center ? row_shift(x, res) : A(0);
     A v[ITEMS];
-    load_row<T, ITEMS, Team>(v, x, res, h, count, rank, vec, shift);
+    load_row<T, ITEMS>(v, x, res, h, count, rank, Team::size(), vec, shift);
     const A n = A(count);
     A mu = A(0);
     if (center) {
@@ -220,7 +222,7 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
             }
         }
     }
-    store_row<T, ITEMS, Team>(y, v, count, rank, vec);
+    store_row<T, ITEMS>(y, v, count, rank, Team::size(), vec);
 }
 
 // Where the backward adds up dy * xhat and dy for dweight/dbias: `add` per item, `end_row`
@@ -275,6 +277,12 @@ template <typename A> struct RowSums {
     }
 };
 
+// Whether backward_row reads the weight of plain rows in 16-byte vectors (param_vec): everywhere
+// but the 16-bit block kernel with its sums in shared memory at ITEMS=16, which spilled on
+// sm_80 under its 64-register bound with them (scalar weight loads there, as before).
+template <typename Sums, int ITEMS> struct WeightVec { static const bool value = true; };
+template <typename A> struct WeightVec<SharedSums<A>, 16> { static const bool value = false; };
+
 // Whether a launch's rows run on 16-byte vectors: rows are `count` elements apart, so when
 // count is whole vectors every row is aligned as the first.
 template <typename T, int ITEMS>
@@ -306,8 +314,8 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     // the row's offset into every xhat, and through mean(g * xhat) into dx (as in the forward).
     const A shift = center ? row_shift(x, (const T*)0) : A(0);
     A g[ITEMS], xh[ITEMS];
-    load_row<T, ITEMS, Team>(xh, x, (const T*)0, (T*)0, count, rank, vec, shift);
-    load_row<T, ITEMS, Team>(g, dy, (const T*)0, (T*)0, count, rank, vec);
+    load_row<T, ITEMS>(xh, x, (const T*)0, (T*)0, count, rank, Team::size(), vec, shift);
+    load_row<T, ITEMS>(g, dy, (const T*)0, (T*)0, count, rank, Team::size(), vec);
     A mu = A(0);
     if (center) {
         A s = A(0);
@@ -316,15 +324,34 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
         mu = Team::allsum(s, smem) / A(count);
     }
     A sg = A(0), sgx = A(0);
-    ANYNORM_UNROLL
-    for (int k = 0; k < ITEMS; ++k) {
-        const int idx = team_item<V>(k, rank, Team::size(), vec);
-        if (idx < count) {
-            xh[k] = (xh[k] - mu) * r;
-            sums.add(k, idx, g[k], xh[k]);  // g is still dy here
-            g[k] *= weight_at(w, row_param(base, idx, plain, map));
-            sg += g[k];
-            sgx += g[k] * xh[k];
+    if (WeightVec<Sums, ITEMS>::value && vec && plain && param_vec_ok(w)) {  // w in 16-byte vectors too
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; k += V) {
+            const int idx = team_item<V>(k, rank, Team::size(), true);
+            if (idx < count) {
+                A wv[V];
+                param_vec(w, idx, wv, A(1));
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) {
+                    xh[k + j] = (xh[k + j] - mu) * r;
+                    sums.add(k + j, idx + j, g[k + j], xh[k + j]);  // g is still dy here
+                    g[k + j] *= wv[j];
+                    sg += g[k + j];
+                    sgx += g[k + j] * xh[k + j];
+                }
+            }
+        }
+    } else {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) {
+            const int idx = team_item<V>(k, rank, Team::size(), vec);
+            if (idx < count) {
+                xh[k] = (xh[k] - mu) * r;
+                sums.add(k, idx, g[k], xh[k]);  // g is still dy here
+                g[k] *= weight_at(w, row_param(base, idx, plain, map));
+                sg += g[k];
+                sgx += g[k] * xh[k];
+            }
         }
     }
     Team::allsum2(sg, sgx, smem);
@@ -333,7 +360,7 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     const A mgx = sgx / n;
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) g[k] = r * (g[k] - mg - xh[k] * mgx);
-    store_row<T, ITEMS, Team>(dx, g, count, rank, vec);
+    store_row<T, ITEMS>(dx, g, count, rank, Team::size(), vec);
 }
 
 // The row loop of every backward row kernel.
@@ -469,6 +496,125 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
                                          center, acc_t<T>(eps), smem);
 }
 
+// Short rows, several per block (plain rows, p = position in the row, or no parameters):
+// teams of `size` threads, the smallest power of two that holds the row at ITEMS per thread,
+// MULTI_BLOCK / size rows at a time per block, grid-stride over those groups of rows. A thread
+// meets the same positions in every row its team takes, so it loads its weight and bias once
+// (16-byte vectors where the row is) and keeps them in registers for all its rows. The launch
+// bound caps ptxas at 64 registers: 4 blocks, 32 warps per SM (50%).
+#define MULTI_BLOCK 256
+
+// Sum of v over the team of `size` threads (a power of two, at most blockDim.x) that holds
+// threads [t * size, (t + 1) * size), returned to all of them. Every thread of the block must
+// call it with the same size: teams wider than a warp meet in `smem` (blockDim.x / 32 values
+// of A, between two barriers).
+template <typename A>
+__device__ __forceinline__ A team_sum(A v, int size, A* smem) {
+    const int width = size < 32 ? size : 32;
+    for (int off = width >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (size > 32) {
+        const int warp = threadIdx.x >> 5, per = size >> 5;
+        if ((threadIdx.x & 31) == 0) smem[warp] = v;
+        __syncthreads();
+        const int first = warp & ~(per - 1);
+        v = smem[first];
+        for (int k = 1; k < per; ++k) v += smem[first + k];
+        __syncthreads();
+    }
+    return v;
+}
+
+template <typename T, int ITEMS>
+__global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
+        const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
+        const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
+        acc_t<T>* __restrict__ rstd, long long rows, long long count, int center, double eps,
+        int param_in_t) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
+    __shared__ A smem[MULTI_BLOCK / 32];
+    const int n = (int)count;
+    const int need = (n + ITEMS - 1) / ITEMS;
+    int size = 1;
+    while (size < need) size <<= 1;
+    const int rank = threadIdx.x & (size - 1);
+    const int teams = blockDim.x / size, team = threadIdx.x / size;
+    // rows are count elements apart: when count is whole vectors, every row is aligned as the first
+    const bool vec = (ITEMS % V == 0) && (n % V == 0) && aligned16(x) && aligned16_or_null(res) &&
+                     aligned16_or_null(res ? h : 0) && aligned16_or_null(y);
+    // this thread's weights and biases, for every row it takes
+    A wv[ITEMS], bv[ITEMS];
+    if (vec && param_vec_ok(w) && param_vec_ok(b)) {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; k += V) {
+            const int idx = team_item<V>(k, rank, size, true);
+            A wt[V], bt[V];
+            if (idx < n) {
+                param_vec(w, idx, wt, A(1));
+                param_vec(b, idx, bt, A(0));
+            } else {
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) wt[j] = bt[j] = A(0);
+            }
+            ANYNORM_UNROLL
+            for (int j = 0; j < V; ++j) {
+                wv[k + j] = wt[j];
+                bv[k + j] = bt[j];
+            }
+        }
+    } else {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) {
+            const int idx = team_item<V>(k, rank, size, vec);
+            wv[k] = idx < n ? weight_at(w, idx) : A(0);
+            bv[k] = idx < n ? bias_at(b, idx) : A(0);
+        }
+    }
+    const A fn = A(n), e = A(eps);
+    const long long groups = (rows + teams - 1) / teams;
+    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+        // every thread of the block runs the group (the team sums meet at barriers); a team
+        // past the last row reads and writes nothing
+        const long long row = g * teams + team;
+        const bool active = row < rows;
+        const int len = active ? n : 0;
+        const long long base = active ? row * count : 0;
+        const T* xr = x + base;
+        const T* rr = res ? res + base : res;
+        T* hr = res ? h + base : h;
+        const A shift = center && active ? row_shift(xr, rr) : A(0);
+        A v[ITEMS];
+        load_row<T, ITEMS>(v, xr, rr, hr, len, rank, size, vec, shift);
+        A mu = A(0);
+        if (center) {
+            A s = A(0);
+            ANYNORM_UNROLL
+            for (int k = 0; k < ITEMS; ++k) s += v[k];
+            mu = team_sum(s, size, smem) / fn;
+        }
+        A ss = A(0);
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) {
+            if (team_item<V>(k, rank, size, vec) < len) {
+                const A d = v[k] - mu;
+                ss += d * d;
+            }
+        }
+        const A r = inv_sqrt(team_sum(ss, size, smem) / fn + e);
+        if (active && rank == 0) {
+            if (rstd) rstd[row] = r;
+            if (mean) mean[row] = shift + mu;
+        }
+        if (y) {
+            ANYNORM_UNROLL
+            for (int k = 0; k < ITEMS; ++k) v[k] = (v[k] - mu) * r * wv[k] + bv[k];
+            store_row<T, ITEMS>(y + base, v, len, rank, size, vec);
+        }
+    }
+}
+
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
@@ -568,14 +714,17 @@ __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict_
     }
 }
 
-// sum(g) and sum(g * xhat) over row[c*chunk : (c+1)*chunk] for block (c, row). Row `row`
-// uses the statistics of slice row / stats_div (1; or, for the rows of segments that NCHW
-// group norm's backward sums, the segments per slice).
+// sum(g) and sum(g * xhat) over row[c*chunk : (c+1)*chunk] for block (c, row), xhat from
+// the saved mean, (x - mean) * rstd; ws_d (nullable) takes sum(x - mean), from which
+// rows_grad_finalize finds the saved mean's rounding (x - mean is exact near the mean). Row
+// `row` uses the statistics of slice row / stats_div (1; or, for the rows of segments that
+// NCHW group norm's backward sums, the segments per slice).
 template <typename T>
 __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict__ x,
                                   const void* __restrict__ w_arg, const acc_t<T>* __restrict__ mean,
                                   const acc_t<T>* __restrict__ rstd, acc_t<T>* __restrict__ ws_g,
-                                  acc_t<T>* __restrict__ ws_gx, long long rows, long long count,
+                                  acc_t<T>* __restrict__ ws_gx, acc_t<T>* __restrict__ ws_d,
+                                  long long rows, long long count,
                                   long long chunk, long long p_div, long long p_len,
                                   long long stats_div, int center, int param_in_t) {
     const Param<T> w = {w_arg, param_in_t & 1};
@@ -594,26 +743,35 @@ __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict_
         const A r = rstd[s];
         const bool vec = aligned16(x + base) && aligned16(dy + base);
         const long long vlen = vec ? (len / V) * V : 0;
-        A sg = A(0), sgx = A(0);
+        A sg = A(0), sgx = A(0), sd = A(0);
         for (long long j = (long long)threadIdx.x * V; j < vlen; j += (long long)blockDim.x * V) {
             const Vec16<T> xv = load16(x + base + j);
             const Vec16<T> dv = load16(dy + base + j);
             for (int q = 0; q < V; ++q) {
                 const A g = to_acc(dv.v[q]) * weight_at(w, param_at(map, base + j + q));
+                const A d = to_acc(xv.v[q]) - mu;
                 sg += g;
-                sgx += g * (to_acc(xv.v[q]) - mu) * r;
+                sgx += g * d * r;
+                sd += d;
             }
         }
         for (long long j = vlen + threadIdx.x; j < len; j += blockDim.x) {
             const A g = to_acc(dy[base + j]) * weight_at(w, param_at(map, base + j));
+            const A d = to_acc(x[base + j]) - mu;
             sg += g;
-            sgx += g * (to_acc(x[base + j]) - mu) * r;
+            sgx += g * d * r;
+            sd += d;
         }
         block_allsum2(sg, sgx, smem);
+        if (ws_d) {  // uniform over the block
+            A unused = A(0);
+            block_allsum2(sd, unused, smem);
+        }
         if (threadIdx.x == 0) {
             const long long k = row * nchunk + blockIdx.x;
             ws_g[k] = sg;
             ws_gx[k] = sgx;
+            if (ws_d) ws_d[k] = sd;
         }
     }
 }

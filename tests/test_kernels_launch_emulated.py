@@ -415,6 +415,51 @@ def test_launch_row_backward_sums_params_on_the_way(emulated, monkeypatch, dtype
     assert "param_grad_rows" in names and not {n for n in names if n.endswith("_params")}
 
 
+def _multi_team(count, dtype):
+    """rows_fwd_multi's team for ``count`` (one 16-byte vector a thread), or None past its block."""
+    team = 1 << (-(-count // _launch._VECTOR[dtype]) - 1).bit_length()
+    return team if team <= _launch._MULTI_BLOCK else None
+
+
+# (rows, count): one row (M=1); fewer rows than a block's teams; odd and not whole vectors
+# (scalar items); grid-stride over more groups than the (6-block) grid; teams of one warp,
+# of 2-8 warps (their sums meet in shared memory), of the whole block
+MULTI_SHAPES = [(1, 8), (1, 200), (3, 24), (50, 5), (900, 12), (7, 100), (5, 777), (6, 1024), (3, 2000)]
+
+
+@pytest.mark.parametrize("shape", MULTI_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launch_several_rows_per_block(emulated, monkeypatch, dtype, shape):
+    """Short plain rows (or rows without parameters): rows_fwd_multi, weight and bias loaded
+    once per thread for all its rows; with a residual, without parameters, parameters in x's dtype."""
+    names = _record_launches(monkeypatch)
+    _check("layer_norm", shape, {}, dtype)
+    assert ("rows_fwd_multi" in names) == (_multi_team(shape[1], dtype) is not None), names
+    _check("rms_norm", shape, {"axis": -1, "eps": 1e-6}, dtype, residual=True, params_in_x=True)
+    _check("layer_norm", shape, {}, dtype, with_params=False, offset=1)
+
+
+@pytest.mark.parametrize("dtype, shape", [("float16", (5, 777)), ("float16", (900, 12)), ("float64", (3, 64)),
+                                          ("float64", (7, 511))])
+def test_launch_several_rows_per_block_dtypes(emulated, monkeypatch, dtype, shape):
+    names = _record_launches(monkeypatch)
+    _check("layer_norm", shape, {}, dtype)
+    _check("layer_norm", shape, {}, dtype, residual=True, params_in_x=True)
+    assert "rows_fwd_multi" in names, names
+
+
+def test_launch_rows_with_a_parameter_per_row_skip_the_multi_kernel(emulated, monkeypatch):
+    """NCHW instance norm rows with weights (p = the row's channel): the warp kernel (the
+    backward's statistics pass, without parameters, may take rows_fwd_multi)."""
+    names = _record_launches(monkeypatch)
+    plan = make_plan("instance_norm", np.zeros((2, 3, 4, 5)), np.ones(3), np.zeros(3), channel_axis=1)
+    layout = _layout.plan_layout(plan, (60, 20, 5, 1))
+    assert _launch._multi_rows(layout, "float32", True) is None
+    assert _launch._multi_rows(layout, "float32", False) is not None
+    _check("instance_norm", (2, 3, 4, 5), {"channel_axis": 1}, "float32")
+    assert "rows_fwd_warp" in names
+
+
 @pytest.mark.parametrize("dtype, one_pass", [("float32", False), ("bfloat16", True), ("float64", False)])
 def test_launch_row_backward_up_to_16384_in_registers(emulated, monkeypatch, dtype, one_pass):
     """Rows of 8193-16384: the 16-bit backward holds them in a block's registers (1024
@@ -422,7 +467,7 @@ def test_launch_row_backward_up_to_16384_in_registers(emulated, monkeypatch, dty
     float32 (ITEMS=16 would spill under that bound) and float64 take the chunked path."""
     names = _record_launches(monkeypatch)
     _check("layer_norm", (3, 12000), {}, dtype)
-    chunked = {"rows_grad_partial", "grad_finalize", "apply_bwd"}
+    chunked = {"rows_grad_partial", "rows_grad_finalize", "apply_bwd"}
     if one_pass:
         assert "rows_bwd_block_params" in names and not chunked & names
         assert not {"param_grad_cols", "param_grad_rows"} & names
@@ -441,13 +486,13 @@ def test_launch_long_rows_of_segments(emulated, monkeypatch, dtype):
                           ("instance_norm", (2, 2, 130, 131), {"channel_axis": 1})]:
         names.clear()
         _check(op, shape, kw, dtype)
-        assert segmented <= names and not {"param_grad_rows", "grad_finalize"} & names, names
+        assert segmented <= names and not {"param_grad_rows", "rows_grad_finalize"} & names, names
     names.clear()
     _check("group_norm", (2, 6, 90, 70), {"channel_axis": 1, "num_groups": 2}, dtype, with_params=False)
-    assert "grad_finalize" in names and "segment_grad_finalize" not in names
+    assert "rows_grad_finalize" in names and "segment_grad_finalize" not in names
     names.clear()
     _check("group_norm", (1, 4096, 4, 4), {"channel_axis": 1, "num_groups": 2}, dtype)  # segments of 16
-    assert {"grad_finalize", "param_grad_rows"} <= names and "segment_grad_finalize" not in names
+    assert {"rows_grad_finalize", "param_grad_rows"} <= names and "segment_grad_finalize" not in names
 
 
 def _record_launches(monkeypatch):

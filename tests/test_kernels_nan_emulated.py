@@ -21,14 +21,15 @@ from anynorm._plan import make_plan
 
 # (op, shape, kwargs, the kernel that must serve the forward, tile budget or None)
 CASES = [
-    ("layer_norm", (4, 6), {}, "rows_fwd_warp", None),
-    ("rms_norm", (4, 6), {"axis": -1}, "rows_fwd_warp", None),
+    ("layer_norm", (4, 6), {}, "rows_fwd_multi", None),
+    ("rms_norm", (4, 6), {"axis": -1}, "rows_fwd_multi", None),
+    ("layer_norm", (5, 160), {}, "rows_fwd_multi", None),  # teams of 64 threads: two warps meet in smem
     ("layer_norm", (3, 2000), {}, "rows_fwd_block", None),
     ("rms_norm", (3, 2000), {"axis": -1}, "rows_fwd_block", None),
     ("layer_norm", (2, 17000), {}, "rows_stats_partial", None),
     ("rms_norm", (2, 17000), {"axis": -1}, "rows_stats_partial", None),
-    ("instance_norm", (3, 4, 5), {"channel_axis": 1}, "rows_fwd_warp", None),
-    ("group_norm", (3, 4, 5), {"channel_axis": 1, "num_groups": 2}, "rows_fwd_warp", None),
+    ("instance_norm", (3, 4, 5), {"channel_axis": 1}, "rows_fwd_multi", None),  # no parameters
+    ("group_norm", (3, 4, 5), {"channel_axis": 1, "num_groups": 2}, "rows_fwd_multi", None),
     ("rms_norm", (3, 4, 5), {"axis": (0, 2)}, "cols_fwd_tile", L.TILE_BUDGET),
     ("rms_norm", (3, 4, 5), {"axis": (0, 2)}, "cols_stats_partial", 0),
     ("layer_norm", (4, 6), {"axis": 0}, "cols_fwd_tile", L.TILE_BUDGET),

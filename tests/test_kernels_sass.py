@@ -54,7 +54,7 @@ NVCC, CUOBJDUMP = _find("nvcc"), _find("cuobjdump")
 if NVCC is None or CUOBJDUMP is None:
     pytest.skip("nvcc or cuobjdump not found", allow_module_level=True)
 
-ROW_KERNELS = ("rows_fwd_warp", "rows_fwd_block", "rows_bwd_warp", "rows_bwd_block", "rows_bwd_warp_params",
+ROW_KERNELS = ("rows_fwd_warp", "rows_fwd_block", "rows_fwd_multi", "rows_bwd_warp", "rows_bwd_block", "rows_bwd_warp_params",
                "rows_bwd_block_params", "rows_bwd_warp_row_params", "rows_bwd_block_row_params")
 VEC = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
 
@@ -127,3 +127,27 @@ def test_forward_reads_weight_and_bias_in_16_byte_vectors(rows_sass):
         if kernel.startswith("rows_fwd") and items % VEC[dtype] == 0:
             loads = len(re.findall(r"\bLDG\.E\.128\b", code[name]))
             assert loads >= 3 * items // VEC[dtype], (name, loads)
+
+
+def test_backward_reads_the_weight_in_16_byte_vectors(rows_sass):
+    """Plain rows in vectors (backward_row): dy, x and w, at least one LDG.E.128 per V items
+    each (but rows_bwd_block_params at ITEMS=16, rows.cu's WeightVec: it spilled on sm_80)."""
+    dtype, code = rows_sass
+    for kernel, items, name in _instantiations(dtype):
+        if kernel == "rows_bwd_block_params" and items == 16:
+            continue
+        if kernel.startswith("rows_bwd") and not kernel.endswith("row_params") and items % VEC[dtype] == 0:
+            loads = len(re.findall(r"\bLDG\.E\.128\b", code[name]))
+            assert loads >= 3 * items // VEC[dtype], (name, loads)
+
+
+def test_multi_row_forward_loads_weight_and_bias_once(rows_sass):
+    """rows_fwd_multi keeps its weight and bias in registers for all its rows: one 16-byte
+    vector of x (and of the residual) per row, the parameters' vectors once (in T: one each,
+    in A: sizeof(A) / sizeof(T) each, both layouts compiled): at least 3 LDG.E.128 and no
+    more than 2 + 2 * (1 + sizeof(A) / sizeof(T))."""
+    dtype, code = rows_sass
+    name = _compile.name_expression("rows_fwd_multi", dtype, _compile.MULTI_ITEMS[dtype])
+    loads = len(re.findall(r"\bLDG\.E\.128\b", code[name]))
+    per_a = VEC[dtype] * (8 if dtype == "float64" else 4) // 16  # A vectors per V weights
+    assert 3 <= loads <= 2 + 2 * (1 + per_a), (name, loads)

@@ -44,13 +44,14 @@ def _strides(shape):
 
 
 def test_transformer_rows_are_one_kernel_each_way():
-    """768 elements: a block of 128 threads per row (ITEMS=8; a warp would need ITEMS=32,
-    92 registers: 31% occupancy on an H100), dweight/dbias summed in its shared memory."""
+    """768 elements: forward, teams of 128 threads (one 16-byte vector each), two rows per
+    block of 256 at a time (rows_fwd_multi); backward, a block of 128 threads per row
+    (ITEMS=8), dweight/dbias summed in its shared memory."""
     plan = _plan("layer_norm", (64, 768))
     for present in ({"w", "b"}, {"w", "b"} | STATS):  # inference, and with statistics
         schedule = _forward(plan, present)
-        assert schedule.names == ("rows_fwd_block",) and schedule.scratch_bytes == 0
-        assert schedule.steps[0].block == (128,) and schedule.steps[0].items == 8
+        assert schedule.names == ("rows_fwd_multi",) and schedule.scratch_bytes == 0
+        assert schedule.steps[0].block == (256,) and schedule.steps[0].items == 8
     inference, training = _forward(plan, {"w", "b"}), _forward(plan, {"w", "b"} | STATS)
     mean_slot, rstd_slot = _bound.FORWARD_SLOTS.index("mean"), _bound.FORWARD_SLOTS.index("rstd")
     assert not {i for _, i, _ in inference.steps[0].slots} & {mean_slot, rstd_slot}
@@ -58,7 +59,7 @@ def test_transformer_rows_are_one_kernel_each_way():
     backward = _backward(plan, {"w", "rstd", "mean", "dw", "db"})
     assert backward.names == ("rows_bwd_block_params", "param_grad_finish")
     short = _plan("layer_norm", (64, 256))  # warps, the sums in registers
-    assert _forward(short, {"w", "b"}).names == ("rows_fwd_warp",)
+    assert _forward(short, {"w", "b"}).names == ("rows_fwd_multi",)
     assert _backward(short, {"w", "rstd", "mean", "dw", "db"}).names == ("rows_bwd_warp_params", "param_grad_finish")
 
 

@@ -14,7 +14,7 @@ import threading
 
 from ._sources import SOURCE_FILES, read_source
 
-__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "BLOCK_ITEMS", "items_of", "block_threads_max",
+__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "BLOCK_ITEMS", "MULTI_ITEMS", "items_of", "block_threads_max",
            "name_expression", "name_expressions", "instantiations", "get_kernel", "nvrtc_options", "nvrtc_check"]
 
 # Kernel dtype key (the dtype's name) -> C++ element type.
@@ -26,23 +26,28 @@ CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", 
 # 512 elements (past 256 with the dweight/dbias sums in registers) go to the block kernels.
 WARP_ITEMS = (1, 2, 4, 8, 16)
 BLOCK_ITEMS = (8, 16)
+# rows_fwd_multi (several short rows per block, teams sized to the row): one 16-byte vector
+# per thread, ITEMS = 16 / sizeof(T) (float64 spills past 2 under its 64-register bound).
+MULTI_ITEMS = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
 KERNELS = {
-    "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block",
+    "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block", "rows_fwd_multi",
                 "rows_bwd_warp_params", "rows_bwd_block_params", "rows_bwd_warp_row_params",
                 "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial", "cols_apply_fwd"),
     "tiles.cu": ("cols_fwd_tile", "cols_bwd_tile"),
     "finish.cu": ("stats_finalize", "grad_finalize", "segment_grad_finalize", "apply_bwd",
-                  "rows_stats_finalize", "rows_apply_fwd"),
+                  "rows_stats_finalize", "rows_apply_fwd", "rows_grad_finalize"),
     "params.cu": ("param_grad_cols", "param_grad_rows", "param_grad_finish"),
 }
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
-          "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS,
+          "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS, "rows_fwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
           "rows_bwd_warp_params": WARP_ITEMS[:4], "rows_bwd_block_params": BLOCK_ITEMS,
           "rows_bwd_warp_row_params": WARP_ITEMS, "rows_bwd_block_row_params": BLOCK_ITEMS}
 # The float32 block backward at ITEMS=16 would spill under its 64-register bound: float32
 # rows of 8193-16384 elements take the split path backward.
 _ITEMS_MAX = {(k, "float32"): 8 for k in ("rows_bwd_block", "rows_bwd_block_params", "rows_bwd_block_row_params")}
+# Kernels built for one ITEMS per dtype.
+_ITEMS_ONLY = {("rows_fwd_multi", dtype): (items,) for dtype, items in MULTI_ITEMS.items()}
 # Threads of a block-per-row kernel (rows.cu's launch bounds: ROW_BLOCK_MAX, BwdBlockMax).
 BLOCK_THREADS_MAX = 1024
 _BLOCK_THREADS_MAX = {(k, "float64"): 256 for k in ("rows_bwd_block", "rows_bwd_block_params",
@@ -57,7 +62,7 @@ assert set(KERNELS) == set(SOURCE_FILES)
 def items_of(kernel: str, dtype: str | None = None) -> tuple:
     """The ITEMS values a kernel is instantiated for (for ``dtype``, or its largest list when
     None; empty: no ITEMS parameter)."""
-    items = _ITEMS.get(kernel, ())
+    items = _ITEMS_ONLY.get((kernel, dtype), _ITEMS.get(kernel, ()))
     limit = _ITEMS_MAX.get((kernel, dtype))
     return items if limit is None else tuple(k for k in items if k <= limit)
 

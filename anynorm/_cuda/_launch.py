@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _buffers
 from ._args import NULL, f64, i32, i64
-from ._compile import block_threads_max, get_kernel, items_of
+from ._compile import MULTI_ITEMS, block_threads_max, get_kernel, items_of
 from ._interop import TensorRef
 from ._layout import plan_layout
 
@@ -151,6 +151,26 @@ def _row_kernel(prefix, rows, count, dtype, warp=None):
         if threads <= block_threads_max(kernel, dtype):
             return kernel, (_grid_1d(rows, 1),), (threads,), items
     return None
+
+
+_MULTI_BLOCK = 256  # rows_fwd_multi's block (rows.cu: MULTI_BLOCK)
+
+
+def _multi_rows(layout, dtype, has_params):
+    """(kernel, grid, block, ITEMS) of rows_fwd_multi, or None: rows whose team (ITEMS = one
+    16-byte vector per thread, a power of two of threads) fits its block, plain (p = position
+    in the row) where there are parameters. A persistent grid: at most ``_target_blocks()``
+    blocks (4 per SM: 32 warps at the kernel's 64 registers), each taking groups of
+    ``256 / team`` rows in turn, its weight and bias loaded once."""
+    count = layout.reduced
+    if not layout.rows or (has_params and (layout.p_div != 1 or layout.p_len != count)):
+        return None
+    items = MULTI_ITEMS[dtype]
+    team = 1 << (_ceil(count, items) - 1).bit_length()
+    if team > _MULTI_BLOCK:
+        return None
+    groups = _ceil(layout.outer, _MULTI_BLOCK // team)
+    return "rows_fwd_multi", (min(groups, _target_blocks()),), (_MULTI_BLOCK,), items
 
 
 def _split(length, parallel, target, min_chunk, align=1):
@@ -302,6 +322,13 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
     acc = acc_dtype(dtype)
     center, eps, pin = i32(plan.center), f64(plan.eps), i32(param_in_t)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
+    multi = _multi_rows(layout, dtype, w is not None or b is not None)
+    if multi is not None:
+        kernel, grid, block, items = multi
+        _launch(kernel, dtype, grid, block,
+                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
+                 i64(reduced), center, eps, pin), items=items)
+        return
     row = _row_kernel("rows_fwd", outer, reduced, dtype) if layout.rows else None
     if row is not None:
         kernel, grid, block, items = row
@@ -473,11 +500,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
         if param_grads is not None and _segmented(layout):
             return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads,
                                    param_in_t)
-        chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
-        ws = _workspace((2, outer * nchunk), dtype=acc)
-        _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
-                (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer), i64(reduced),
-                 i64(chunk), pdiv, plen, i64(1), center, pin))
+        return _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t)
     else:
         tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
         chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
@@ -494,6 +517,26 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
              i64(outer), i64(nchunk), i64(inner), i64(group), f64(plan.count), pin))
     _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
     return (part, outer) if by_column else None
+
+
+def _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t=0):
+    """Long rows' dx: rows_grad_partial (per (row, chunk): sum(g), sum(g * xhat) and, centred,
+    sum(x - mean)) -> rows_grad_finalize (the means of g and g * xhat about the exact mean:
+    the saved mean's rounding, mean(x - mean), taken out) -> apply_bwd."""
+    acc = acc_dtype(dtype)
+    outer, reduced = layout.outer, layout.reduced
+    chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
+    ws = _workspace((3 if plan.center else 2, outer * nchunk), dtype=acc)
+    _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
+            (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], ws[2] if plan.center else NULL, i64(outer),
+             i64(reduced), i64(chunk), i64(layout.p_div), i64(layout.p_len), i64(1), i32(plan.center),
+             i32(param_in_t)))
+    means = _workspace((2, outer), dtype=acc)
+    _launch("rows_grad_finalize", dtype, (_grid_1d(outer, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], ws[2] if plan.center else NULL, rstd, means[0], means[1], i64(outer),
+             i64(nchunk), f64(plan.count)))
+    _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
+    return None
 
 
 def _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t=0):
@@ -523,7 +566,7 @@ def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias,
     chunk, nchunk = _split(seg, min(segs, _MAX_Y), _target_blocks(), 4096, align=256)
     ws = _workspace((2, segs * nchunk), dtype=acc)
     _launch("rows_grad_partial", dtype, (nchunk, min(segs, _MAX_Y)), (_BLOCK,),
-            (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], i64(segs), i64(seg), i64(chunk),
+            (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], NULL, i64(segs), i64(seg), i64(chunk),
              i64(1), i64(1), i64(per_row), i32(plan.center), i32(0)))
     slices = layout.slices
     means = _workspace((2, slices), dtype=acc)
