@@ -30,7 +30,7 @@ KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block",
                 "rows_bwd_warp_params", "rows_bwd_block_params", "rows_bwd_warp_row_params",
                 "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
-    "cols.cu": ("cols_stats_partial", "cols_grad_partial", "cols_apply_fwd"),
+    "cols.cu": ("cols_stats_partial", "cols_grad_partial", "cols_apply_fwd", "cols_grad_finalize"),
     "tiles.cu": ("cols_fwd_tile", "cols_bwd_tile"),
     "finish.cu": ("stats_finalize", "grad_finalize", "segment_grad_finalize", "apply_bwd",
                   "rows_stats_finalize", "rows_apply_fwd"),
