@@ -10,8 +10,9 @@ what ptxas and the disassembler say, without a GPU (issue 15).
   least 50%, backward kernels at least 37.5%, in float16, bfloat16 and float32 (float64 is
   correct, not tuned); nothing spills.
 * The SASS of the sm_90 cubins (``cuobjdump -sass``; from the ``nvidia-cuda-cuobjdump``
-  wheel or a CUDA toolkit, else skipped): the tile kernels load their tiles with 128-bit
-  instructions (``LDG.E.128``) and touch no local memory (``LDL``/``STL``).
+  wheel or a CUDA toolkit, else skipped): the tile kernels load their tiles and store y / dx
+  with 128-bit instructions (``LDG.E.128``, ``STG.E.128``) and touch no local memory
+  (``LDL``/``STL``).
 
 Whether these figures reach the bandwidth targets is for the GPU benchmarks to show.
 """
@@ -210,12 +211,14 @@ def sass_by_kernel(file, dtype, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tiles_load_128_bits_and_no_local_memory(tmp_path, dtype):
+def test_tiles_load_and_store_128_bits_and_no_local_memory(tmp_path, dtype):
     sass = sass_by_kernel("tiles.cu", dtype, tmp_path)
     for kernel in ("cols_fwd_tile", "cols_bwd_tile"):
         code = sass[kernel]
         assert re.search(r"\bLDG\.E\.128\b", code), f"{kernel}<{dtype}>: no 128-bit global loads"
         assert re.search(r"\bSTS\.128\b", code), f"{kernel}<{dtype}>: tiles not stored 16 bytes at a time"
+        # y / dx staged in the tile go out in vectors too
+        assert re.search(r"\bSTG\.E\.128\b", code), f"{kernel}<{dtype}>: no 128-bit global stores"
         assert not re.search(r"\b(LDL|STL)\b", code), f"{kernel}<{dtype}>: local memory"
 
 
