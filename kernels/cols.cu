@@ -180,13 +180,15 @@ template <> __device__ __forceinline__ double cols_mean_rounding<double>() { ret
 // (p = i: NHWC instance and group norm): it is applied here once per column, and part_w /
 // part_b (nullable) take the columns' own sums, part_w[o * inner + i] = sum(dy * xhat),
 // part_b[...] = sum(dy), the dweight/dbias partials that param_grad_finish adds up over o.
+// mean_lo (nullable) takes c, for cols_param_grad_rows.
 // Launch: block (256), grid (min(ceil(slices / 256), 65535)), grid-stride over slices.
 template <typename T>
 __global__ void cols_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>* __restrict__ ws_gx,
                                    const acc_t<T>* __restrict__ ws_x, const void* __restrict__ w_arg,
                                    const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
                                    acc_t<T>* __restrict__ mean_g, acc_t<T>* __restrict__ mean_gx,
-                                   acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
+                                   acc_t<T>* __restrict__ mean_lo, acc_t<T>* __restrict__ part_w,
+                                   acc_t<T>* __restrict__ part_b,
                                    long long outer, long long nchunk, long long inner, long long group,
                                    double count, int center, int param_in_t) {
     const Param<T> w = {w_arg, param_in_t & 1};
@@ -204,6 +206,7 @@ __global__ void cols_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_
             c /= A(count);
             if (!(fabs(c) <= cols_mean_rounding<A>() * fabs(mean[s]))) c = A(0);
         }
+        if (mean_lo) mean_lo[s] = c;
         const A cr = c * rstd[s];  // xhat's correction
         A sg = A(0), sgx = A(0);
         for (long long k = 0; k < group; ++k) {
@@ -223,5 +226,51 @@ __global__ void cols_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_
         const A mgx = sgx / A(count);
         mean_gx[s] = mgx;
         mean_g[s] = sg / A(count) - cr * mgx;
+    }
+}
+
+// dweight/dbias partial sums of the columns' split backward where the parameter is the row
+// (p = r, channels-first layer norm past the tiles): xhat = ((x - mean) - mean_lo) * rstd with
+// mean_lo the saved mean's rounding (cols_grad_finalize's c; nullable: 0), so that dweight
+// carries no rounding of the data's offset (param_grad_rows forms x - mean from the rounded
+// mean alone). Block (32, 8): warp ty walks rows r = c*chunk + ty, +8, ... of the block's 32
+// columns and adds dy * xhat and dy across them (a fixed shuffle order), lane 0 writing
+// part_w[(o * gridDim.x + blockIdx.x) * reduced + r] (part_b nullable): param_grad_finish adds
+// the nchunk = outer * gridDim.x partial rows. Grid (ceil(inner / 32), ceil(reduced / chunk),
+// min(outer, 65535)), loops o by gridDim.z.
+template <typename T>
+__global__ void cols_param_grad_rows(const T* __restrict__ dy, const T* __restrict__ x,
+                                     const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ mean_lo,
+                                     const acc_t<T>* __restrict__ rstd, acc_t<T>* __restrict__ part_w,
+                                     acc_t<T>* __restrict__ part_b, long long outer, long long reduced,
+                                     long long inner, long long chunk) {
+    typedef acc_t<T> A;
+    const long long i = (long long)blockIdx.x * COLS_X + threadIdx.x;
+    const long long start = (long long)blockIdx.y * chunk;
+    const long long end = start + chunk < reduced ? start + chunk : reduced;
+    for (long long o = blockIdx.z; o < outer; o += gridDim.z) {
+        A mu = A(0), lo = A(0), rs = A(0);
+        if (i < inner) {  // the slice is (o, i): group 1
+            const long long s = o * inner + i;
+            mu = mean ? mean[s] : A(0);
+            lo = mean_lo ? mean_lo[s] : A(0);
+            rs = rstd[s];
+        }
+        const long long row0 = (o * gridDim.x + blockIdx.x) * reduced;
+        for (long long r = start + threadIdx.y; r < end; r += COLS_Y) {
+            A sw = A(0), sb = A(0);
+            if (i < inner) {
+                const long long e = (o * reduced + r) * inner + i;
+                const A d = to_acc(dy[e]);
+                sw = d * (((to_acc(x[e]) - mu) - lo) * rs);
+                sb = d;
+            }
+            sw = warp_sum(sw);
+            sb = warp_sum(sb);
+            if (threadIdx.x == 0) {
+                part_w[row0 + r] = sw;
+                if (part_b) part_b[row0 + r] = sb;
+            }
+        }
     }
 }

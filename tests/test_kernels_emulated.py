@@ -544,7 +544,7 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
         kernels("cols_grad_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)), (32, 8),
                                             (dyd, xd, wd, md, rd, *ws, ws_x, outer, reduced, inner, group,
                                              chunk, case.p_div, case.p_len, center, 0), **launch)
-        kernels("cols_grad_finalize", dtype)(fgrid, (BLOCK,), (*ws, ws_x, None, md, rd, *means, None, None, outer,
+        kernels("cols_grad_finalize", dtype)(fgrid, (BLOCK,), (*ws, ws_x, None, md, rd, *means, None, None, None, outer,
                                                                nchunk, inner, group, float(case.reduced * group),
                                                                center, 0), **launch)
     kernels("apply_bwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),

@@ -47,11 +47,12 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 TUNED = ("float16", "bfloat16", "float32")
 # Least theoretical occupancy (%) on sm_90 at the launcher's configuration, per kernel.
 OCCUPANCY = {"cols_fwd_tile": 50.0, "cols_stats_partial": 50.0, "cols_apply_fwd": 50.0,
-             "cols_bwd_tile": 37.5, "cols_grad_partial": 37.5, "cols_grad_finalize": 37.5}
+             "cols_bwd_tile": 37.5, "cols_grad_partial": 37.5, "cols_grad_finalize": 37.5,
+             "cols_param_grad_rows": 37.5}
 # Threads per block, as _launch.py launches them.
 THREADS = {"cols_fwd_tile": _launch._TILE_THREADS, "cols_bwd_tile": _launch._TILE_THREADS,
            "cols_stats_partial": 32 * 8, "cols_grad_partial": 32 * 8, "cols_apply_fwd": 32 * 8,
-           "cols_grad_finalize": _launch._BLOCK}
+           "cols_grad_finalize": _launch._BLOCK, "cols_param_grad_rows": 32 * 8}
 
 
 class SM90:

@@ -492,8 +492,12 @@ def _split_columns_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_gr
     instance/group norm) and dweight is wanted, the partial sums leave the weight out, so that
     cols_grad_finalize applies it per column and also hands the columns' sums on as
     dweight/dbias partials per (o, i) (5 transfers with them instead of 7 with
-    param_grad_cols): returns (part, outer) then, else None."""
+    param_grad_cols): returns (part, outer) then. Where it is the row (p = r: channels-first
+    layer norm), cols_param_grad_rows sums dweight/dbias per (o, 32 columns, r) with the
+    mean's rounding that cols_grad_finalize found (param_grad_rows would form xhat from the
+    rounded mean): returns (part, outer * ceil(inner / 32)). Else None."""
     by_column = param_grads is not None and _tile_param_mode(layout) == 0
+    by_row = param_grads is not None and _tile_param_mode(layout) == 1 and layout.group == 1
     acc = acc_dtype(dtype)
     center, pin = i32(plan.center), i32(param_in_t)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
@@ -508,11 +512,18 @@ def _split_columns_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_gr
     slices = layout.slices
     means = _workspace((2, slices), dtype=acc)
     part = _workspace((2, outer * inner), dtype=acc) if by_column else None
+    lo = _workspace((1, slices), dtype=acc)[0] if by_row and plan.center else None
     _launch("cols_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], _ptr(ws_x), _ptr(w) if by_column else NULL, _ptr(mean), rstd, means[0], means[1],
-             part[0] if by_column else NULL, part[1] if by_column and param_grads else NULL,
+             _ptr(lo), part[0] if by_column else NULL, part[1] if by_column and param_grads else NULL,
              i64(outer), i64(nchunk), i64(inner), i64(group), f64(plan.count), center, pin))
     _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
+    if by_row:
+        part = _workspace((2, outer * tiles * reduced), dtype=acc)
+        _launch("cols_param_grad_rows", dtype, (tiles, nchunk, zdim), (32, 8),
+                (dyb, xb, _ptr(mean), _ptr(lo), rstd, part[0], part[1] if param_grads else NULL, i64(outer),
+                 i64(reduced), i64(inner), i64(chunk)))
+        return part, outer * tiles
     return (part, outer) if by_column else None
 
 
