@@ -19,9 +19,8 @@ import test_kernels_emulated as K
 emu = K.emu  # the harness instance whose DeviceArrays K.run_* make
 from anynorm._cuda import _compile
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
-                                 reason="the CUDA emulation needs g++ and fork()")]
+pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
+                                reason="the CUDA emulation needs g++ and fork()")
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
