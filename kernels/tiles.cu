@@ -235,16 +235,25 @@ __device__ __forceinline__ int tile_vec_len(long long inner, int ncols, const vo
     return 1;
 }
 
-// MIN_BYTES: the narrowest vector taken (the backward, short of registers for two tiles'
-// worth of copy loops, takes 16-byte vectors or none).
+// MIN_BYTES: the narrowest vector taken. Both kernels take 16 (16-byte vectors or none): with
+// the 8- and 4-byte loops as well, the backward spilled 16-bit types at 80 registers and the
+// float32 forward spilled on sm_80 at 64.
 template <typename T, int MIN_BYTES = 4>
 __device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ x, const T* __restrict__ res,
                                           T* __restrict__ h, long long base, long long inner,
                                           const TilePlace& t) {
     if (MIN_BYTES == 16) {
-        if (tile_vec_len<T>(inner, t.ncols, x, 0) == VecLen<T>::value) {
+        const int n = res ? tile_vec_len<T>(inner, t.ncols, x, res) : tile_vec_len<T>(inner, t.ncols, x, 0);
+        const int nh = res ? tile_vec_len<T>(inner, t.ncols, h, 0) : n;
+        if (n == VecLen<T>::value && nh == n) {
             const TileVecPlace p = tile_vec_place(VecLen<T>::value, t);
-            if (p.active) load_rows_n<T, false, VecLen<T>::value>(tile, x, res, h, base, inner, t, p);
+            if (!p.active) return;
+            if (res)
+                load_rows_n<T, true, VecLen<T>::value>(tile, x, res, h, base, inner, t, p);
+            else
+                load_rows_n<T, false, VecLen<T>::value>(tile, x, res, h, base, inner, t, p);
+        } else if (res) {
+            load_rows<T, true>(tile, x, res, h, base, inner, t);
         } else {
             load_rows<T, false>(tile, x, res, h, base, inner, t);
         }
@@ -348,7 +357,7 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
     const int vy = y ? tile_vec_len<T>(inner, t.ncols, y, 0) : 1;  // > 1: y stored in vectors
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
         const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
-        load_tile(tile, x, res, h, tile_base, inner, t);
+        load_tile<T, 16>(tile, x, res, h, tile_base, inner, t);
         __syncthreads();
         const T* col = tile + t.c;  // row r of the thread's column: col[r * ncols]
         const A shift = center && t.valid ? to_acc(tile[t.stat_col]) : A(0);

@@ -1,9 +1,9 @@
 """The tile kernels' vector paths (``kernels/tiles.cu``, issue 15) on the CPU emulator.
 
-Tiles move their rows in the widest of 16-, 8- and 4-byte vectors that divides inner and the
-tile width and to which the buffers start aligned (``tile_vec_len``), else element by element;
-y and dx are staged in the tile (in place of x and dy) and stored the same way. Odd sizes take
-the narrower vectors or none: C = 12 or 20 (not multiples of 8: 8-byte vectors in 16-bit types),
+Tiles load in 16-byte vectors where inner, the tile width and the buffers allow, else element
+by element; y and dx are staged in the tile (in place of x and dy) and stored in the widest of
+16-, 8- and 4-byte vectors that divides inner and the width and to which the output starts
+aligned (``tile_vec_len``). Odd sizes take the narrower vectors or none: C = 12 or 20 (not multiples of 8: 8-byte vectors in 16-bit types),
 C = 6 (4 bytes), HW = 49 (7 x 7: none), HW = 1, and buffers that start off alignment. The
 emulator faults on a misaligned vector access (``test_selftest_misaligned_vector_load_is_caught``),
 so a wrong choice of width fails here as well as a wrong element.
