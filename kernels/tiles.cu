@@ -8,14 +8,17 @@
 //
 // Block of 256 threads: thread t owns tile column c = t % width and walks the rows
 // r = t / width, + lanes, ... (lanes = 256 / width; threads t >= lanes * width only join the
-// barriers). `width` is a multiple of `group`, so a tile holds whole statistics.
+// barriers). `width` is a multiple of `group`, so a tile holds whole statistics. Rows move
+// between memory and the tile in vectors where inner, width and the buffers allow
+// (tile_vec_len); y and dx are written into the tile in place of x and dy and stored from
+// there in the same vectors.
 #include "common.cuh"
 
 using namespace anynorm;
 
 #define TILE_THREADS 256
-// Loads one thread keeps in flight before storing them to shared memory: scalars, 16-byte
-// vectors (4 x 16 bytes x 256 threads: 16 KiB per block).
+// Loads one thread keeps in flight before storing them to shared memory: scalars, vectors
+// (of up to 16 bytes: 2 x 16 bytes x 256 threads, 8 KiB per block).
 #define TILE_BATCH 8
 #define TILE_VEC_BATCH 2
 // Blocks per SM the register allocation must allow: the forward 4 x 256 threads (50%
@@ -101,6 +104,7 @@ __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, cons
     if (!t.valid) return;
     const int nrows = t.nrows, ncols = t.ncols;
     const long long step = (long long)t.lanes * inner;  // between one thread's rows
+    TILE_ROLLED
     for (int r0 = t.k; r0 < nrows; r0 += t.lanes * TILE_BATCH) {
         const long long e0 = base + (long long)r0 * inner + t.c;
         T v[TILE_BATCH];
@@ -119,55 +123,156 @@ __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, cons
     }
 }
 
-// 16-byte vectors (every row of the tile starts 16-byte aligned in memory and in shared
-// memory): thread q + per_row * k loads vector q of rows k, k + row_lanes, ...
-template <typename T, bool RES>
-__device__ __forceinline__ void load_rows_vec(T* tile, const T* __restrict__ x, const T* __restrict__ res,
-                                              T* __restrict__ h, long long base, long long inner,
-                                              const TilePlace& t) {
-    const int V = VecLen<T>::value;
-    const int nrows = t.nrows, ncols = t.ncols, valid = t.valid_cols;
-    const int per_row = ncols / V, row_lanes = TILE_THREADS / per_row;
-    const int q = threadIdx.x % per_row, k = threadIdx.x / per_row;
-    if (k >= row_lanes || q * V >= valid) return;
-    const long long step = (long long)row_lanes * inner;
-    for (int r0 = k; r0 < nrows; r0 += row_lanes * TILE_VEC_BATCH) {
-        const long long e0 = base + (long long)r0 * inner + q * V;
-        Vec16<T> v[TILE_VEC_BATCH];
+// Vectors of n elements (n * sizeof(T) bytes: 16, 8 or 4, chosen per launch by
+// tile_vec_len; every row of the tile starts n-aligned in memory and in shared memory):
+// thread q + per_row * k moves vector q of rows k, k + row_lanes, ... The geometry is worked
+// out once at run time for every n alike (TileVecPlace); only the copy loops are templated on
+// the width, so that the kernel keeps one set of indices live, not one per width.
+template <typename T, int N> struct alignas(N * sizeof(T)) TileVec { T v[N]; };
+
+struct TileVecPlace {
+    int n, q, k, row_lanes;  // vector q of rows k, k + row_lanes, ...
+    bool active;             // the thread has a vector inside inner
+};
+
+__device__ __forceinline__ TileVecPlace tile_vec_place(int n, const TilePlace& t) {
+    TileVecPlace v;
+    const int per_row = t.ncols / n;
+    v.n = n;
+    v.row_lanes = TILE_THREADS / per_row;
+    v.q = threadIdx.x % per_row;
+    v.k = threadIdx.x / per_row;
+    v.active = v.k < v.row_lanes && v.q * n < t.valid_cols;
+    return v;
+}
+
+template <typename T, bool RES, int N>
+__device__ __forceinline__ void load_rows_n(T* tile, const T* __restrict__ x, const T* __restrict__ res,
+                                            T* __restrict__ h, long long base, long long inner,
+                                            const TilePlace& t, const TileVecPlace& p) {
+    typedef TileVec<T, N> V;
+    const int nrows = t.nrows, ncols = t.ncols, lanes = p.row_lanes;
+    const long long step = (long long)lanes * inner;
+    TILE_ROLLED
+    for (int r0 = p.k; r0 < nrows; r0 += lanes * TILE_VEC_BATCH) {
+        const long long e0 = base + (long long)r0 * inner + p.q * N;
+        V v[TILE_VEC_BATCH];
         ANYNORM_UNROLL
         for (int u = 0; u < TILE_VEC_BATCH; ++u)
-            if (r0 + u * row_lanes < nrows) {
-                v[u] = load16(x + e0 + u * step);
+            if (r0 + u * lanes < nrows) {
+                v[u] = *reinterpret_cast<const V*>(x + e0 + u * step);
                 if (RES) {
-                    const Vec16<T> rv = load16(res + e0 + u * step);
+                    const V rv = *reinterpret_cast<const V*>(res + e0 + u * step);
                     ANYNORM_UNROLL
-                    for (int j = 0; j < V; ++j) v[u].v[j] = add_in_dtype(v[u].v[j], rv.v[j]);
+                    for (int j = 0; j < N; ++j) v[u].v[j] = add_in_dtype(v[u].v[j], rv.v[j]);
                 }
             }
         ANYNORM_UNROLL
         for (int u = 0; u < TILE_VEC_BATCH; ++u)
-            if (r0 + u * row_lanes < nrows) {
-                store16(tile + (r0 + u * row_lanes) * ncols + q * V, v[u]);
-                if (RES) store16(h + e0 + u * step, v[u]);
+            if (r0 + u * lanes < nrows) {
+                *reinterpret_cast<V*>(tile + (r0 + u * lanes) * ncols + p.q * N) = v[u];
+                if (RES) *reinterpret_cast<V*>(h + e0 + u * step) = v[u];
             }
     }
 }
 
+template <typename T, bool RES>
+__device__ __forceinline__ void load_rows_vec(int n, T* tile, const T* __restrict__ x, const T* __restrict__ res,
+                                              T* __restrict__ h, long long base, long long inner,
+                                              const TilePlace& t) {
+    const TileVecPlace p = tile_vec_place(n, t);
+    if (!p.active) return;
+    const int V = VecLen<T>::value;
+    if (n == V)
+        load_rows_n<T, RES, VecLen<T>::value>(tile, x, res, h, base, inner, t, p);
+    else if (V >= 4 && n == V / 2)
+        load_rows_n<T, RES, (VecLen<T>::value >= 4 ? VecLen<T>::value / 2 : 1)>(tile, x, res, h, base, inner, t, p);
+    else if (V >= 8)
+        load_rows_n<T, RES, (VecLen<T>::value >= 8 ? VecLen<T>::value / 4 : 1)>(tile, x, res, h, base, inner, t, p);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_rows_n(T* __restrict__ out, const T* tile, long long base, long long inner,
+                                             const TilePlace& t, const TileVecPlace& p) {
+    typedef TileVec<T, N> V;
+    const long long step = (long long)p.row_lanes * inner;
+    long long e = base + (long long)p.k * inner + p.q * N;
+    TILE_ROLLED
+    for (int r = p.k; r < t.nrows; r += p.row_lanes, e += step)
+        *reinterpret_cast<V*>(out + e) = *reinterpret_cast<const V*>(tile + r * t.ncols + p.q * N);
+}
+
+// The tile's columns inside inner, rows to memory (y or dx staged in shared memory), in
+// vectors of n > 1 elements as load_rows_vec.
 template <typename T>
+__device__ __forceinline__ void store_tile(int n, T* __restrict__ out, const T* tile, long long base,
+                                           long long inner, const TilePlace& t) {
+    const TileVecPlace p = tile_vec_place(n, t);
+    if (!p.active) return;
+    const int V = VecLen<T>::value;
+    if (n == V)
+        store_rows_n<T, VecLen<T>::value>(out, tile, base, inner, t, p);
+    else if (V >= 4 && n == V / 2)
+        store_rows_n<T, (VecLen<T>::value >= 4 ? VecLen<T>::value / 2 : 1)>(out, tile, base, inner, t, p);
+    else if (V >= 8)
+        store_rows_n<T, (VecLen<T>::value >= 8 ? VecLen<T>::value / 4 : 1)>(out, tile, base, inner, t, p);
+}
+
+__device__ __forceinline__ bool aligned_to(const void* p, int bytes) {
+    return (reinterpret_cast<unsigned long long>(p) & (unsigned long long)(bytes - 1)) == 0;
+}
+
+// Elements per vector of a tile's rows in memory at `a` and `b` (nullable): the widest of
+// 16, 8 and 4 bytes (at least 2 elements) that divides inner and the tile width and to which
+// both start aligned; 1 (element by element) where none does (inner odd: 7 x 7 = 49).
+template <typename T>
+__device__ __forceinline__ int tile_vec_len(long long inner, int ncols, const void* a, const void* b) {
+    for (int n = VecLen<T>::value; n >= 2; n /= 2) {
+        const int bytes = n * (int)sizeof(T);
+        if (bytes >= 4 && inner % n == 0 && ncols % n == 0 && aligned_to(a, bytes) && (!b || aligned_to(b, bytes)))
+            return n;
+    }
+    return 1;
+}
+
+// MIN_BYTES: the narrowest vector taken. Both kernels take 16 (16-byte vectors or none): with
+// the 8- and 4-byte loops as well, the backward spilled 16-bit types at 80 registers and the
+// float32 forward spilled on sm_80 at 64.
+template <typename T, int MIN_BYTES = 4>
 __device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ x, const T* __restrict__ res,
                                           T* __restrict__ h, long long base, long long inner,
                                           const TilePlace& t) {
-    const int V = VecLen<T>::value;
-    const bool vec = inner % V == 0 && t.ncols % V == 0 && aligned16(x) && aligned16_or_null(res) &&
-                     aligned16_or_null(h);
-    if (vec && res)
-        load_rows_vec<T, true>(tile, x, res, h, base, inner, t);
-    else if (vec)
-        load_rows_vec<T, false>(tile, x, res, h, base, inner, t);
-    else if (res)
-        load_rows<T, true>(tile, x, res, h, base, inner, t);
-    else
-        load_rows<T, false>(tile, x, res, h, base, inner, t);
+    if (MIN_BYTES == 16) {
+        const int n = res ? tile_vec_len<T>(inner, t.ncols, x, res) : tile_vec_len<T>(inner, t.ncols, x, 0);
+        const int nh = res ? tile_vec_len<T>(inner, t.ncols, h, 0) : n;
+        if (n == VecLen<T>::value && nh == n) {
+            const TileVecPlace p = tile_vec_place(VecLen<T>::value, t);
+            if (!p.active) return;
+            if (res)
+                load_rows_n<T, true, VecLen<T>::value>(tile, x, res, h, base, inner, t, p);
+            else
+                load_rows_n<T, false, VecLen<T>::value>(tile, x, res, h, base, inner, t, p);
+        } else if (res) {
+            load_rows<T, true>(tile, x, res, h, base, inner, t);
+        } else {
+            load_rows<T, false>(tile, x, res, h, base, inner, t);
+        }
+        return;
+    }
+    if (res) {
+        // x, res and h alike: the narrowest of their vectors
+        const int n = tile_vec_len<T>(inner, t.ncols, x, res), nh = tile_vec_len<T>(inner, t.ncols, h, 0);
+        if ((nh < n ? nh : n) > 1)
+            load_rows_vec<T, true>(nh < n ? nh : n, tile, x, res, h, base, inner, t);
+        else
+            load_rows<T, true>(tile, x, res, h, base, inner, t);
+    } else {
+        const int n = tile_vec_len<T>(inner, t.ncols, x, 0);
+        if (n > 1)
+            load_rows_vec<T, false>(n, tile, x, res, h, base, inner, t);
+        else
+            load_rows<T, false>(tile, x, res, h, base, inner, t);
+    }
 }
 
 // Where an element's parameter index p = (e / p_div) % p_len comes from, with
@@ -191,10 +296,12 @@ __device__ __forceinline__ acc_t<T> param_of_row(const Param<T>& q, acc_t<T> own
 template <typename A> __device__ __forceinline__ A mean_rounding() { return A(4) * A(1.1920928955078125e-7); }
 template <> __device__ __forceinline__ double mean_rounding<double>() { return 4 * 2.220446049250313e-16; }
 
-// y = ((v - shift) - c) * rs * w + b over the thread's rows of its column (mean = shift + c).
+// y = ((v - shift) - c) * rs * w + b over the thread's rows of its column (mean = shift + c),
+// into y (y[base + r * inner]), or STAGED in place of v in the tile (each element is read and
+// written by the same thread), for store_tile's vectors.
 // `wc`, `bc`: the column's own parameters (PARAM_COL).
-template <int MODE, typename T>
-__device__ __forceinline__ void write_y(T* __restrict__ y, const T* tile, const TilePlace& t, long long base,
+template <int MODE, bool STAGED, typename T>
+__device__ __forceinline__ void write_y(T* __restrict__ y, T* tile, const TilePlace& t, long long base,
                                         long long inner, acc_t<T> shift, acc_t<T> c, acc_t<T> rs,
                                         acc_t<T> wc, acc_t<T> bc, const Param<T>& w, const Param<T>& b) {
     typedef acc_t<T> A;
@@ -203,12 +310,17 @@ __device__ __forceinline__ void write_y(T* __restrict__ y, const T* tile, const 
     const A scale = rs * wc;
     TILE_ROLLED
     for (int r = t.k; r < t.nrows; r += t.lanes, e += step) {
-        const A d = (to_acc(tile[r * t.ncols + t.c]) - shift) - c;
+        const int j = r * t.ncols + t.c;
+        const A d = (to_acc(tile[j]) - shift) - c;
+        T v;
         if (MODE == PARAM_COL)
-            y[e] = from_acc<T>(d * scale + bc);
+            v = from_acc<T>(d * scale + bc);
         else
-            y[e] = from_acc<T>(d * rs * param_of_row<MODE>(w, A(1), r, A(1)) +
-                               param_of_row<MODE>(b, A(0), r, A(0)));
+            v = from_acc<T>(d * rs * param_of_row<MODE>(w, A(1), r, A(1)) + param_of_row<MODE>(b, A(0), r, A(0)));
+        if (STAGED)
+            tile[j] = v;
+        else
+            y[e] = v;
     }
 }
 
@@ -242,9 +354,10 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
         bc = bias_at(b, p);
     }
     const A n = A(reduced * group);
+    const int vy = y ? tile_vec_len<T>(inner, t.ncols, y, 0) : 1;  // > 1: y stored in vectors
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
         const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
-        load_tile(tile, x, res, h, tile_base, inner, t);
+        load_tile<T, 16>(tile, x, res, h, tile_base, inner, t);
         __syncthreads();
         const T* col = tile + t.c;  // row r of the thread's column: col[r * ncols]
         const A shift = center && t.valid ? to_acc(tile[t.stat_col]) : A(0);
@@ -277,10 +390,18 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
         }
         if (y && t.valid) {
             const long long base = tile_base + t.c;
-            if (mode == PARAM_COL)
-                write_y<PARAM_COL>(y, tile, t, base, inner, shift, c, rs, wc, bc, w, b);
+            if (mode == PARAM_COL && vy > 1)
+                write_y<PARAM_COL, true>(y, tile, t, base, inner, shift, c, rs, wc, bc, w, b);
+            else if (mode == PARAM_COL)
+                write_y<PARAM_COL, false>(y, tile, t, base, inner, shift, c, rs, wc, bc, w, b);
+            else if (vy > 1)
+                write_y<PARAM_ROW, true>(y, tile, t, base, inner, shift, c, rs, wc, bc, w, b);
             else
-                write_y<PARAM_ROW>(y, tile, t, base, inner, shift, c, rs, wc, bc, w, b);
+                write_y<PARAM_ROW, false>(y, tile, t, base, inner, shift, c, rs, wc, bc, w, b);
+        }
+        if (y && vy > 1) {  // y staged in the tile: out in vectors
+            __syncthreads();
+            store_tile(vy, y, tile, tile_base, inner, t);
         }
         __syncthreads();  // the tile is refilled for the next o
     }
@@ -311,8 +432,11 @@ __device__ __forceinline__ void backward_sums(const T* dy_tile, const T* x_tile,
     sums[3] = sd;
 }
 
-template <int MODE, typename T>
-__device__ __forceinline__ void write_dx(T* __restrict__ dx, const T* dy_tile, const T* x_tile, const TilePlace& t,
+// dx = rs * (g - mg - xhat * mgx) over the thread's rows of its column, into dx
+// (dx[base + r * inner]), or STAGED in place of dy in dy_tile (each element is read and
+// written by the same thread), for store_tile's vectors.
+template <int MODE, bool STAGED, typename T>
+__device__ __forceinline__ void write_dx(T* __restrict__ dx, T* dy_tile, const T* x_tile, const TilePlace& t,
                                          long long base, long long inner, acc_t<T> mu, acc_t<T> c, acc_t<T> rs,
                                          acc_t<T> wc, acc_t<T> mg, acc_t<T> mgx, const Param<T>& w) {
     typedef acc_t<T> A;
@@ -323,7 +447,11 @@ __device__ __forceinline__ void write_dx(T* __restrict__ dx, const T* dy_tile, c
         const int j = r * t.ncols + t.c;
         const A g = to_acc(dy_tile[j]) * param_of_row<MODE>(w, wc, r, A(1));
         const A xhat = ((to_acc(x_tile[j]) - mu) - c) * rs;
-        dx[e] = from_acc<T>(rs * (g - mg - xhat * mgx));
+        const T v = from_acc<T>(rs * (g - mg - xhat * mgx));
+        if (STAGED)
+            dy_tile[j] = v;
+        else
+            dx[e] = v;
     }
 }
 
@@ -357,11 +485,12 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
     const int mode = param_mode(inner, p_div, p_len);
     const A wc = mode == PARAM_COL && t.valid ? weight_at(w, (i / p_div) % p_len) : A(1);
     const A n = A(reduced * group);
+    const int vdx = tile_vec_len<T>(inner, t.ncols, dx, 0);  // > 1: dx stored in vectors
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
         const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
         const long long base = tile_base + t.c;
-        load_tile(dy_tile, dy, (const T*)0, (T*)0, tile_base, inner, t);
-        load_tile(x_tile, x, (const T*)0, (T*)0, tile_base, inner, t);
+        load_tile<T, 16>(dy_tile, dy, (const T*)0, (T*)0, tile_base, inner, t);
+        load_tile<T, 16>(x_tile, x, (const T*)0, (T*)0, tile_base, inner, t);
         __syncthreads();
         A mu = A(0), rs = A(0);
         if (t.valid) {
@@ -387,12 +516,6 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
         tile_sum2(sums[0], sums[1], t, part, column);
         const A mg = center ? sums[0] / n : A(0);
         const A mgx = sums[1] / n;
-        if (t.valid) {
-            if (mode == PARAM_COL)
-                write_dx<PARAM_COL>(dx, dy_tile, x_tile, t, base, inner, mu, c, rs, wc, mg, mgx, w);
-            else
-                write_dx<PARAM_ROW>(dx, dy_tile, x_tile, t, base, inner, mu, c, rs, wc, mg, mgx, w);
-        }
         if (part_w && !param_rows) {  // per column: the column's lanes add up (no group merge)
             TilePlace own = t;
             own.stat_col = t.c;
@@ -425,6 +548,21 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
                     if (part_b) part_b[k] = rb;
                 }
             }
+            __syncthreads();  // dx goes in place of dy next
+        }
+        if (t.valid) {
+            if (mode == PARAM_COL && vdx > 1)
+                write_dx<PARAM_COL, true>(dx, dy_tile, x_tile, t, base, inner, mu, c, rs, wc, mg, mgx, w);
+            else if (mode == PARAM_COL)
+                write_dx<PARAM_COL, false>(dx, dy_tile, x_tile, t, base, inner, mu, c, rs, wc, mg, mgx, w);
+            else if (vdx > 1)
+                write_dx<PARAM_ROW, true>(dx, dy_tile, x_tile, t, base, inner, mu, c, rs, wc, mg, mgx, w);
+            else
+                write_dx<PARAM_ROW, false>(dx, dy_tile, x_tile, t, base, inner, mu, c, rs, wc, mg, mgx, w);
+        }
+        if (vdx > 1) {  // dx staged in the dy tile: out in vectors
+            __syncthreads();
+            store_tile(vdx, dx, dy_tile, tile_base, inner, t);
         }
         __syncthreads();
     }

@@ -54,6 +54,7 @@ SLOW_FILES = {
     # the columns kernels far from zero on the emulator; their ptxas/SASS proxies through NVRTC
     "test_tiles_accuracy.py",
     "test_tiles_proxies.py",
+    "test_tiles_vectors.py",  # the tile kernels' vector widths on the emulator
     # asv_bench/gpu_report.py, a tool for GPU machines, run end to end on the CPU
     "test_gpu_report_smoke.py",
 }

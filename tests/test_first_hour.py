@@ -271,7 +271,7 @@ def test_readme_test_command_is_what_ci_runs_with_time_and_quick_subset():
 SLOW = {"test_kernels_compile.py", "test_kernels_emulated.py", "test_kernels_launch_emulated.py",
         "test_kernels_offset_emulated.py", "test_kernels_nan_emulated.py", "test_kernels_occupancy.py",
         "test_kernels_sass.py", "test_gpu_report_smoke.py", "test_tiles_accuracy.py",
-        "test_tiles_proxies.py"}
+        "test_tiles_proxies.py", "test_tiles_vectors.py"}
 
 
 def test_slow_marker_covers_the_kernel_checks_without_a_gpu():

@@ -532,6 +532,7 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     nchunk = _ceil(reduced, chunk)
     ws = [_acc_buf(outer * nchunk * inner, dtype) for _ in range(2)]
     means = [_acc_buf(case.slices, dtype) for _ in range(2)]
+    fgrid = (grid or min(_ceil(case.slices, BLOCK), 65535),)
     if path == "rows":  # with sum(x - mean) per chunk: rows_grad_finalize takes the mean's rounding out
         wsd = _acc_buf(outer * nchunk, dtype) if center else None
         kernels("rows_grad_partial", dtype)((nchunk, grid or min(outer, 65535)), (BLOCK,),
@@ -539,13 +540,14 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
                                              case.p_len, 1, center, 0), **launch)
         kernels("rows_grad_finalize", dtype)((grid or min(_ceil(outer, BLOCK), 65535),), (BLOCK,),
                                              (*ws, wsd, rd, *means, outer, nchunk, float(reduced)), **launch)
-    else:
+    else:  # with sum(x - mean) per (o, chunk, i): the saved mean's rounding comes out in the finalize
+        ws_x = _acc_buf(outer * nchunk * inner, dtype) if center else None
         kernels("cols_grad_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)), (32, 8),
-                                            (dyd, xd, wd, md, rd, *ws, outer, reduced, inner, group, chunk,
-                                             case.p_div, case.p_len, center, 0), **launch)
-        kernels("grad_finalize", dtype)((grid or min(_ceil(case.slices, BLOCK), 65535),), (BLOCK,),
-                                        (*ws, None, *means, None, None, outer, nchunk, inner, group,
-                                         float(case.reduced * group), 0), **launch)
+                                            (dyd, xd, wd, md, rd, *ws, ws_x, outer, reduced, inner, group,
+                                             chunk, case.p_div, case.p_len, center, 0), **launch)
+        kernels("cols_grad_finalize", dtype)(fgrid, (BLOCK,), (*ws, ws_x, None, md, rd, *means, None, None, None, outer,
+                                                               nchunk, inner, group, float(case.reduced * group),
+                                                               center, 0), **launch)
     kernels("apply_bwd", dtype)((grid or _ceil(case.total, BLOCK),), (BLOCK,),
                                 (dyd, xd, wd, md, rd, *means, dxd, case.total, reduced, inner, group,
                                  case.p_div, case.p_len, center, 0), **launch)

@@ -346,15 +346,15 @@ def test_launch_columns_split_path(emulated, monkeypatch, dtype):
     _check("layer_norm", (3, 70, 33), {"axis": 1}, dtype)
     _check("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, dtype, residual=True)
     # the parameter is the reduced index (p = r): dweight/dbias read dy and x again
-    assert {"cols_stats_partial", "cols_grad_partial", "grad_finalize", "param_grad_rows"} <= names
-    assert not {"cols_fwd_tile", "cols_bwd_tile", "param_grad_cols"} & names
-    # the parameter is the column (p = i, NHWC): grad_finalize hands the columns' unweighted
+    assert {"cols_stats_partial", "cols_grad_partial", "cols_grad_finalize", "cols_param_grad_rows"} <= names
+    assert not {"cols_fwd_tile", "cols_bwd_tile", "param_grad_cols", "param_grad_rows"} & names
+    # the parameter is the column (p = i, NHWC): cols_grad_finalize hands the columns' unweighted
     # sums on as dweight/dbias partials
     for op, shape, kw in [("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}),
                           ("instance_norm", (3, 7, 9, 5), {"channel_axis": -1})]:
         names.clear()
         _check(op, shape, kw, dtype)
-        assert {"cols_grad_partial", "grad_finalize", "param_grad_finish"} <= names, names
+        assert {"cols_grad_partial", "cols_grad_finalize", "param_grad_finish"} <= names, names
         assert not {"param_grad_cols", "param_grad_rows", "cols_bwd_tile"} & names, names
 
 

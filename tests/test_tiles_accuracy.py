@@ -18,12 +18,14 @@ innermost): ``rows.cu``, issue 14, and not here.
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from test_kernels_launch_emulated import emu  # the emulation harness, loaded once
+from test_kernels_launch_emulated import emulated  # noqa: F401  (fixture)
 
 _HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
@@ -215,3 +217,89 @@ def test_tile_backward_far_from_zero(tiles, case, offset):
     terms = case.outer * case.reduced * case.inner // case.p_len
     assert dx_err <= 64 * F32_EPS * float(np.abs(dx64).max()), f"{case} at {offset:g}: dx error {dx_err:.3g}"
     assert dw_err <= 8 * F32_EPS * np.sqrt(terms) * 4, f"{case} at {offset:g}: dweight error {dw_err:.3g}"
+
+
+# ---- the split backward (cols_grad_partial -> cols_grad_finalize -> apply_bwd) ---------------------
+
+# (op, shape, kwargs): the columns' split path with the tiles turned off; odd sizes (C = 5, 12:
+# not multiples of 8; HW = 49 and 3).
+SPLIT_CASES = [
+    ("instance_norm", (2, 9, 11, 5), {"channel_axis": -1}),  # NHWC, p = i
+    ("group_norm", (2, 7, 7, 12), {"channel_axis": -1, "num_groups": 3}),  # NHWC, group 4, HW = 49
+    ("layer_norm", (3, 200, 7, 7), {"axis": 1}),  # channels-first LN, p = r, inner 49
+    ("group_norm", (2, 3, 1, 40), {"channel_axis": -1, "num_groups": 5}),  # NHWC, HW = 3, group 8
+    # (HW = 1 is a rows layout: the channels are the reduced extent, contiguous)
+]
+SPLIT_IDS = [f"{c[0]}-{'x'.join(map(str, c[1]))}" for c in SPLIT_CASES]
+
+
+def _torch_grads(op, x, w, b, dy, kw):
+    """torch's dx and dweight for the same float32 data (channels moved first where they are last)."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    t = torch.from_numpy(x).requires_grad_(True)
+    tw = torch.from_numpy(w).requires_grad_(True)
+    tb = torch.from_numpy(b).requires_grad_(True)
+    if op == "layer_norm":  # over axis 1 (channels), NCHW
+        y = F.layer_norm(t.movedim(1, -1), t.shape[1:2], tw, tb, eps=1e-5).movedim(-1, 1)
+    elif op == "instance_norm":
+        y = F.instance_norm(t.movedim(-1, 1), weight=tw, bias=tb, eps=1e-5).movedim(1, -1)
+    else:
+        y = F.group_norm(t.movedim(-1, 1), kw["num_groups"], tw, tb, eps=1e-5).movedim(1, -1)
+    y.backward(torch.from_numpy(dy))
+    return t.grad.numpy().astype(np.float64), tw.grad.numpy().astype(np.float64)
+
+
+def split_backward_errors(monkeypatch, op, shape, kw, offset):
+    """(ours, torch's) max |dx - exact| and max |dweight - exact| on float32 data offset by
+    ``offset``, through ``_launch`` with no tile (the split forward's statistics, then the
+    split backward); exact: float64 from the same float32 data."""
+    import test_kernels_launch_emulated as L
+    from anynorm import _reference
+    from anynorm._cuda import _launch
+    from anynorm._plan import make_plan
+
+    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (0,))
+    names = L._record_launches(monkeypatch)
+    rng = np.random.default_rng(zlib.crc32(repr((op, shape, offset)).encode()))
+    x = (offset + rng.standard_normal(shape)).astype(np.float32)
+    dy = (rng.standard_normal(shape) + 0.5).astype(np.float32)
+    pshape = make_plan(op, x, **kw).param_shape
+    w = (1.0 + 0.5 * rng.standard_normal(pshape)).astype(np.float32)
+    b = (0.5 * rng.standard_normal(pshape)).astype(np.float32)
+    plan = make_plan(op, x, w, b, **kw)
+    order = tuple(range(x.ndim))
+    xd, dyd = L._device(x, order, "float32", 0), L._device(dy, order, "float32", 0)
+    n = int(np.prod(plan.stats_shape))
+    md, sd, yd = L.emu.empty(n, "float32"), L.emu.empty(n, "float32"), L.emu.empty(x.size, "float32")
+    wd, bd = L.emu.to_device(w.reshape(-1), "float32"), L.emu.to_device(b.reshape(-1), "float32")
+    _launch.forward(plan, "float32", xd, wd, bd, None, yd, None, md, sd)
+    dxd = L.emu.empty(x.size, "float32")
+    dwd, dbd = L.emu.empty(w.size, "float32"), L.emu.empty(w.size, "float32")
+    bplan = make_plan(op, x, w, **kw)
+    _launch.backward(bplan, "float32", dyd, xd, wd, md, sd, dxd, dwd, dbd)
+    x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), w.astype(np.float64)
+    rdx, rdw, _ = _reference.backward(make_plan(op, x64, w64, **kw), dy64, x64, w64)
+    tdx, tdw = _torch_grads(op, x, w, b, dy, kw)
+    dx, dw = dxd.get_float().reshape(shape), dwd.get_float().reshape(pshape)
+    errs = (float(np.abs(dx - rdx).max()), float(np.abs(tdx - rdx).max()),
+            float(np.abs(dw - rdw.reshape(pshape)).max()), float(np.abs(tdw.reshape(pshape) - rdw.reshape(pshape)).max()))
+    return errs, names, float(np.abs(rdx).max()), float(np.abs(rdw).max())
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=SPLIT_IDS)
+def test_split_backward_far_from_zero(emulated, monkeypatch, case, offset):
+    """dx and dweight within half of torch's error (or at float32 rounding, where torch's
+    group norm is far worse): cols_grad_finalize takes the saved mean's rounding
+    (c = mean(x - mean), summed by cols_grad_partial on the way) out of the slices' means of
+    g and g * xhat and of the columns' dweight sums (p = i), and hands it to
+    cols_param_grad_rows (p = r)."""
+    op, shape, kw = case
+    (dx_err, dx_torch, dw_err, dw_torch), names, dx_scale, dw_scale = split_backward_errors(
+        monkeypatch, op, shape, kw, offset)
+    assert {"cols_grad_partial", "cols_grad_finalize", "apply_bwd"} <= names, names
+    assert dx_err <= max(0.5 * dx_torch, 16 * F32_EPS * dx_scale), f"dx error {dx_err:.3g}, torch's {dx_torch:.3g}"
+    # p = i: cols_grad_finalize's column sums; p = r: cols_param_grad_rows with its mean_lo
+    assert "param_grad_rows" not in names, names
+    assert dw_err <= max(0.5 * dw_torch, 64 * F32_EPS * dw_scale), f"dweight error {dw_err:.3g}, torch's {dw_torch:.3g}"

@@ -492,30 +492,54 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
                  i64(reduced), i64(inner), i64(group), i64(width), pdiv, plen, i32(mode or 0),
                  center, pin), smem=smem)
         return None if part is None else (part, nchunk)
-    # columns whose parameter is the column (p = i: NHWC instance/group norm): the partial sums
-    # leave the weight out, so that grad_finalize can also hand them on as dweight/dbias
-    # partials per (o, i) (5 transfers in all instead of 7 with param_grad_cols)
-    by_column = param_grads is not None and not layout.rows and _tile_param_mode(layout) == 0
-    if layout.rows:
-        if param_grads is not None and _segmented(layout):
-            return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads,
-                                   param_in_t)
-        return _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t)
-    else:
-        tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
-        chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
-        ws = _workspace((2, outer * nchunk * inner), dtype=acc)
-        _launch("cols_grad_partial", dtype, (tiles, nchunk, zdim), (32, 8),
-                (dyb, xb, NULL if by_column else _ptr(w), _ptr(mean), rstd, ws[0], ws[1], i64(outer),
-                 i64(reduced), i64(inner), i64(group), i64(chunk), pdiv, plen, center, pin))
+    if not layout.rows:
+        return _split_columns_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads, param_in_t)
+    if param_grads is not None and _segmented(layout):
+        return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads,
+                               param_in_t)
+    return _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t)
+
+
+def _split_columns_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads, param_in_t):
+    """The columns' split backward: cols_grad_partial (per (o, chunk, i): sum(g),
+    sum(g * (x - mean) * rstd) and, centred, sum(x - mean)) -> cols_grad_finalize (the saved
+    mean's rounding c = mean(x - mean) taken out of the slices' means of g and g * xhat) ->
+    apply_bwd (5 transfers of x's size). Where the parameter is the column (p = i: NHWC
+    instance/group norm) and dweight is wanted, the partial sums leave the weight out, so that
+    cols_grad_finalize applies it per column and also hands the columns' sums on as
+    dweight/dbias partials per (o, i) (5 transfers with them instead of 7 with
+    param_grad_cols): returns (part, outer) then. Where it is the row (p = r: channels-first
+    layer norm), cols_param_grad_rows sums dweight/dbias per (o, 32 columns, r) with the
+    mean's rounding that cols_grad_finalize found (param_grad_rows would form xhat from the
+    rounded mean): returns (part, outer * ceil(inner / 32)). Else None."""
+    by_column = param_grads is not None and _tile_param_mode(layout) == 0
+    by_row = param_grads is not None and _tile_param_mode(layout) == 1 and layout.group == 1
+    acc = acc_dtype(dtype)
+    center, pin = i32(plan.center), i32(param_in_t)
+    outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
+    tiles, zdim = _ceil(inner, 32), min(outer, _MAX_Y)
+    chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
+    ws = _workspace((3 if plan.center else 2, outer * nchunk * inner), dtype=acc)
+    ws_x = ws[2] if plan.center else None
+    _launch("cols_grad_partial", dtype, (tiles, nchunk, zdim), (32, 8),
+            (dyb, xb, NULL if by_column else _ptr(w), _ptr(mean), rstd, ws[0], ws[1], _ptr(ws_x), i64(outer),
+             i64(reduced), i64(inner), i64(group), i64(chunk), i64(layout.p_div), i64(layout.p_len), center,
+             pin))
     slices = layout.slices
     means = _workspace((2, slices), dtype=acc)
     part = _workspace((2, outer * inner), dtype=acc) if by_column else None
-    _launch("grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
-            (ws[0], ws[1], _ptr(w) if by_column else NULL, means[0], means[1],
-             part[0] if by_column else NULL, part[1] if by_column and param_grads else NULL,
-             i64(outer), i64(nchunk), i64(inner), i64(group), f64(plan.count), pin))
+    lo = _workspace((1, slices), dtype=acc)[0] if by_row and plan.center else None
+    _launch("cols_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], _ptr(ws_x), _ptr(w) if by_column else NULL, _ptr(mean), rstd, means[0], means[1],
+             _ptr(lo), part[0] if by_column else NULL, part[1] if by_column and param_grads else NULL,
+             i64(outer), i64(nchunk), i64(inner), i64(group), f64(plan.count), center, pin))
     _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
+    if by_row:
+        part = _workspace((2, outer * tiles * reduced), dtype=acc)
+        _launch("cols_param_grad_rows", dtype, (tiles, nchunk, zdim), (32, 8),
+                (dyb, xb, _ptr(mean), _ptr(lo), rstd, part[0], part[1] if param_grads else NULL, i64(outer),
+                 i64(reduced), i64(inner), i64(chunk)))
+        return part, outer * tiles
     return (part, outer) if by_column else None
 
 

@@ -1,0 +1,90 @@
+"""The tile kernels' vector paths (``kernels/tiles.cu``, issue 15) on the CPU emulator.
+
+Tiles load in 16-byte vectors where inner, the tile width and the buffers allow, else element
+by element; y and dx are staged in the tile (in place of x and dy) and stored in the widest of
+16-, 8- and 4-byte vectors that divides inner and the width and to which the output starts
+aligned (``tile_vec_len``). Odd sizes take the narrower vectors or none: C = 12 or 20 (not multiples of 8: 8-byte vectors in 16-bit types),
+C = 6 (4 bytes), HW = 49 (7 x 7: none), HW = 1, and buffers that start off alignment. The
+emulator faults on a misaligned vector access (``test_selftest_misaligned_vector_load_is_caught``),
+so a wrong choice of width fails here as well as a wrong element.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import test_kernels_emulated as K
+emu = K.emu  # the harness instance whose DeviceArrays K.run_* make
+from anynorm._cuda import _compile
+
+pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
+                                reason="the CUDA emulation needs g++ and fork()")
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+class _Tiles:
+    """``kernels(name, dtype)`` over tiles.cu and params.cu alone, every dtype."""
+
+    def __init__(self):
+        jobs = []
+        for dtype in DTYPES:
+            names = [_compile.name_expression(k, dtype) for k in ("cols_fwd_tile", "cols_bwd_tile",
+                                                                 "param_grad_finish")]
+            jobs.append(([K.KERNELS / "tiles.cu", K.KERNELS / "params.cu"], names, f"tiles-vectors-{dtype}"))
+        self._modules = {}
+        for module in emu.build_many(jobs):
+            for name in module.names:
+                self._modules[name] = module
+
+    def __call__(self, kernel, dtype, items=None):
+        name = _compile.name_expression(kernel, dtype, items)
+        return self._modules[name].get_function(name)
+
+
+@pytest.fixture(scope="module")
+def tiles():
+    return _Tiles()
+
+
+# (id, case, tile width): the vector width each dtype takes is in the comment (bytes; "-": none).
+CASES = [
+    ("ln_cf_7x7_partial", lambda: K.layer_norm_channels_first(2, 12, 7, 7), 16),  # inner 49: -
+    ("ln_cf_7x7_whole", lambda: K.layer_norm_channels_first(2, 12, 7, 7), 49),  # one tile of 49: -
+    ("ln_cf_14x14", lambda: K.layer_norm_channels_first(2, 10, 14, 14), 64),  # 196: 8 (16-bit), 16
+    ("in_nhwc_c12", lambda: K.instance_norm_nhwc(2, 5, 5, 12), 12),  # 8 (16-bit), 16 (float32, 64)
+    ("in_nhwc_c6", lambda: K.instance_norm_nhwc(2, 3, 5, 6), 6),  # 4 (16-bit), 8 (float32), 16 (64)
+    ("gn_nhwc_c20", lambda: K.group_norm_nhwc(2, 3, 3, 20, 5), 8),  # group 4: 8 / 16, last tile 4 wide
+    ("in_nhwc_hw1", lambda: K.instance_norm_nhwc(3, 1, 1, 24), 8),  # one row per slice: 16
+    ("gn_nhwc_hw1", lambda: K.group_norm_nhwc(2, 1, 1, 40, 5), 16),  # group 8, one row
+    ("in_nhwc_c64", lambda: K.instance_norm_nhwc(2, 37, 1, 64), 16),  # 16 bytes, 37 rows
+    ("ln_cf_3136", lambda: K.layer_norm_channels_first(1, 6, 56, 56), 256),  # 16 bytes, 13 tiles
+]
+# element offsets of every buffer: 0 (aligned), 1 (16-bit: 2 bytes, none), 2 (16-bit: 4 bytes)
+OFFSETS = (0, 1, 2)
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,width", CASES, ids=[c[0] for c in CASES])
+def test_tile_forward_vectors(tiles, name, make, width, dtype, offset):
+    K.check_forward(tiles, make(), dtype, path="tile", items=width, offset=offset,
+                    residual=dtype != "float64")
+
+
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,width", CASES, ids=[c[0] for c in CASES])
+def test_tile_backward_vectors(tiles, name, make, width, dtype, offset):
+    K.check_backward(tiles, make(), dtype, path="tile", items=width, offset=offset)
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+@pytest.mark.parametrize("name,make,width", CASES, ids=[c[0] for c in CASES])
+def test_tile_stats_only_and_rms(tiles, name, make, width, dtype):
+    """No y (statistics alone: nothing staged) and RMS norm (no shift)."""
+    K.check_forward(tiles, make(), dtype, path="tile", items=width, want_y=False)
+    K.check_forward(tiles, make(), dtype, path="tile", items=width, center=0)
+    K.check_backward(tiles, make(), dtype, path="tile", items=width, center=0)
