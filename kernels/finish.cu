@@ -67,44 +67,6 @@ __global__ void rows_stats_finalize(const T* __restrict__ src, const acc_t<T>* _
     }
 }
 
-// mean_g = sum(g) / count, mean_gx = sum(g * xhat) / count per slice. With `w` the partials
-// were summed without the weight, whose index is the column (p = i: NHWC instance and group
-// norm); it is applied here, once per column, and part_w/part_b (nullable) take the columns'
-// own sums, part_w[o * inner + i] = sum(dy * xhat), part_b[...] = sum(dy), as dweight/dbias
-// partials that param_grad_finish adds up over o. Without `w` (0) the partials are used as
-// they are.
-template <typename T>
-__global__ void grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>* __restrict__ ws_gx,
-                              const void* __restrict__ w_arg, acc_t<T>* __restrict__ mean_g,
-                              acc_t<T>* __restrict__ mean_gx, acc_t<T>* __restrict__ part_w,
-                              acc_t<T>* __restrict__ part_b, long long outer, long long nchunk,
-                              long long inner, long long group, double count, int param_in_t) {
-    const Param<T> w = {w_arg, param_in_t & 1};
-    typedef acc_t<T> A;
-    const long long per_o = inner / group;
-    const long long slices = outer * per_o;
-    for (long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x; s < slices;
-         s += (long long)gridDim.x * blockDim.x) {
-        const long long o = s / per_o, j = s % per_o;
-        A sg = A(0), sgx = A(0);
-        for (long long k = 0; k < group; ++k) {
-            const long long i = j * group + k;
-            A cg = A(0), cgx = A(0);
-            for (long long c = 0; c < nchunk; ++c) {
-                cg += ws_g[(o * nchunk + c) * inner + i];
-                cgx += ws_gx[(o * nchunk + c) * inner + i];
-            }
-            if (part_w) part_w[o * inner + i] = cgx;
-            if (part_b) part_b[o * inner + i] = cg;
-            const A wi = weight_at(w, i);
-            sg += wi * cg;
-            sgx += wi * cgx;
-        }
-        mean_g[s] = sg / A(count);
-        mean_gx[s] = sgx / A(count);
-    }
-}
-
 // Long rows after rows_grad_partial: mean_g = sum(g) / count and mean_gx = sum(g * xhat) /
 // count per row, with xhat from the exact mean. The partials took x - mean from the saved
 // mean, rounded (near 1e6 in float32, to 1/16); ws_d (nullable: taken as 0) holds sum(x - mean),

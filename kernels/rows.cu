@@ -7,7 +7,7 @@
 // in registers (ITEMS values per thread) and takes exact two-pass statistics of
 // d = v - shift from them: x is read once, y written once. Long rows: rows_*_partial reduce
 // chunks of a row per block; the chunks are merged by finish.cu (rows_stats_finalize /
-// grad_finalize) and applied by rows_apply_fwd / apply_bwd.
+// rows_grad_finalize) and applied by rows_apply_fwd / apply_bwd.
 // The backward's *_params variants also add up dweight/dbias partial sums on the way (per
 // position of plain rows, p = position in the row; per row where p is the row's channel), so
 // dy and x are not read again for them.

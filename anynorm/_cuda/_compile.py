@@ -36,7 +36,7 @@ KERNELS = {
     "cols.cu": ("cols_stats_partial", "cols_grad_partial", "cols_apply_fwd", "cols_grad_finalize",
                 "cols_param_grad_rows"),
     "tiles.cu": ("cols_fwd_tile", "cols_bwd_tile"),
-    "finish.cu": ("stats_finalize", "grad_finalize", "segment_grad_finalize", "apply_bwd",
+    "finish.cu": ("stats_finalize", "segment_grad_finalize", "apply_bwd",
                   "rows_stats_finalize", "rows_apply_fwd", "rows_grad_finalize"),
     "params.cu": ("param_grad_cols", "param_grad_rows", "param_grad_finish"),
 }
