@@ -5,7 +5,8 @@ preallocated by the caller: ``y``/``h``/``dx``
 with ``x``'s shape and dtype (any strides), statistics contiguous in the public statistics
 shape and the accumulation dtype, ``dweight``/``dbias`` contiguous ``(p_len,)`` in the
 accumulation dtype or x's (``grad_in_t``). ``weight``/``bias`` arrive contiguous, in the
-accumulation dtype or x's (``param_in_t``). ``dtype`` is the kernel dtype key ("float16", "bfloat16", "float32", "float64").
+accumulation dtype or x's (``param_in_t``). ``dtype`` is the kernel dtype key ("float16",
+"bfloat16", "float32", "float64").
 Which kernels run for which layout: kernels/README.md.
 """
 
