@@ -79,8 +79,8 @@ def _bound_backward(plan, x, dy, weight, has_stats, param_grads, param_in_t, gra
 def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=None):
     """``(y, h, mean, rstd)``; ``h`` None without residual, ``mean`` None for RMS norm, both
     statistics None with ``stats=False`` where the kernels need not write them. ``site``: a
-    dict kept per call signature (``_executor.forward_runner``), where the bound launch the first
-    call finds is kept when the parameters need no conversion."""
+    dict kept per call signature (``_executor.forward_runner``), where the bound launch the
+    first call finds is kept when the parameters need no conversion."""
     key = dtype_key(x.dtype)
     acc = _launch.acc_dtype(key)
     y = cupy.empty_like(x)
