@@ -155,18 +155,23 @@ def ratio_summary(ours, peer):
 
 def report_speed(rng, rounds=ROUNDS):
     x = rng.standard_normal((4096, 1024)).astype(np.float32)
-    fns = {"ours numpy": lambda: anynorm.layer_norm(x), "naive numpy": lambda: _naive_numpy_layer_norm(x)}
+    groups = [{"ours numpy": lambda: anynorm.layer_norm(x),
+               "naive numpy": lambda: _naive_numpy_layer_norm(x)}]
     pairs = [("numpy", "ours numpy", "naive numpy")]
     try:
         import torch
         import torch.nn.functional as F
         t = torch.from_numpy(x)
-        fns["ours torch"] = lambda: anynorm.layer_norm(t)
-        fns["F.layer_norm"] = lambda: F.layer_norm(t, (x.shape[-1],))
+        groups.append({"ours torch": lambda: anynorm.layer_norm(t),
+                       "F.layer_norm": lambda: F.layer_norm(t, (x.shape[-1],))})
         pairs.append(("torch", "ours torch", "F.layer_norm"))
     except ImportError:
         pass
-    times = interleaved_times(fns, rounds)
+    # each library's pair timed on its own: OpenBLAS's threads keep spinning for a while after
+    # a NumPy BLAS call and would slow whichever torch call came next (up to 2.5x seen)
+    times = {}
+    for fns in groups:
+        times.update(interleaved_times(fns, rounds))
     print(f"layer_norm float32 {x.shape}, {rounds} interleaved rounds; time ours / peer as the "
           f"median, and the lowest-highest ratio of one round:")
     wide = False
