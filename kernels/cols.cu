@@ -164,10 +164,6 @@ __global__ void cols_grad_partial(const T* __restrict__ dy, const T* __restrict_
     }
 }
 
-// Relative size of a mean's rounding to A, with a little room: 4 ulps (as tiles.cu).
-template <typename A> __device__ __forceinline__ A cols_mean_rounding() { return A(4) * A(1.1920928955078125e-7); }
-template <> __device__ __forceinline__ double cols_mean_rounding<double>() { return 4 * 2.220446049250313e-16; }
-
 // Per slice s = o * (inner / group) + j, from cols_grad_partial's sums over the nchunk chunks
 // and the group's columns i = j * group + k:
 //   c = sum(x - mean) / count, the saved mean's rounding (0 unless ws_x and center, and
@@ -204,7 +200,7 @@ __global__ void cols_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_
             for (long long q = 0; q < nchunk; ++q)
                 for (long long k = 0; k < group; ++k) c += ws_x[first + q * inner + k];
             c /= A(count);
-            if (!(fabs(c) <= cols_mean_rounding<A>() * fabs(mean[s]))) c = A(0);
+            if (!(fabs(c) <= mean_rounding<A>() * fabs(mean[s]))) c = A(0);
         }
         if (mean_lo) mean_lo[s] = c;
         const A cr = c * rstd[s];  // xhat's correction

@@ -299,4 +299,10 @@ __device__ __forceinline__ void param_vec(const Param<T>& q, int p, acc_t<T> (&o
     }
 }
 
+// Relative size of a mean's rounding to A, with a little room (4 ulps): a correction c of the
+// saved mean larger than this times |mean| means the mean is not this data's (given by the
+// caller), and is used as given.
+template <typename A> __device__ __forceinline__ A mean_rounding() { return A(4) * A(1.1920928955078125e-7); }
+template <> __device__ __forceinline__ double mean_rounding<double>() { return 4 * 2.220446049250313e-16; }
+
 }  // namespace anynorm

@@ -292,10 +292,6 @@ __device__ __forceinline__ acc_t<T> param_of_row(const Param<T>& q, acc_t<T> own
     return MODE == PARAM_COL ? own : param_value(q, r, none);
 }
 
-// Relative size of a mean's rounding to A, with a little room: 4 ulps.
-template <typename A> __device__ __forceinline__ A mean_rounding() { return A(4) * A(1.1920928955078125e-7); }
-template <> __device__ __forceinline__ double mean_rounding<double>() { return 4 * 2.220446049250313e-16; }
-
 // y = ((v - shift) - c) * rs * w + b over the thread's rows of its column (mean = shift + c),
 // into y (y[base + r * inner]), or STAGED in place of v in the tile (each element is read and
 // written by the same thread), for store_tile's vectors.
