@@ -44,7 +44,7 @@ import numpy as np
 from . import _reference
 from ._numpy_columns import ColumnsForward
 from ._numpy_half import half_to_float
-from ._numpy_rows import RowsForward, col_sums, reduce_sums, row_dots, row_sums
+from ._numpy_rows import RowsForward, bufsize, col_sums, reduce_sums, row_dots, row_sums
 
 __all__ = ["forward", "backward", "BLOCK_BYTES", "NUM_THREADS"]
 
@@ -439,13 +439,17 @@ class _ForwardCall:
             kernel.apply(np.add, work, self.b[param_index], yb)
 
 
-def _run(boxes, work, scratch_for, parallel):
+def _run(boxes, work, scratch_for, parallel, inner=None):
     """Run ``work(boxes_part, scratch)`` over the boxes, split across threads when
     ``parallel`` (:func:`_parallel`) and there are enough of them.
 
     NumPy and BLAS release the GIL inside their loops, so boxes on separate cores overlap.
+    ``inner``: the length of the inner loops the work runs (:func:`anynorm._numpy_rows.bufsize`).
     Returns the list of ``work``'s results.
     """
+    size = bufsize(inner)
+    if size is not None:
+        work = _with_bufsize(work, size)
     threads = min(NUM_THREADS, len(boxes) // 4) if parallel else 1
     if threads <= 1:
         return [work(boxes, scratch_for())]
@@ -454,6 +458,16 @@ def _run(boxes, work, scratch_for, parallel):
     futures = [_pool().submit(work, part, scratch_for()) for part in parts[1:]]
     results = [work(parts[0], scratch_for())]
     return results + [f.result() for f in futures]
+
+
+def _with_bufsize(work, size):
+    """``work`` run with NumPy's ufunc buffer at ``size`` elements (in the calling thread's
+    context: every pool thread sets its own), restored afterwards."""
+    def run(*args):
+        with np.errstate():
+            np.setbufsize(size)
+            return work(*args)
+    return run
 
 
 _POOL = None
@@ -528,11 +542,11 @@ def forward(plan, x, weight=None, bias=None, residual=None):
     for path in (RowsForward, ColumnsForward):
         call = path.make(plan, layout, x, weight, bias, residual)
         if call is not None:
-            _run(call.blocks(), call.run, call.buffers, _parallel(x))
+            _run(call.blocks(), call.run, call.buffers, _parallel(x), call.inner)
             return call.results()
     call = _ForwardCall(plan, layout, weight, bias, residual)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
-    _run(call.boxes, call.run, scratch_for, _parallel(x))
+    _run(call.boxes, call.run, scratch_for, _parallel(x), _box_shape(call.boxes[0], layout.shape)[-1])
     mean = call.mean.reshape(plan.stats_shape) if plan.center else None
     return call.y.reshape(plan.shape), call.h, mean, call.rstd.reshape(plan.stats_shape)
 
@@ -612,7 +626,8 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
         return _reference.backward(plan, dy, x, weight, mean, rstd)
     call = _BackwardCall(plan, dy, x, weight, mean, rstd)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
-    parts = _run(call.boxes, call.run, scratch_for, _parallel(x))
+    parts = _run(call.boxes, call.run, scratch_for, _parallel(x),
+                 _box_shape(call.boxes[0], call.layout.shape)[-1])
     dx = call.dx.reshape(plan.shape)
     if weight is None:
         return dx, None, None

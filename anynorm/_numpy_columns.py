@@ -107,12 +107,13 @@ class ColumnsForward:
         if self.kind == "cf":
             budget = CF_BLOCK_BYTES // (self.P * acc.itemsize)
             parts = -(-self.Q // max(1, budget))
-            self.chunk = -(-self.Q // parts)
+            self.chunk = self.inner = -(-self.Q // parts)
             self.b_tile = None if self.b is None else np.ascontiguousarray(
                 np.broadcast_to(self.b, (self.P, self.chunk)))
         else:
             self.per_block = max(1, min(self.B, SAMPLE_ELEMENTS // (self.P * self.Q)))
             self.k = _fold(self.P, self.Q)
+            self.inner = self.k * self.Q
 
     def _params(self, layout, lead, arr):
         """weight/bias as ``(P, 1)`` ("cf": one per row) or ``(Q,)`` ("cl": one per column)."""

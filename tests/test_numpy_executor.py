@@ -39,13 +39,16 @@ DTYPES = [np.float32, np.float64, np.float16]
 TOL = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-12}
 
 
-@pytest.fixture(params=["one box", "many boxes", "one sample per box", "threads"])
+@pytest.fixture(params=["one box", "many boxes", "one sample per box", "threads", "small ufunc buffer"])
 def blocking(request, monkeypatch):
     """Run each case as one box (short tails after the reduced axes take several samples per
-    box), as one sample per box (what longer tails get), as many tiny boxes, and split
-    across threads."""
+    box), as one sample per box (what longer tails get), as many tiny boxes, split across
+    threads, and with NumPy's ufunc buffer cut to the inner loop length (what inner loops of
+    384 to 8191 elements get) in many boxes on two threads."""
     monkeypatch.setattr(_numpy, "SMALL_ELEMENTS", 1)  # the test shapes are small
-    if request.param in ("many boxes", "threads"):
+    if request.param == "small ufunc buffer":
+        monkeypatch.setattr(_numpy_rows, "MIN_BUFSIZE_INNER", 1)
+    if request.param in ("many boxes", "threads", "small ufunc buffer"):
         monkeypatch.setattr(_numpy, "BLOCK_BYTES", 64)
         monkeypatch.setattr(_numpy, "LARGE_BOX_BYTES", 256)
         monkeypatch.setattr(_numpy_rows, "ROW_BLOCK_BYTES", 64)
@@ -53,7 +56,7 @@ def blocking(request, monkeypatch):
         monkeypatch.setattr(_numpy_columns, "CF_BLOCK_BYTES", 64)
     if request.param == "one sample per box":
         monkeypatch.setattr(_numpy, "SHORT_TAIL", 1)
-    if request.param == "threads":
+    if request.param in ("threads", "small ufunc buffer"):
         monkeypatch.setattr(_numpy, "NUM_THREADS", 2)
         monkeypatch.setattr(_numpy, "PARALLEL_MIN_ELEMENTS", 1)
     return request.param
@@ -338,3 +341,23 @@ def test_half_conversions_match_numpy_bit_for_bit():
     strided = np.zeros((6, 80), np.float16)[:, ::2]
     float_to_half(src, strided, *(np.empty(src.shape, np.uint32) for _ in range(2)))
     assert np.array_equal(strided.view(np.uint16), src.astype(np.float16).view(np.uint16))
+
+
+def test_ufunc_buffer_size_restored():
+    """The executor sets NumPy's ufunc buffer size for its own loops only: the caller's
+    setting (in its errstate context) is the same after a call, on the calling thread and
+    with the work split across threads; the chosen size is a multiple of 16 no longer than
+    the inner loop."""
+    x = np.random.default_rng(0).standard_normal((512, 4096)).astype(np.float32)
+    plan = make_plan("layer_norm", x, axis=-1)
+    assert _numpy_rows.bufsize(4096) == 4096 and _numpy_rows.bufsize(1000) == 992
+    assert _numpy_rows.bufsize(8192) is None and _numpy_rows.bufsize(64) is None
+    want = _reference.forward(plan, x.astype(np.float64))[0]
+    for size in (8192, 2048):
+        with np.errstate():
+            np.setbufsize(size)
+            y = _numpy.forward(plan, x)[0]
+            assert np.getbufsize() == size
+        np.testing.assert_allclose(y, want, atol=2e-5)
+    if _numpy.NUM_THREADS > 1:  # the pool's threads are back at NumPy's default too
+        assert _numpy._pool().submit(np.getbufsize).result() == 8192
