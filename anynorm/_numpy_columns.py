@@ -5,23 +5,24 @@ A C-contiguous ``x`` is viewed as ``(B, P, Q)`` with the statistics over ``P`` (
 ``1 @ x[b]`` by BLAS):
 
 ``"cf"`` (layer norm over the channels of NCHW: ``P`` = C, ``Q`` = H*W, one slice per column,
-weight along ``P``), in L2-sized blocks ``x[b, :, q0:q1]``::
+weight along ``P``), in whole samples up to ``CF_BLOCK_BYTES`` (else column blocks
+``x[b, :, q0:q1]``)::
 
-    m = (1 @ x) / P;  d = x - m;  v = (1 @ d*d) / P;  [correction as in _numpy_rows]
-    y = d * (w (x) r) + b_tile
+    m = (1 @ x) / P;  d = x - m;  v = sum_p(d*d) / P;  [correction as in _numpy_rows]
+    d *= r;  y = d * w + b                                 (d in y's block for whole samples)
 
-``"cl"`` (float16 NHWC instance/group norm: ``P`` = H*W, ``Q`` = C = G * Cg, one slice per
-group of ``Cg`` columns, weight along ``Q``), whole samples at a time, in sweeps of
-L2-sized chunks of rows (column sums added in float64)::
+``"cl"`` (NHWC instance/group norm: ``P`` = H*W, ``Q`` = C = G * Cg, one slice per group of
+``Cg`` columns, weight along ``Q``), several samples at a time (``SAMPLE_ELEMENTS``), in
+sweeps over chunks of rows (column sums added in float64)::
 
     m = (1 @ x) / n  summed per group                              (sweep 1)
-    d = x - m;  q = (1 @ d*d) / n;  c = (1 @ d) / n  per group     (sweep 2, d in the output)
-    v = q - c*c   [sweep 2 again on d - c where |c| > std / 4]
+    d = x - m;  q = sum_p(d*d) / n  per group                      (sweep 2, d in the output)
+    [c = (1 @ d) / n, only where |m| > std / 4;  sweep 2 again on d - c where |c| > std / 4]
     y = d * a + s,  a = r * w,  s = b - c * a                      (sweep 3, in place)
 
-Per-column operands are tiled
-``k`` times and ``x[b]`` viewed as ``(P / k, k * Q)``, so NumPy's inner loops run over
-``k * Q`` elements rather than ``Q`` (64 channels: 3-8x slower loops).
+Per-column operands are tiled ``k`` times and ``x[b]`` viewed as ``(P / k, k * Q)``, so NumPy's
+inner loops run over ``k * Q`` elements rather than ``Q`` (64 channels: 3-8x slower loops),
+and the column sums of that view (``P / k`` terms) are folded back to ``Q`` in float64.
 """
 
 from __future__ import annotations
@@ -35,14 +36,19 @@ from ._numpy_half import float_to_half, half_to_float
 
 __all__ = ["ColumnsForward"]
 
-# float32/float64 NHWC take "cl" too: off, the general blocking measured 1.9x faster (the
-# two-pass "cl" needs a third sweep over samples that do not fit L2)
-CL_FLOAT = False
-SAMPLE_ELEMENTS = 1 << 18  # "cl": several samples per block below this size
+# float32/float64 NHWC take "cl" too (IN/GN 32x56x56x64: 10.3/10.8 ms in the general
+# blocking, 6.1-6.8 here, at 4 samples per block)
+CL_FLOAT = True
+# "cl": several samples per block below this size (1 sample of 64 x 56 x 56: 7.3 ms, 4: 6.1,
+# 8: 7.4; the per-block Python costs ~0.1 ms)
+SAMPLE_ELEMENTS = 1 << 20
+# "cl": bytes of a chunk of rows per sweep (whole blocks measured fastest: fewer, longer
+# NumPy calls; the samples stay in L3 between sweeps)
+CL_CHUNK_BYTES = 4 << 20
 LOOP_ELEMENTS = 4096  # target inner-loop length for per-column operands
 SHORT_ROW = 256  # without parameters, "cl" (whole samples) below this many columns
-# "cf": whole samples up to this size (measured: y written in strided L2-sized blocks cost
-# 1.7x the time of y written in whole contiguous samples, which stay in L3)
+# "cf": accumulation-dtype bytes of x per block: x's block, the centred temporary and y's
+# block in a core's L2
 CF_BLOCK_BYTES = 2 << 20
 CF_IN_Y = True  # "cf" blocks of whole samples centre x into y's block (no temporary)
 
@@ -108,8 +114,6 @@ class ColumnsForward:
             budget = CF_BLOCK_BYTES // (self.P * acc.itemsize)
             parts = -(-self.Q // max(1, budget))
             self.chunk = self.inner = -(-self.Q // parts)
-            self.b_tile = None if self.b is None else np.ascontiguousarray(
-                np.broadcast_to(self.b, (self.P, self.chunk)))
         else:
             self.per_block = max(1, min(self.B, SAMPLE_ELEMENTS // (self.P * self.Q)))
             self.k = _fold(self.P, self.Q)
@@ -137,9 +141,10 @@ class ColumnsForward:
             size = block = self.P * self.chunk
         else:
             block = self.per_block * self.P * self.Q
-            # a chunk of nb <= per_block samples: ROW_BLOCK_BYTES, or k rows of each sample
-            size = min(block, max(_numpy_rows.ROW_BLOCK_BYTES // self.acc.itemsize,
-                                  self.per_block * self.k * self.Q))
+            p0, p1 = self._chunks(self.per_block)[0]  # the largest chunk of rows
+            size = self.per_block * (p1 - p0) * self.Q
+            if not self.half:
+                return {}
         bufs = {"t": np.empty(size, self.acc)}
         if self.half:
             bufs["x"] = np.empty(block, self.acc)
@@ -166,45 +171,51 @@ class ColumnsForward:
                           bufs["u"][:n].reshape(work.shape))
 
     def _cf_block(self, block, bufs):
-        """Columns ``q0:q1`` of sample ``b``: ``d`` in a contiguous temporary, y written by
-        the last pass only (y's block is P strided rows)."""
+        """Columns ``q0:q1`` of sample ``b``: ``d = x - m`` (in y's block for whole samples,
+        else in a contiguous temporary), ``sum(d*d)`` over the rows, then ``d *= r`` in place
+        and ``* w``, ``+ b`` (per-row operands), the last pass into y."""
         b, q0, q1 = block
         xa, work = self._source(self.x3[b, :, q0:q1], bufs)
         yb = self.y3[b, :, q0:q1]
         if work is not None:
             d = work
         elif CF_IN_Y and q1 - q0 == self.Q:
-            d = yb  # whole samples: y's block is contiguous, d lives there
+            d = yb  # whole samples: y's block is contiguous, the arithmetic runs in it
         else:
-            d = np.empty(xa.shape, self.acc)
-        t = bufs["t"][:xa.size].reshape(xa.shape)
+            d = bufs["t"][:xa.size].reshape(xa.shape)
         m, v = self.mean[b, q0:q1], self.rstd[b, q0:q1]
         inv = 1.0 / self.P
         _numpy_rows.col_sums(xa, m)
         m *= inv
         np.subtract(xa, m, out=d)
-        np.multiply(d, d, out=t)
-        _numpy_rows.col_sums(t, v)
+        if self.P <= _numpy_rows.REDUCE_RUN:
+            np.einsum("pq,pq->q", d, d, out=v)  # one pass (rows added one after another)
+        else:  # BLAS column sums of the squares (in float64 over runs past COL_RUN rows)
+            sq = yb if d is not yb and work is None else bufs["t"][:xa.size].reshape(xa.shape)
+            np.multiply(d, d, out=sq)
+            _numpy_rows.col_sums(sq, v)
         v *= inv
         _correct_columns(d, m, v, self.plan.eps)
         _rstd(v, self.plan.eps)
-        last = yb if work is None or d is yb else d
-        if self.w is not None:
-            np.multiply(self.w, v, out=t)
+        last = d if work is not None or d is yb else yb
+        if self.w is None and self.b is None:
+            np.multiply(d, v, out=last)
         else:
-            t = v
-        if self.b_tile is not None:
-            np.multiply(d, t, out=d)
-            np.add(d, self.b_tile[:, :q1 - q0], out=last)
-        else:
-            np.multiply(d, t, out=last)
-        self._finish(d, yb, bufs)
+            np.multiply(d, v, out=d)
+            if self.w is not None:
+                np.multiply(d, self.w, out=last)
+            if self.b is not None:
+                np.add(last if self.w is not None else d, self.b, out=last)
+        self._finish(work, yb, bufs)
 
     def _cl_block(self, block, bufs):
-        """Samples ``b0:b1`` in sweeps of L2-sized chunks of rows (x's samples, up to
-        ``SAMPLE_ELEMENTS``, stay in L3): column sums of x; then ``d = x - m`` into the output,
-        with the column sums of ``d*d`` and of ``d``; then ``y = d * a + c`` in place, with
-        ``a = r * w`` and ``c = b - mean(d) * a`` (the two-pass correction folded in)."""
+        """Samples ``b0:b1`` in sweeps of chunks of rows, each sample viewed as
+        ``(P / k, k * Q)`` with per-column operands tiled ``k`` times: column sums of x; then
+        ``d = x - m`` into the output with the column sums of ``d*d`` (and of ``d``, where the
+        mean may have missed: ``|m| > std / 4``); then ``y = d * a + c`` in place, with
+        ``a = r * w`` and ``c = b - mean(d) * a`` (the two-pass correction folded in).
+        Column sums run over at most ``REDUCE_RUN`` folded rows per call, the partial sums
+        (and the ``k`` folds) added in float64."""
         b0, b1 = block
         xa, work = self._source(self.x3[b0:b1], bufs)
         yb = self.y3[b0:b1]
@@ -214,16 +225,20 @@ class ColumnsForward:
         n = self.P * (self.Q // self.groups)
         per_col, k = self.Q // self.groups, self.k
         chunks = self._chunks(nb)
-        s1 = np.zeros((nb, self.Q), np.float64)  # chunks of <= SUM_RUN rows, added in float64
+        s1 = np.zeros((nb, self.Q), np.float64)
         for p0, p1 in chunks:
-            s1 += np.matmul(self.ones[:p1 - p0], xa[:, p0:p1])
+            s1 += self._add_folds(np.matmul(self.ones[:(p1 - p0) // k], self._view(xa, p0, p1)))
         self._group_sums(s1, m)
         m *= 1.0 / n
-        q, c = self._centre(xa, out, m, chunks, bufs)
-        if _numpy_rows.far_off(c, q, self.plan.eps):
-            # the first mean missed by more than std / 4: centre on m + c and sum again
-            m += c
-            q, c = self._centre(out, out, c, chunks, bufs)
+        q = self._centre(xa, out, m, chunks)
+        c = np.zeros_like(q)
+        if np.greater(m * m, _numpy_rows.SKIP_CORRECTION ** 2 * (q + self.plan.eps)).any():
+            c = self._mean_of(out, chunks)
+            if _numpy_rows.far_off(c, q, self.plan.eps):
+                # the first mean missed by more than std / 4: centre on m + c and sum again
+                m += c
+                q = self._centre(out, out, c, chunks)
+                c = self._mean_of(out, chunks)
         np.subtract(q, c * c, out=v)
         np.maximum(v, 0, out=v)
         m += c
@@ -236,48 +251,55 @@ class ColumnsForward:
         scale = np.tile(scale, k)[:, None, :]
         shift = np.tile(shift, k)[:, None, :]
         for p0, p1 in chunks:
-            rows = (nb, (p1 - p0) // k, k * self.Q)
-            oc = out[:, p0:p1].reshape(rows)
-            # via a fresh temporary: in place measured 1.13x slower in total (NumPy's add)
-            t = np.empty(rows, self.acc)
-            np.multiply(oc, scale, out=t)
-            np.add(t, shift, out=oc)
+            oc = self._view(out, p0, p1)
+            np.multiply(oc, scale, out=oc)
+            np.add(oc, shift, out=oc)
             if self.half:
                 size = nb * (p1 - p0) * self.Q
                 shape = out[:, p0:p1].shape
                 float_to_half(out[:, p0:p1], yb[:, p0:p1], bufs["t"][:size].view(np.uint32).reshape(shape),
                               bufs["u"][:size].reshape(shape))
 
-    def _centre(self, xa, d, m, chunks, bufs):
-        """``d = x - m`` (per group) chunk by chunk; returns ``(mean(d*d), mean(d))`` per
-        group (nb, G), from column sums added in float64."""
+    def _view(self, arr, p0, p1):
+        """Rows ``p0:p1`` (a multiple of ``k``) of the samples ``arr`` as ``(nb, rows / k, k * Q)``."""
+        return arr[:, p0:p1].reshape(arr.shape[0], (p1 - p0) // self.k, self.k * self.Q)
+
+    def _add_folds(self, sums):
+        """``(nb, k * Q)`` column sums of a folded view as ``(nb, Q)``, added in float64."""
+        return np.add.reduce(sums.reshape(sums.shape[0], self.k, self.Q), axis=1, dtype=np.float64)
+
+    def _centre(self, xa, d, m, chunks):
+        """``d = x - m`` (per group) chunk by chunk; returns ``mean(d*d)`` per group (nb, G),
+        from column sums added in float64."""
         nb, k = xa.shape[0], self.k
         n = self.P * (self.Q // self.groups)
         mt = np.tile(np.repeat(m, self.Q // self.groups, axis=1), k)[:, None, :]
         sq = np.zeros((nb, self.Q), np.float64)
-        sd = np.zeros_like(sq)
         for p0, p1 in chunks:
-            rows = (nb, (p1 - p0) // k, k * self.Q)
-            dc = d[:, p0:p1]
-            np.subtract(xa[:, p0:p1].reshape(rows), mt, out=dc.reshape(rows))
-            t = bufs["t"][:dc.size].reshape(dc.shape)
-            np.multiply(dc, dc, out=t)
-            ones = self.ones[:p1 - p0]
-            sq += np.matmul(ones, t)
-            sd += np.matmul(ones, dc)
+            dc = self._view(d, p0, p1)
+            np.subtract(self._view(xa, p0, p1), mt, out=dc)
+            sq += self._add_folds(np.einsum("bpq,bpq->bq", dc, dc))  # one pass, rows one by one
         q = np.empty(m.shape, self.acc)
-        c = np.empty(m.shape, self.acc)
         self._group_sums(sq, q)
-        self._group_sums(sd, c)
         q *= 1.0 / n
-        c *= 1.0 / n
-        return q, c
+        return q
+
+    def _mean_of(self, d, chunks):
+        """``mean(d)`` per group (nb, G) by column sums (the two-pass correction)."""
+        sd = np.zeros((d.shape[0], self.Q), np.float64)
+        for p0, p1 in chunks:
+            sd += self._add_folds(np.matmul(self.ones[:(p1 - p0) // self.k], self._view(d, p0, p1)))
+        c = np.empty((d.shape[0], self.groups), self.acc)
+        self._group_sums(sd, c)
+        c *= 1.0 / (self.P * (self.Q // self.groups))
+        return c
 
     def _chunks(self, nb):
-        """Row ranges of ~``ROW_BLOCK_BYTES`` over ``nb`` samples, multiples of ``k`` rows."""
+        """Row ranges of up to ``CL_CHUNK_BYTES`` over ``nb`` samples and ``REDUCE_RUN``
+        folded rows, multiples of ``k`` rows."""
         k = self.k
-        rows = _numpy_rows.ROW_BLOCK_BYTES // (nb * self.Q * self.acc.itemsize)
-        rows = max(k, min(rows, _numpy_rows.COL_RUN) // k * k)
+        rows = CL_CHUNK_BYTES // (nb * self.Q * self.acc.itemsize)
+        rows = max(k, min(rows, _numpy_rows.REDUCE_RUN * k) // k * k)
         return [(p, min(p + rows, self.P)) for p in range(0, self.P, rows)]
 
     def _group_sums(self, cols, out):
