@@ -42,6 +42,9 @@ CL_FLOAT = True
 # "cl": several samples per block below this size (1 sample of 64 x 56 x 56: 7.3 ms, 4: 6.1,
 # 8: 7.4; the per-block Python costs ~0.1 ms)
 SAMPLE_ELEMENTS = 1 << 20
+# float16 blocks are converted into float32 buffers (block, chunk, uint32 chunk per thread):
+# fewer samples per block keep them at a fraction of the output
+SAMPLE_ELEMENTS_HALF = 1 << 18
 # "cl": bytes of a chunk of rows per sweep (whole blocks measured fastest: fewer, longer
 # NumPy calls; the samples stay in L3 between sweeps)
 CL_CHUNK_BYTES = 4 << 20
@@ -115,7 +118,8 @@ class ColumnsForward:
             parts = -(-self.Q // max(1, budget))
             self.chunk = self.inner = -(-self.Q // parts)
         else:
-            self.per_block = max(1, min(self.B, SAMPLE_ELEMENTS // (self.P * self.Q)))
+            limit = SAMPLE_ELEMENTS_HALF if half else SAMPLE_ELEMENTS
+            self.per_block = max(1, min(self.B, limit // (self.P * self.Q)))
             self.k = _fold(self.P, self.Q)
             self.inner = self.k * self.Q
 

@@ -53,6 +53,7 @@ def blocking(request, monkeypatch):
         monkeypatch.setattr(_numpy, "LARGE_BOX_BYTES", 256)
         monkeypatch.setattr(_numpy_rows, "ROW_BLOCK_BYTES", 64)
         monkeypatch.setattr(_numpy_columns, "SAMPLE_ELEMENTS", 1)
+        monkeypatch.setattr(_numpy_columns, "SAMPLE_ELEMENTS_HALF", 1)
         monkeypatch.setattr(_numpy_columns, "CF_BLOCK_BYTES", 64)
     if request.param == "one sample per box":
         monkeypatch.setattr(_numpy, "SHORT_TAIL", 1)
