@@ -8,16 +8,17 @@ in a core's L2) are read from memory once; per block::
     m = (x @ 1) / n;  d = x - m;  v = (d . d) / n            (BLAS sums; shifted two-pass)
     [c = (d @ 1) / n;  v -= c * c;  d -= c;  m += c]         (only where |m| * rstd > 1/4)
     r = 1 / sqrt(v + eps)
-    y = d * (r (x) w) + b_tile       "outer": weight along the row (layer/RMS norm)
+    y = d * r;  y *= w;  y += b      "outer": weight along the row (layer/RMS norm)
     y = d * (r * w_k) + b_k          "run": weight constant on runs of S elements (the
                                      spatial run of a channel: float16 instance/group norm)
 
 (no one-pass ``E[x^2] - E[x]^2`` anywhere; sums over more than ``SUM_RUN`` terms are added
 in float64 over runs, and the centring is redone where the first mean missed by > std/4).
 
-Every elementwise pass is same-shape or broadcasts a column (NumPy's row broadcasts are
-2-8x slower).  float16 blocks are converted by :mod:`anynorm._numpy_half`, the arithmetic
-runs in float32 in place in the converted block.
+Broadcast passes (a column ``r``, a row ``w``) run as fast as same-shape ones once NumPy's
+ufunc buffer is no longer than the rows (:func:`bufsize`, set by the executor around the
+blocked loops; at NumPy's default 8192 they were 2x slower).  float16 blocks are converted
+by :mod:`anynorm._numpy_half`, the arithmetic runs in float32 in place in the converted block.
 """
 
 from __future__ import annotations
