@@ -1,0 +1,176 @@
+"""Tiny torch CPU calls (issue 16): the per-signature runner stays exact.
+
+A repeat call of a signature goes straight to torch's kernel and a conditioning check on
+Python floats chosen once per signature ((rows, 1) and (N, groups) statistics get their own
+loops).  These tests change the data, the parameters' dtypes and NaN placement between calls
+of one signature, so that a check or a dtype decision taken once for the signature rather than
+per call would fail them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference
+
+torch = pytest.importorskip("torch")
+import anynorm  # noqa: E402
+
+F32_EPS = float(np.finfo(np.float32).eps)
+HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# (op, shape, keyword arguments): the asv small-call shapes and a few other tiny layouts
+CASES = [
+    ("layer_norm", (4, 8), {}),
+    ("layer_norm", (2, 3, 8), {}),
+    ("layer_norm", (8,), {}),
+    ("layer_norm", (4, 8), {"axis": 0}),
+    ("rms_norm", (4, 8), {}),
+    ("group_norm", (3, 30, 7, 9), {"num_groups": 5}),
+    ("instance_norm", (2, 3, 5), {}),
+]
+IDS = [f"{op} {'x'.join(map(str, shape))} {kw}" for op, shape, kw in CASES]
+
+
+def _eps(op, dtype):
+    return float(torch.finfo(dtype).eps) if op == "rms_norm" else 1e-5
+
+
+def _call(op, x, w=None, b=None, **kw):
+    kw = dict(kw)
+    if op == "group_norm":
+        return anynorm.group_norm(x, kw.pop("num_groups"), w, b, **kw)
+    if op == "rms_norm":
+        return anynorm.rms_norm(x, w, **kw)
+    return getattr(anynorm, op)(x, w, b, **kw)
+
+
+def _params(op, shape, kw, seed=3):
+    rng = np.random.default_rng(seed)
+    if op in ("layer_norm", "rms_norm"):
+        axis = kw.get("axis", -1)
+        pshape = tuple(shape[a % len(shape)] for a in sorted(
+            a % len(shape) for a in (axis if isinstance(axis, tuple) else (axis,))))
+    else:
+        pshape = (shape[1],)
+    return rng.random(pshape) + 0.5, rng.random(pshape) - 0.5
+
+
+def _offsets(shape, kind, seed):
+    """Data far from zero: one offset for all, or a different offset per leading index."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape)
+    if kind == "near":
+        return x
+    if kind == "1e4":
+        return x + 1e4
+    if kind == "1e6":
+        return x + 1e6
+    # "per slice": offsets 0, 1e2, 1e4, 1e6 (then 1e6 again) along axis 0
+    return x + (10.0 ** np.minimum(2 * np.arange(shape[0]), 6) - 1).reshape((-1,) + (1,) * (len(shape) - 1))
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["y", "stats"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op,shape,kw", CASES, ids=IDS)
+def test_repeat_calls_stay_exact_as_the_data_moves(op, shape, kw, dtype, stats):
+    """One signature, data near zero first (the check passes), then far from zero (1e4, 1e6,
+    a different offset per slice): every call exact, with and without the statistics."""
+    w64, b64 = _params(op, shape, kw)
+    w, b = torch.from_numpy(w64).to(dtype), torch.from_numpy(b64).to(dtype)
+    bias = None if op == "rms_norm" else b
+    half = dtype in HALF_ULP
+    for i, kind in enumerate(["near", "1e4", "near", "1e6", "per slice", "near"]):
+        if half and kind in ("1e4", "1e6", "per slice"):
+            # half dtypes hold no unit-scale detail at 1e4: far data with a scale to match
+            x64 = _offsets(shape, "near", i) * 8 + (300.0 if kind != "per slice" else 0.0)
+            if kind == "per slice":  # offsets 1, 16, 256, 4096 (then 4096 again)
+                x64 += (2.0 ** np.minimum(4 * np.arange(shape[0]), 12)).reshape((-1,) + (1,) * (len(shape) - 1))
+        else:
+            x64 = _offsets(shape, kind, i)
+        xt = torch.from_numpy(x64).to(dtype)
+        x_in = xt.double().numpy()  # the rounded input the reference sees
+        y_ref, mean_ref, rstd_ref = reference.forward(
+            op, x_in, w.double().numpy(), None if bias is None else bias.double().numpy(),
+            eps=_eps(op, dtype), **kw)
+        with torch.no_grad():
+            out = _call(op, xt, w, bias, return_stats=stats, **kw)
+        y = (out[0] if stats else out).double().numpy()
+        scale = np.max(np.abs(y_ref))
+        bound = 2 * HALF_ULP[dtype] * scale if half else 32 * F32_EPS * scale
+        assert np.max(np.abs(y - y_ref)) <= bound, (kind, np.max(np.abs(y - y_ref)), bound)
+        if stats:
+            rstd = out[-1]
+            assert rstd.dtype == (torch.float32 if half else dtype)
+            np.testing.assert_allclose(rstd.double().numpy(), rstd_ref, rtol=1e-5 if half else 64 * F32_EPS)
+            if mean_ref is not None:
+                far = np.max(np.abs(mean_ref))
+                assert np.max(np.abs(out[1].double().numpy() - mean_ref)) <= 8 * F32_EPS * max(far, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op,shape,kw", [c for c in CASES if c[0] != "rms_norm"],
+                         ids=[i for i, c in zip(IDS, CASES) if c[0] != "rms_norm"])
+def test_parameter_dtypes_change_between_calls(op, shape, kw, dtype):
+    """x's signature fixed, the parameters' dtypes changing call to call (float64 with float32
+    x, float32 with half x, mixed): each result as its float64 reference, far from zero."""
+    w64, b64 = _params(op, shape, kw)
+    x64 = _offsets(shape, "1e4" if dtype is torch.float32 else "near", 7)
+    if dtype is not torch.float32:
+        x64 = x64 * 8 + 300.0
+    xt = torch.from_numpy(x64).to(dtype)
+    combos = [(dtype, dtype), (torch.float64, torch.float64), (torch.float32, torch.float32),
+              (dtype, torch.float32), (torch.float32, dtype), (dtype, dtype)]
+    for wd, bd in combos:
+        w, b = torch.from_numpy(w64).to(wd), torch.from_numpy(b64).to(bd)
+        y_ref = reference.forward(op, xt.double().numpy(), w.double().numpy(), b.double().numpy(),
+                                  eps=1e-5, **kw)[0]
+        y = _call(op, xt, w, b, **kw)
+        assert y.dtype == dtype
+        scale = np.max(np.abs(y_ref))
+        bound = 2 * HALF_ULP[dtype] * scale if dtype in HALF_ULP else 32 * F32_EPS * scale
+        assert np.max(np.abs(y.double().numpy() - y_ref)) <= bound, (wd, bd)
+
+
+@pytest.mark.parametrize("nan_at", ["first", "middle"])
+@pytest.mark.parametrize("op,shape,kw", [("group_norm", (3, 30, 7, 9), {"num_groups": 5}),
+                                          ("layer_norm", (4, 8), {}),
+                                          ("layer_norm", (2, 3, 8), {})],
+                         ids=["gn (N, groups)", "ln (rows, 1)", "ln 3-d"])
+def test_nan_slice_does_not_hide_a_far_slice_in_small_calls(op, shape, kw, nan_at):
+    """The Python-float checks: a NaN slice (first or in the middle) gives NaN, and the check
+    still sees the last slice far from zero."""
+    x = np.random.default_rng(5).standard_normal(shape)
+    flat = x.reshape(shape[0], -1)
+    flat[-1] += 1e4  # the last sample: far from zero (all its slices)
+    nan_sample = 0 if nan_at == "first" else shape[0] // 2
+    flat[nan_sample, 0] = np.nan
+    xt = torch.from_numpy(x.astype(np.float32))
+    _call(op, torch.randn(shape), **kw)  # the signature's runner made on well-conditioned data
+    y = _call(op, xt, **kw).double().numpy()
+    assert np.isnan(y.reshape(shape[0], -1)[nan_sample]).any()
+    keep = [i for i in range(shape[0]) if i != nan_sample]
+    sub = x.astype(np.float32)[keep].astype(np.float64)
+    y_ref = reference.forward(op, sub, eps=1e-5, **kw)[0]
+    assert np.max(np.abs(y[keep] - y_ref)) <= 32 * F32_EPS * np.max(np.abs(y_ref))
+
+
+@pytest.mark.parametrize("op,shape,kw", [c for c in CASES if c[0] != "rms_norm"],
+                         ids=[i for i, c in zip(IDS, CASES) if c[0] != "rms_norm"])
+def test_small_call_gradients_far_from_zero(op, shape, kw):
+    """Autograd through the small-call runner at offset 1e4: dx, dweight, dbias as the float64
+    reference's backward."""
+    w64, b64 = _params(op, shape, kw)
+    x64 = _offsets(shape, "1e4", 11).astype(np.float32).astype(np.float64)
+    dy64 = np.random.default_rng(12).standard_normal(shape)
+    grads_ref = reference.backward(op, dy64, x64, w64.astype(np.float32).astype(np.float64),
+                                   eps=1e-5, **kw)
+    for _ in range(2):  # the second call is a cache hit
+        xt = torch.from_numpy(x64).float().requires_grad_(True)
+        w = torch.from_numpy(w64).float().requires_grad_(True)
+        b = torch.from_numpy(b64).float().requires_grad_(True)
+        _call(op, xt, w, b, **kw).backward(torch.from_numpy(dy64).float())
+        for got, ref, name in zip((xt.grad, w.grad, b.grad), grads_ref, ("dx", "dweight", "dbias")):
+            scale = max(np.max(np.abs(ref)), 1.0)
+            err = np.max(np.abs(got.double().numpy() - ref))
+            assert err <= 1e-4 * scale, (name, err)
