@@ -155,11 +155,42 @@ def _remember(key, value):
     return value
 
 
+def _torch_forward_key(op, x, weight, bias, residual, stats, axis, channel_axis, num_groups, eps):
+    """A forward call's key when ``x`` is a tensor of a type already signed: one flat tuple,
+    cheaper to build and hash than :func:`signature`'s nested one (its first item keeps it
+    apart from those).  None where the arguments are not :func:`_keyable`, a parameter is
+    not a tensor of a signed type (the general key then) or torch.compile traces the call."""
+    if not ((type(axis) is int or _exact_ints(axis)) and type(channel_axis) is int
+            and (num_groups is None or type(num_groups) is int)
+            and (eps is None or type(eps) is float or type(eps) is int)):
+        return None
+    types = _TORCH_TYPES
+    if ((weight is not None and type(weight) not in types)
+            or (bias is not None and type(bias) not in types)
+            or (residual is not None and type(residual) not in types) or _is_compiling()):
+        return None
+    return ("torch forward", op, _backend.get_backend(), axis, channel_axis, num_groups, eps,
+            stats, type(x), x.shape, x.stride(), x.dtype, x.device,
+            None if weight is None else (type(weight), weight.shape, weight.stride(),
+                                         weight.dtype, weight.device),
+            None if bias is None else (type(bias), bias.shape, bias.stride(), bias.dtype,
+                                       bias.device),
+            None if residual is None else (type(residual), residual.shape, residual.stride(),
+                                           residual.dtype, residual.device))
+
+
 def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_groups, eps):
     """``(plan, run)`` for a forward call: ``run(x, weight, bias, residual) -> (y, h, mean,
     rstd)`` (statistics possibly None unless ``stats``)."""
     key = None
-    if _keyable(axis, channel_axis, num_groups, eps):
+    if type(x) in _TORCH_TYPES:  # the hot case: a flat key, the tensors' attributes inline
+        key = _torch_forward_key(op, x, weight, bias, residual, stats, axis, channel_axis,
+                                 num_groups, eps)
+        if key is not None:
+            call = _CALLS.get(key)
+            if call is not None:
+                return call
+    if key is None and _keyable(axis, channel_axis, num_groups, eps):
         arrays = signature(x, weight, bias, residual)
         if arrays is not None:
             key = ("forward", op, _backend.get_backend(), axis, channel_axis, num_groups, eps,

@@ -23,6 +23,8 @@ def _forward(op, x, weight, bias, residual, return_stats, axis=-1, channel_axis=
     plan, run = forward_call(op, x, weight, bias, residual, return_stats, axis, channel_axis,
                              num_groups, eps)
     y, h, mean, rstd = run(x, weight, bias, residual)
+    if not return_stats and residual is None:  # the plain call: no tuple to build
+        return y
     out = (y,) if residual is None else (y, h)
     if return_stats:
         out += (rstd,) if op == "rms_norm" else (mean, rstd)
