@@ -12,6 +12,14 @@ issue's yardstick; ``ours`` allocates its output, whose first touch is part of i
 ``ours / (empty + copy)`` (a copy into a freshly allocated array: the same page faults as
 ours), ``ours / naive`` (the tutorial formula, ``peers.naive_numpy``), float16 / float32
 (ours), and the peak extra memory (tracemalloc) in output sizes.
+
+``--floors`` adds, per case and in the same rounds, what no NumPy executor can beat (each
+as a ratio to ``copy``): ``fresh 1 pass`` (``np.add(x, 1.0)`` into a new array: one read,
+one write by a ufunc, the output's page faults), ``minimal`` (rows cases: the fewest NumPy
+calls a two-pass layer norm with weight and bias needs, in 512 KiB blocks of rows with the
+ufunc buffer at the row length: BLAS row sums, ``x - m``, BLAS ``d . d``, ``* r``, ``* w``,
+``+ b``, no correction, no checks) and ``f16 conversions`` (float16 -> float32 -> float16 of
+the whole array in the executor's integer passes, per block: the least float16 adds).
 """
 
 from __future__ import annotations
@@ -74,7 +82,49 @@ def peak_memory(fn, nbytes):
         tracemalloc.stop()
 
 
-def measure(name, rounds, min_seconds):
+def minimal_rows(x, w, b, eps=1e-5, block_bytes=512 << 10):
+    """The fewest NumPy calls of a two-pass layer norm over the rows of a 2-d ``x``."""
+    rows, n = x.shape
+    y = np.empty_like(x)
+    ones = np.ones(n, x.dtype)
+    m, v = np.empty(rows, x.dtype), np.empty(rows, x.dtype)
+    rb = max(1, block_bytes // (n * x.itemsize))
+    with np.errstate():
+        if n < 8192:
+            np.setbufsize(max(16, n // 16 * 16))
+        for s in range(0, rows, rb):
+            xb, yb, mb, vb = x[s:s + rb], y[s:s + rb], m[s:s + rb], v[s:s + rb]
+            np.matmul(xb, ones, out=mb)
+            mb *= 1.0 / n
+            np.subtract(xb, mb[:, None], out=yb)
+            np.vecdot(yb, yb, out=vb)
+            vb *= 1.0 / n
+            vb += eps
+            np.sqrt(vb, out=vb)
+            np.divide(1.0, vb, out=vb)
+            np.multiply(yb, vb[:, None], out=yb)
+            np.multiply(yb, w, out=yb)
+            np.add(yb, b, out=yb)
+    return y
+
+
+def half_round_trip(x16, rows):
+    """float16 -> float32 -> float16 of ``x16`` (as ``(rows, -1)``) in 512 KiB blocks."""
+    from anynorm._numpy_half import float_to_half, half_to_float
+
+    x2 = x16.reshape(rows, -1)
+    y = np.empty_like(x2)
+    rb = max(1, (512 << 10) // (x2.shape[1] * 4))
+    f = np.empty((rb, x2.shape[1]), np.float32)
+    t, u = np.empty(f.shape, np.uint32), np.empty(f.shape, np.uint32)
+    for s in range(0, rows, rb):
+        k = min(rb, rows - s)
+        half_to_float(x2[s:s + k], f[:k])
+        float_to_half(f[:k], y[s:s + k], t[:k], u[:k])
+    return y
+
+
+def measure(name, rounds, min_seconds, floors=False):
     """Per-round times of each variant of case ``name``; returns a dict of lists (seconds)."""
     x, w, b, _ = numpy_inputs(name, np.dtype("float32"))
     x16, w16, b16, _ = (a.copy() for a in numpy_inputs(name, np.dtype("float16")))
@@ -88,6 +138,11 @@ def measure(name, rounds, min_seconds):
         "naive": lambda: naive_numpy(name, x, w, b),
         "ours f16": lambda: call_anynorm(anynorm, name, x16, w16, b16),
     }
+    if floors:
+        variants["fresh 1 pass"] = lambda: np.add(x, 1.0)
+        if x.ndim == 2 and w is not None and b is not None and name.startswith("ln rows"):
+            variants["minimal"] = lambda: minimal_rows(x, w, b)
+        variants["f16 conversions"] = lambda: half_round_trip(x16, x.shape[0])
     for fn in variants.values():
         fn()
     times = {k: [] for k in variants}
@@ -114,18 +169,23 @@ def main(argv=None):
     parser.add_argument("--min-seconds", type=float, default=0.15)
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
     parser.add_argument("--json")
+    parser.add_argument("--floors", action="store_true", help="also time the floors (see above)")
     args = parser.parse_args(argv)
     _numpy.NUM_THREADS = 1
     rows = {}
-    print("| case | ours ms | copy ms | ours/copy | ours/(empty+copy) | ours/naive | f16/f32 | memory f32, f16 |")
-    print("|---|---:|---:|---|---|---|---|---|")
+    extra = " fresh 1 pass/copy | minimal/copy | f16 conversions/copy |" if args.floors else ""
+    print("| case | ours ms | copy ms | ours/copy | ours/(empty+copy) | ours/naive | f16/f32 | memory f32, f16 |"
+          + extra)
+    print("|---|---:|---:|---|---|---|---|---|" + "---|" * (3 if args.floors else 0))
     for name in args.cases.split(","):
-        t = measure(name, args.rounds, args.min_seconds)
+        t = measure(name, args.rounds, args.min_seconds, args.floors)
         rows[name] = t
+        floors = "".join(f" {fmt(ratio(t, k, 'copy')) if k in t else '-'} |"
+                         for k in ("fresh 1 pass", "minimal", "f16 conversions")) if args.floors else ""
         print(f"| {name} | {statistics.median(t['ours']) * 1e3:.3f} | {statistics.median(t['copy']) * 1e3:.3f}"
               f" | {fmt(ratio(t, 'ours', 'copy'))} | {fmt(ratio(t, 'ours', 'empty+copy'))}"
               f" | {fmt(ratio(t, 'ours', 'naive'))} | {fmt(ratio(t, 'ours f16', 'ours'))}"
-              f" | {t['memory']:.2f}, {t['memory f16']:.2f} |", flush=True)
+              f" | {t['memory']:.2f}, {t['memory f16']:.2f} |" + floors, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
