@@ -54,6 +54,9 @@ SHORT_ROW = 256  # without parameters, "cl" (whole samples) below this many colu
 # block in a core's L2
 CF_BLOCK_BYTES = 2 << 20
 CF_TILES_BELOW = 384  # "cf" rows shorter than this: scale and bias as tiles
+# "cf" rows shorter than this go through the folded "cl" sweeps instead (32x384x14x14:
+# inner loops of 196 elements ran each pass at 2x the time per element)
+CF_FOLD_BELOW = 384
 CF_IN_Y = True  # "cf" blocks of whole samples centre x into y's block (no temporary)
 
 
@@ -101,6 +104,11 @@ class ColumnsForward:
         self.plan, self.half, (self.kind, lead) = plan, half, found
         self.acc = acc = np.dtype(plan.acc_dtype)
         shape = layout.shape
+        # channels-first layer norm over short rows (ConvNeXt's late stages, 14 x 14): the
+        # folded "cl" sweeps, one group per column, weight and bias as (P, Q) tiles
+        self.row_params = self.kind == "cf" and math.prod(shape[lead + 1:]) < CF_FOLD_BELOW
+        if self.row_params:
+            self.kind = "cl"
         self.B = shape[0] if lead else 1
         self.P = shape[lead]
         self.Q = math.prod(shape[lead + 1:])
@@ -131,10 +139,15 @@ class ColumnsForward:
             self.inner = self.k * self.Q
 
     def _params(self, layout, lead, arr):
-        """weight/bias as ``(P, 1)`` ("cf": one per row) or ``(Q,)`` ("cl": one per column)."""
+        """weight/bias as ``(P, 1)`` ("cf": one per row), ``(Q,)`` ("cl": one per column) or
+        a ``(P / k, k * Q)`` tile (``row_params``: the folded view of a sample)."""
         if arr is None:
             return None
         p = np.asarray(arr, dtype=self.acc).reshape(layout.param_shape[lead:])
+        if self.row_params:
+            k = _fold(self.P, self.Q)
+            tile = np.broadcast_to(p.reshape(self.P, 1), (self.P, self.Q))
+            return np.ascontiguousarray(tile).reshape(self.P // k, k * self.Q)
         if self.kind == "cf":
             return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[0], -1), (self.P, 1)))
         return np.ascontiguousarray(np.broadcast_to(p, (1,) + layout.shape[lead + 1:])).reshape(self.Q)
@@ -265,16 +278,22 @@ class ColumnsForward:
         m += c
         _rstd(v, self.plan.eps)
         scale = np.repeat(v, per_col, axis=1)  # (nb, Q)
-        if self.w is not None:
+        if self.w is not None and not self.row_params:
             scale *= self.w
         shift = np.repeat(c, per_col, axis=1) * scale
-        shift = -shift if self.b is None else np.subtract(self.b, shift, out=shift)
+        shift = -shift if self.b is None or self.row_params else np.subtract(self.b, shift, out=shift)
         scale = np.tile(scale, k)[:, None, :]
         shift = np.tile(shift, k)[:, None, :]
         for p0, p1 in chunks:
             oc = self._view(out, p0, p1)
             np.multiply(oc, scale, out=oc)
             np.add(oc, shift, out=oc)
+            if self.row_params:  # y = ((x - mean) * r) * w + b, w and b along P
+                rows = slice(p0 // k, p1 // k)
+                if self.w is not None:
+                    np.multiply(oc, self.w[rows], out=oc)
+                if self.b is not None:
+                    np.add(oc, self.b[rows], out=oc)
             if self.half:
                 size = nb * (p1 - p0) * self.Q
                 shape = out[:, p0:p1].shape
