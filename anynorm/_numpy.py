@@ -3,10 +3,13 @@
 Forward calls on C-contiguous arrays go to one of two specialised paths first:
 :mod:`anynorm._numpy_rows` (statistics over trailing axes: layer/RMS norm rows; NCHW
 instance/group norm in float16) and :mod:`anynorm._numpy_columns` (statistics over a middle
-axis: channels-first layer norm; NHWC instance/group norm in float16), in cache-sized blocks,
-with float16 converted per block by :mod:`anynorm._numpy_half`.  Everything else (float32
+axis: channels-first layer norm; NHWC instance/group norm), in cache-sized blocks, with
+float16 converted per block by :mod:`anynorm._numpy_half`.  Everything else (float32 NCHW
 instance/group norm, strided views, odd axes, backward) runs the general blocking below,
-whose float16 inputs are converted by the same routine.
+whose float16 inputs are converted by the same routine.  Every path runs its blocks with
+NumPy's ufunc buffer no longer than its inner loops (:func:`anynorm._numpy_rows.bufsize`:
+at the default 8192, broadcasting a per-row or per-channel operand over rows of 384-8191
+elements copied every operand through the buffer, at 2x the time).
 
 The view of ``x`` is cut into boxes that hold whole normalized slices (every reduced axis
 full) and fit in a core's cache (``BLOCK_BYTES`` of accumulation-dtype elements).  Per box,
