@@ -1,5 +1,5 @@
 """Row kernels on rows far from zero (offset 1e4, 1e6 in float32), run on the CPU emulator
-through ``anynorm._cuda._launch``: y (and dx) within half of torch's error on the same data.
+through ``anynorm._cuda._launcher``: y (and dx) within half of torch's error on the same data.
 
 A float32 mean near 1e6 is rounded to 1/16; forming ``x - mean`` from it puts that rounding
 into every output (torch's CPU and GPU kernels do). The row kernels take ``d = x - shift``
@@ -19,7 +19,7 @@ import test_kernels_launch_emulated as L
 from test_kernels_launch_emulated import emulated  # noqa: F401  (fixture)
 
 from anynorm import _reference
-from anynorm._cuda import _launch
+from anynorm._cuda import _launcher
 from anynorm._plan import make_plan
 
 torch = pytest.importorskip("torch")
@@ -110,7 +110,7 @@ def backward_errors(op, shape, kw, offset):
     sd = L.emu.to_device(rstd.astype(np.float32), "float32")
     dxd = L.emu.empty(x.size, "float32")
     order = tuple(range(x.ndim))
-    _launch.backward(plan, "float32", L._device(dy, order, "float32", 0), L._device(x, order, "float32", 0),
+    _launcher.backward(plan, "float32", L._device(dy, order, "float32", 0), L._device(x, order, "float32", 0),
                      None, md, sd, dxd, None, None)
     x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
     ref = _reference.backward(make_plan(op, x64, **kw), dy64, x64, None)[0]
