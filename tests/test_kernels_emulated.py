@@ -540,7 +540,8 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
                                             (dyd, xd, wd, md, rd, *ws, wsd, outer, reduced, chunk, case.p_div,
                                              case.p_len, 1, center, 0), **launch)
         kernels("rows_grad_finalize", dtype)((grid or min(_ceil(outer, BLOCK), 65535),), (BLOCK,),
-                                             (*ws, wsd, rd, *means, outer, nchunk, float(reduced)), **launch)
+                                             (*ws, wsd, md if center else None, rd, *means, outer, nchunk,
+                                              float(reduced)), **launch)
     else:  # with sum(x - mean) per (o, chunk, i): the saved mean's rounding comes out in the finalize
         ws_x = _acc_buf(outer * nchunk * inner, dtype) if center else None
         kernels("cols_grad_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)), (32, 8),
@@ -1095,7 +1096,7 @@ def _in_order(a, order):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 @pytest.mark.parametrize("op,shape,kw,order", _E2E, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in _E2E])
 def test_executor_end_to_end(launch, op, shape, kw, order, dtype):
-    """forward then backward through ``_launch`` exactly as the CUDA executor calls it."""
+    """forward then backward through ``_launcher`` exactly as the CUDA executor calls it."""
     rng = np.random.default_rng(len(shape) * 7 + shape[-1])
     A = ACC[dtype]
     x = _in_order((rng.standard_normal(shape) * 1.5 + 2).astype(dtype), order)

@@ -12,6 +12,7 @@ order with the strides the layout reads.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -110,6 +111,7 @@ def _launch_on_emulator(monkeypatch):
                             _compile.name_expression(k, dtype, items)).as_cupy())
     monkeypatch.setattr(_launcher, "device_info", lambda device: _schedule.DeviceInfo(132, SMEM_LIMIT))
     monkeypatch.setattr(_launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launcher, "_device_context", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_launcher, "_current_stream", lambda: None)
     monkeypatch.setattr(_launcher, "_scratch", lambda n: emu.empty(n, "uint8") if n else None)
     monkeypatch.setattr(_launcher, "_memo", lambda plan: {})
@@ -606,3 +608,35 @@ def test_parameters_in_the_input_dtype(emulated, case, dtype):
     op, shape, kw, order = case
     _check(op, shape, kw, dtype, order, params_in_x=True)
     _check(op, shape, kw, dtype, order, params_in_x=True, bound=True, stats=False)
+
+
+def test_one_bound_launch_per_signature(emulated, monkeypatch):
+    """``_launcher.dense_forward``/``dense_backward`` bind once per signature (as shipped:
+    kept in ``plan.memo``) and never hand a launch bound for other strides, statistics,
+    parameter dtypes or device to a call; memory in another order gets its own kernels, a
+    layout that needs copies gets None."""
+    monkeypatch.setattr(_launcher, "_memo", lambda plan: plan.memo)
+    binds = []
+    bind = _launcher.bind
+    monkeypatch.setattr(_launcher, "bind", lambda schedule: binds.append(schedule.names) or bind(schedule))
+    x = np.zeros((6, 1000), np.float32)
+    plan = make_plan("layer_norm", x, np.ones(1000, np.float32), np.ones(1000, np.float32), cache=False)
+    stats = {"w", "b", "rstd", "mean"}
+    first = _launcher.dense_forward(plan, "float32", (1000, 1), None, stats, 0, 0)
+    assert _launcher.dense_forward(plan, "float32", (1000, 1), None, set(stats), 0, 0) is first
+    assert len(binds) == 1
+    others = [_launcher.dense_forward(plan, "float32", (1000, 1), None, {"w", "b"}, 0, 0),
+              _launcher.dense_forward(plan, "float32", (1000, 1), None, stats, 3, 0),
+              _launcher.dense_forward(plan, "float32", (1000, 1), None, stats, 0, 1)]
+    assert all(o is not None and o is not first for o in others) and len(binds) == 4
+    # the same strides' schedule on another device is bound again, not shared
+    assert len({id(o) for o in others}) == 3
+    transposed = _launcher.dense_forward(plan, "float32", (1, 6), None, stats, 0, 0)  # columns in memory
+    assert transposed.names != first.names and not transposed.names[0].startswith("rows_")
+    assert _launcher.dense_forward(plan, "float32", (2000, 1), None, stats, 0, 0) is None  # every other row
+    backward = _launcher.dense_backward(plan, "float32", (1000, 1), (1000, 1), {"w", "rstd", "mean", "dw", "db"}, 0, 0, 0)
+    assert backward is _launcher.dense_backward(plan, "float32", (1000, 1), (1000, 1),
+                                                {"w", "rstd", "mean", "dw", "db"}, 0, 0, 0)
+    assert backward is not _launcher.dense_backward(plan, "float32", (1000, 1), (1000, 1),
+                                                    {"w", "rstd", "mean", "dw", "db"}, 0, 3, 0)
+    assert _launcher.dense_backward(plan, "float32", (1000, 1), (1, 6), {"w", "dw", "db"}, 0, 0, 0) is None

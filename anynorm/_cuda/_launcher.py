@@ -122,10 +122,15 @@ def bind(schedule) -> BoundLaunch:
     return BoundLaunch(schedule)
 
 
+def _device_context(device_id):
+    return cupy.cuda.Device(device_id)
+
+
 def _bind_on(device_id, schedule) -> BoundLaunch:
+    """:func:`bind` for device ``device_id`` (its compiled functions are that device's)."""
     if _current_device() == device_id:
         return bind(schedule)
-    with cupy.cuda.Device(device_id):
+    with _device_context(device_id):
         return bind(schedule)
 
 

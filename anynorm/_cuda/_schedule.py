@@ -575,8 +575,8 @@ def _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t=0
              i32(param_in_t)))
     means = _workspace((2, outer), dtype=acc)
     _step("rows_grad_finalize", dtype, (_grid_1d(outer, _BLOCK, _MAX_Y),), (_BLOCK,),
-            (ws[0], ws[1], ws[2] if plan.center else NULL, rstd, means[0], means[1], i64(outer),
-             i64(nchunk), f64(plan.count)))
+            (ws[0], ws[1], ws[2] if plan.center else NULL, _ptr(mean), rstd, means[0], means[1],
+             i64(outer), i64(nchunk), f64(plan.count)))
     _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
     return None
 
@@ -597,26 +597,27 @@ def _segmented(layout) -> bool:
 
 
 def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias, param_in_t=0):
-    """Split rows of parameter segments, with dweight/dbias: rows_grad_partial sums dy and
-    dy*xhat per (segment, chunk), unweighted; segment_grad_finalize makes of them both the
-    slices' means of g and g*xhat (the weight applied per segment) and per-segment
-    dweight/dbias partials; apply_bwd writes dx. dy and x are read twice in all (5 transfers
+    """Split rows of parameter segments, with dweight/dbias: rows_grad_partial sums dy,
+    dy*xhat and, centred, x - mean per (segment, chunk), unweighted; segment_grad_finalize
+    takes the saved mean's rounding out and makes of them both the slices' means of g and
+    g*xhat (the weight applied per segment) and per-segment dweight/dbias partials; apply_bwd writes dx. dy and x are read twice in all (5 transfers
     of x's size; the split path followed by param_grad_rows: 7). Returns (part, batch)."""
     acc = acc_dtype(dtype)
     seg, per_row = layout.p_div, layout.reduced // layout.p_div
     segs = layout.outer * per_row
     chunk, nchunk = _split(seg, min(segs, _MAX_Y), _target_blocks(), 4096, align=256)
-    ws = _workspace((2, segs * nchunk), dtype=acc)
+    ws = _workspace((3 if plan.center else 2, segs * nchunk), dtype=acc)
+    ws_x = ws[2] if plan.center else NULL
     _step("rows_grad_partial", dtype, (nchunk, min(segs, _MAX_Y)), (_BLOCK,),
-            (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], NULL, i64(segs), i64(seg), i64(chunk),
+            (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], ws_x, i64(segs), i64(seg), i64(chunk),
              i64(1), i64(1), i64(per_row), i32(plan.center), i32(0)))
     slices = layout.slices
     means = _workspace((2, slices), dtype=acc)
     part = _workspace((2, segs), dtype=acc)
     _step("segment_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
-            (ws[0], ws[1], _ptr(w), means[0], means[1], part[0], _ptr(part[1] if with_bias else None),
-             i64(slices), i64(per_row), i64(nchunk), i64(layout.p_len), f64(plan.count),
-             i32(param_in_t)))
+            (ws[0], ws[1], ws_x, _ptr(w), _ptr(mean), rstd, means[0], means[1], part[0],
+             _ptr(part[1] if with_bias else None), i64(slices), i64(per_row), i64(nchunk),
+             i64(layout.p_len), f64(plan.count), i32(param_in_t)))
     _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
     return part, layout.a_len
 
