@@ -10,7 +10,6 @@ import sys
 import threading
 
 import numpy as np
-import pytest
 
 from anynorm._cuda import _layout, _schedule  # noqa: E402  (pure: no CuPy needed)
 from anynorm._plan import make_plan  # noqa: E402
