@@ -108,7 +108,7 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
         if bound is None:
             with x.device:
                 _launcher.backward(plan, key, dy, x, w, mean, rstd, dx, dw, db, param_in_t,
-                                 grad_in_t)
+                                   grad_in_t)
         else:
             scratch = _scratch(bound)
             run_on_cupy_stream(bound, (dy.data.ptr, x.data.ptr, _ptr(w), _ptr(mean), _ptr(rstd),

@@ -112,7 +112,7 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
         ref = _interop.ref
         with _interop.on_torch_stream(x.device):
             _launcher.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(weight), ref(bias),
-                            ref(residual), ref(y), ref(h), ref(mean), ref(rstd), param_in_t)
+                              ref(residual), ref(y), ref(h), ref(mean), ref(rstd), param_in_t)
         return y, h, mean, rstd
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
@@ -169,8 +169,8 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
         ref = _interop.ref
         with _interop.on_torch_stream(x.device):
             _launcher.backward(plan, _interop.dtype_key(x.dtype), ref(dy), ref(x), ref(weight),
-                             ref(mean), ref(rstd), ref(dx), ref(dw) if param_grads else None,
-                             ref(db) if param_grads else None, param_in_t, grad_in_t)
+                               ref(mean), ref(rstd), ref(dx), ref(dw) if param_grads else None,
+                               ref(db) if param_grads else None, param_in_t, grad_in_t)
         return dx, dw, db
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
