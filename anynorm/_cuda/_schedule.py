@@ -655,6 +655,8 @@ def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias, grad_
 # ---- schedules ---------------------------------------------------------------------------
 
 def _build(scratch_index, device, schedule) -> Schedule:
+    if not isinstance(device, DeviceInfo):
+        raise TypeError(f"a schedule is computed for a DeviceInfo, got {device!r}")
     builder = _Builder(scratch_index, device)
     _building.builder = builder
     try:
