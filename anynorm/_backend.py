@@ -100,10 +100,10 @@ def on_cuda(x) -> bool:
 
 def _cuda_executor():
     try:
-        from . import _cuda
+        from ._cuda import _executor
     except ImportError:  # CuPy missing or unusable
         return None
-    return _cuda
+    return _executor
 
 
 def choose(plan, x, backend=None):

@@ -846,38 +846,47 @@ def run_timed_case(env, case):
     return row
 
 
-def private_launch_module():
-    """``anynorm._cuda._launch`` (a private module the CUDA path may rename), or None."""
+def private_cuda_module(name):
+    """``anynorm._cuda.<name>`` (a private module the CUDA path may rename), or None."""
     try:
-        return importlib.import_module("anynorm._cuda._launch")
+        return importlib.import_module(f"anynorm._cuda.{name}")
     except Exception:  # ImportError, or CuPy missing underneath
         return None
 
 
 @contextlib.contextmanager
-def launch_attribute(env, name, value, notes=None):
-    """``anynorm._cuda._launch.<name>`` set to ``value`` for the block, on CUDA (else nothing).
+def launch_attribute(env, name, value, notes=None, module="_launcher"):
+    """``anynorm._cuda.<module>.<name>`` set to ``value`` for the block, on CUDA (else
+    nothing), with nothing bound before the block reused in it (``_launcher._memo`` and the
+    call cache ``anynorm._calls``: a schedule bound earlier would not see the change).
 
     A private attribute: where it is gone (the CUDA path was rewritten) the block runs as
     shipped and ``notes`` gets a line saying so."""
-    launch = private_launch_module() if env.device == "cuda" else None
-    if launch is None or not hasattr(launch, name):
+    target = private_cuda_module(module) if env.device == "cuda" else None
+    launcher = private_cuda_module("_launcher") if env.device == "cuda" else None
+    if target is None or not hasattr(target, name) or not hasattr(launcher, "_memo"):
         if env.device == "cuda" and notes is not None:
-            notes.append(f"anynorm._cuda._launch.{name} not found: run as shipped")
+            notes.append(f"anynorm._cuda.{module}.{name} not found: run as shipped")
         yield
         return
-    shipped = getattr(launch, name)
-    setattr(launch, name, value)
+    shipped, memo = getattr(target, name), launcher._memo
+    memos = {}  # the block's own: bound once per plan in the block, as shipped code would
+    setattr(target, name, value)
+    launcher._memo = lambda plan: memos.setdefault(id(plan), {})
+    calls = importlib.import_module("anynorm._calls")
+    calls.clear()  # the call signatures' runners keep their bound launches too
     try:
         yield
     finally:
-        setattr(launch, name, shipped)
+        setattr(target, name, shipped)
+        launcher._memo = memo
+        calls.clear()
 
 
 def kernels_launched(env, names):
     """Append to ``names`` each anynorm kernel (``name<ITEMS>``) the block launches, once, on CUDA
-    (through the private ``anynorm._cuda._launch.get_kernel``; nothing where that is gone)."""
-    launch = private_launch_module() if env.device == "cuda" else None
+    (through the private ``anynorm._cuda._launcher.get_kernel``; nothing where that is gone)."""
+    launch = private_cuda_module("_launcher") if env.device == "cuda" else None
     fetch = getattr(launch, "get_kernel", None)
     if fetch is None:
         return contextlib.nullcontext()
@@ -892,9 +901,10 @@ def kernels_launched(env, names):
 
 
 def tile_caps(env, caps, notes=None):
-    """anynorm's shared-memory tile budgets (``_launch._TILE_SMEM_CAPS``) set to ``caps`` for
+    """anynorm's shared-memory tile budgets (``_schedule._TILE_SMEM_CAPS``) set to ``caps`` for
     the block; ``None`` leaves them as shipped."""
-    return contextlib.nullcontext() if caps is None else launch_attribute(env, "_TILE_SMEM_CAPS", caps, notes)
+    return (contextlib.nullcontext() if caps is None
+            else launch_attribute(env, "_TILE_SMEM_CAPS", caps, notes, module="_schedule"))
 
 
 def fractions_of_copy(times, bytes_moved, copy_bytes):

@@ -38,7 +38,7 @@ from cupy.cuda.function import CPointer  # noqa: E402
 
 import anynorm  # noqa: E402
 from anynorm import _backend  # noqa: E402
-from anynorm._cuda import _executor, _interop, _launch  # noqa: E402
+from anynorm._cuda import _executor, _interop, _launcher, _schedule  # noqa: E402
 
 
 _STUBBED = {"launches": 0, "stream lookups": 0, "device checks": 0}
@@ -70,35 +70,13 @@ def _device_now():
     return -1
 
 
-class _NoCupy:
-    class cuda:
-        class runtime:
-            getDevice = staticmethod(lambda: 0)
-
-    @staticmethod
-    def empty(shape, dtype=None):
-        return _Workspace(torch.empty(shape))
-
-
-class _Workspace:
-    """A CuPy workspace as the launcher uses it here: row by row."""
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def __getitem__(self, row):
-        return _interop.ref(self.tensor[row])
-
-
 def _stub_cuda():
     """Route CPU tensors through the CUDA executor with the GPU-only steps replaced."""
     kernel = _ConvertingKernel()
-    _launch.get_kernel = lambda *args, **kw: kernel
-    _launch._sm_count = lambda device: 132
-    _launch._smem_optin = lambda device: 227 * 1024
-    _launch.cupy = _NoCupy
+    _launcher.get_kernel = lambda *args, **kw: kernel
+    _launcher.device_info = lambda device: _schedule.DeviceInfo(132, 227 * 1024)  # an H100
+    _launcher._current_device = lambda: -1  # x.get_device() of a CPU tensor
     _interop.on_torch_stream = lambda device: contextlib.nullcontext()
-    _interop.on_device = lambda device: contextlib.nullcontext()
     _interop.torch_stream = _raw_stream
     _interop.current_device = _device_now
     _backend.on_cuda = lambda x: True

@@ -199,8 +199,7 @@ __global__ void cols_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_
         if (center && ws_x) {
             for (long long q = 0; q < nchunk; ++q)
                 for (long long k = 0; k < group; ++k) c += ws_x[first + q * inner + k];
-            c /= A(count);
-            if (!(fabs(c) <= mean_rounding<A>() * fabs(mean[s]))) c = A(0);
+            c = mean_correction(c / A(count), mean, s);
         }
         if (mean_lo) mean_lo[s] = c;
         const A cr = c * rstd[s];  // xhat's correction

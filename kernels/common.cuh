@@ -305,4 +305,13 @@ __device__ __forceinline__ void param_vec(const Param<T>& q, int p, acc_t<T> (&o
 template <typename A> __device__ __forceinline__ A mean_rounding() { return A(4) * A(1.1920928955078125e-7); }
 template <> __device__ __forceinline__ double mean_rounding<double>() { return 4 * 2.220446049250313e-16; }
 
+// The saved mean's rounding c = mean(x - mean) of slice s to take out of a backward's sums, or
+// 0 where there is no mean (RMS norm: mean null) or c is larger than a rounding (the caller's
+// mean, not this data's: used as given; also NaN, which then stays in dx through the sums).
+template <typename A>
+__device__ __forceinline__ A mean_correction(A c, const A* __restrict__ mean, long long s) {
+    if (!mean) return A(0);
+    return fabs(c) <= mean_rounding<A>() * fabs(mean[s]) ? c : A(0);
+}
+
 }  // namespace anynorm

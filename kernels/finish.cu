@@ -76,9 +76,10 @@ __global__ void rows_stats_finalize(const T* __restrict__ src, const acc_t<T>* _
 // dx = rstd * (g - (mean_g - lo * rstd * mean_gx) - (x - mean) * rstd * mean_gx).
 template <typename T>
 __global__ void rows_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>* __restrict__ ws_gx,
-                                   const acc_t<T>* __restrict__ ws_d, const acc_t<T>* __restrict__ rstd,
-                                   acc_t<T>* __restrict__ mean_g, acc_t<T>* __restrict__ mean_gx,
-                                   long long rows, long long nchunk, double count) {
+                                   const acc_t<T>* __restrict__ ws_d, const acc_t<T>* __restrict__ mean,
+                                   const acc_t<T>* __restrict__ rstd, acc_t<T>* __restrict__ mean_g,
+                                   acc_t<T>* __restrict__ mean_gx, long long rows, long long nchunk,
+                                   double count) {
     typedef acc_t<T> A;
     const A n = A(count);
     for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < rows;
@@ -89,7 +90,7 @@ __global__ void rows_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_
             sgx += ws_gx[row * nchunk + c];
             if (ws_d) sd += ws_d[row * nchunk + c];
         }
-        const A lo_r = sd / n * rstd[row];
+        const A lo_r = mean_correction(sd / n, mean, row) * rstd[row];
         const A mg = sg / n;
         const A mgx = (sgx - lo_r * sg) / n;
         mean_g[row] = mg - lo_r * mgx;
@@ -99,22 +100,31 @@ __global__ void rows_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_
 
 // Rows made of segments of one parameter each (NCHW group norm: a row holds C/G channels of
 // HW elements; instance norm: one): rows_grad_partial, run over the segments with no weight,
-// left sum(dy) and sum(dy * xhat) per (segment, chunk) at ws[k * nchunk + c]. Per slice s
-// (segments k = s * per_slice + j, parameter p = k % p_len) this writes the means of
-// g = dy * w and of g * xhat that apply_bwd takes, the weight applied once per segment, and
-// (nullable) the segment's own sums as dweight/dbias partials: part_w[k] = sum(dy * xhat),
-// part_b[k] = sum(dy) (param_grad_finish adds them up over the batch).
+// left sum(dy), sum(dy * xhat) and (ws_d, nullable) sum(x - mean) per (segment, chunk) at
+// ws[k * nchunk + c]. Per slice s (segments k = s * per_slice + j, parameter p = k % p_len)
+// this takes the saved mean's rounding lo = sum(x - mean) / count out as rows_grad_finalize
+// does (dy * xhat about the exact mean: sum(dy * xhat) - lo * rstd * sum(dy) per segment) and
+// writes the means of g = dy * w and of g * xhat that apply_bwd takes, the weight applied once
+// per segment, and (nullable) the segment's own sums as dweight/dbias partials:
+// part_w[k] = sum(dy * xhat), part_b[k] = sum(dy) (param_grad_finish adds them up over the batch).
 template <typename T>
 __global__ void segment_grad_finalize(const acc_t<T>* __restrict__ ws_g, const acc_t<T>* __restrict__ ws_gx,
-                                      const void* __restrict__ w_arg, acc_t<T>* __restrict__ mean_g,
-                                      acc_t<T>* __restrict__ mean_gx, acc_t<T>* __restrict__ part_w,
-                                      acc_t<T>* __restrict__ part_b, long long slices,
-                                      long long per_slice, long long nchunk, long long p_len,
-                                      double count, int param_in_t) {
+                                      const acc_t<T>* __restrict__ ws_d, const void* __restrict__ w_arg,
+                                      const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                                      acc_t<T>* __restrict__ mean_g, acc_t<T>* __restrict__ mean_gx,
+                                      acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
+                                      long long slices, long long per_slice, long long nchunk,
+                                      long long p_len, double count, int param_in_t) {
     const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
+    const A n = A(count);
     for (long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x; s < slices;
          s += (long long)gridDim.x * blockDim.x) {
+        A sd = A(0);
+        if (ws_d) {
+            for (long long k = s * per_slice * nchunk; k < (s + 1) * per_slice * nchunk; ++k) sd += ws_d[k];
+        }
+        const A lo_r = mean_correction(sd / n, mean, s) * rstd[s];
         A sg = A(0), sgx = A(0);
         for (long long j = 0; j < per_slice; ++j) {
             const long long k = s * per_slice + j;
@@ -123,14 +133,16 @@ __global__ void segment_grad_finalize(const acc_t<T>* __restrict__ ws_g, const a
                 dy_sum += ws_g[k * nchunk + c];
                 dyx_sum += ws_gx[k * nchunk + c];
             }
+            dyx_sum -= lo_r * dy_sum;
             if (part_w) part_w[k] = dyx_sum;
             if (part_b) part_b[k] = dy_sum;
             const A wk = weight_at(w, k % p_len);  // one division per segment
             sg += wk * dy_sum;
             sgx += wk * dyx_sum;
         }
-        mean_g[s] = sg / A(count);
-        mean_gx[s] = sgx / A(count);
+        const A mgx = sgx / n;
+        mean_g[s] = sg / n - lo_r * mgx;
+        mean_gx[s] = mgx;
     }
 }
 

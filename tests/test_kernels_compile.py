@@ -29,7 +29,7 @@ except Exception as exc:  # libnvrtc missing
 
 # sm_80 (A100) and sm_90 (H100); ANYNORM_NVRTC_ARCHES="90" narrows it for a quick run.
 ARCHES = tuple(a.strip() for a in os.environ.get("ANYNORM_NVRTC_ARCHES", "80,90").split(",") if a.strip())
-LAUNCH_SOURCE = pathlib.Path(_compile.__file__).with_name("_launch.py").read_text()
+LAUNCH_SOURCE = pathlib.Path(_compile.__file__).with_name("_schedule.py").read_text()
 JOBS = [(file, kernel, dtype, arch) for file, kernels in _compile.KERNELS.items()
         for kernel in kernels for dtype in sorted(_compile.CTYPES) for arch in ARCHES]
 
@@ -92,7 +92,7 @@ def test_keeps_everything_in_registers(results, job):
 def test_instantiation_list_is_complete():
     """Every kernel the launcher names, at every ITEMS it may pick, is in the compiled list."""
     listed = {expr for _, _, expr in _compile.instantiations()}
-    launched = set(re.findall(r'_launch\(\s*"(\w+)"', LAUNCH_SOURCE))
+    launched = set(re.findall(r'_step\(\s*"(\w+)"', LAUNCH_SOURCE))
     rows = {f"{prefix}_{kind}" for prefix in re.findall(r'_row_kernel\(\s*"(\w+)"', LAUNCH_SOURCE)
             for kind in ("warp", "block")}
     # the backward row kernels' variants that also sum dweight/dbias

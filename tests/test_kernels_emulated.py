@@ -246,6 +246,7 @@ def _private_cuda(module: str):
     fake.ascontiguousarray = np.ascontiguousarray
     fake.transpose = np.transpose
     fake.cuda = types.SimpleNamespace(Device=lambda *a: types.SimpleNamespace(id=0, attributes={}))
+    fake.RawKernel = type("RawKernel", (), {})
     tricks = types.ModuleType("cupy.lib.stride_tricks")
     tricks.as_strided = np.lib.stride_tricks.as_strided
     fake.lib = types.ModuleType("cupy.lib")
@@ -539,7 +540,8 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
                                             (dyd, xd, wd, md, rd, *ws, wsd, outer, reduced, chunk, case.p_div,
                                              case.p_len, 1, center, 0), **launch)
         kernels("rows_grad_finalize", dtype)((grid or min(_ceil(outer, BLOCK), 65535),), (BLOCK,),
-                                             (*ws, wsd, rd, *means, outer, nchunk, float(reduced)), **launch)
+                                             (*ws, wsd, md if center else None, rd, *means, outer, nchunk,
+                                              float(reduced)), **launch)
     else:  # with sum(x - mean) per (o, chunk, i): the saved mean's rounding comes out in the finalize
         ws_x = _acc_buf(outer * nchunk * inner, dtype) if center else None
         kernels("cols_grad_partial", dtype)((_ceil(inner, 32), nchunk, grid or min(outer, 65535)), (32, 8),
@@ -980,21 +982,36 @@ def test_param_grads_rms_no_bias(kernels, schedule):
     _close(dw, dw_ref, 1e-5, f"dweight of RMS {case}", scale=40.0)
 
 
-# ---- end to end: anynorm's own launch code (anynorm/_cuda/_launch.py) on the emulated kernels ----
+# ---- end to end: anynorm's own schedules and launcher (anynorm/_cuda/_schedule.py,
+# _launcher.py) on the emulated kernels ----
 
 def _load_launch(kernels):
-    """A private ``_launch`` on the emulated kernels and a small device (6 blocks target)."""
-    launch = _private_cuda("_launch")
+    """A private ``_launcher`` (and ``_schedule``) on the emulated kernels and a small
+    device (6 blocks target); buffers are NumPy arrays in shared memory."""
+    launch = _private_cuda("_launcher")
+    schedule = launch._schedule
 
     def get_kernel(kernel, dtype, items=None):
         if items is not None:  # a size not built for this dtype: the next larger one
             items = next(k for k in items_built(kernel, dtype) + _compile.items_of(kernel) if k >= items)
         return kernels(kernel, dtype, items).as_cupy()  # the launch code's argument widths checked
 
+    def buffer_arg(buf, slot):
+        """The array itself (the emulator checks its dtype), a typed view of the scratch."""
+        if buf is None or slot.dtype is None:
+            return buf
+        return buf.reshape(-1)[slot.offset:slot.offset + slot.count * slot.dtype.itemsize].view(slot.dtype)
+
     launch.get_kernel = get_kernel
-    launch._target_blocks = lambda: 6  # a small "device", so long extents really split
-    launch._tile_budgets = lambda dtype: (8 * 1024,)  # columns take tiles of a few columns
-    launch._smem_limit = lambda: 227 * 1024  # an H100's
+    launch.buffer_arg = buffer_arg
+    launch.device_info = lambda device: schedule.DeviceInfo(132, 227 * 1024)  # an H100's
+    launch._current_device = lambda: 0
+    launch._current_stream = lambda: None
+    launch._scratch = lambda n: emu.shared_empty(n, np.uint8) if n else None
+    launch._memo = lambda plan: {}  # nothing kept: other files bind other kernels for a plan
+    schedule._target_blocks = lambda: 6  # a small "device", so long extents really split
+    schedule._tile_budgets = lambda dtype: (8 * 1024,)  # columns take tiles of a few columns
+    schedule._smem_limit = lambda: 227 * 1024  # an H100's
     return launch
 
 
@@ -1079,7 +1096,7 @@ def _in_order(a, order):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 @pytest.mark.parametrize("op,shape,kw,order", _E2E, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in _E2E])
 def test_executor_end_to_end(launch, op, shape, kw, order, dtype):
-    """forward then backward through ``_launch`` exactly as the CUDA executor calls it."""
+    """forward then backward through ``_launcher`` exactly as the CUDA executor calls it."""
     rng = np.random.default_rng(len(shape) * 7 + shape[-1])
     A = ACC[dtype]
     x = _in_order((rng.standard_normal(shape) * 1.5 + 2).astype(dtype), order)

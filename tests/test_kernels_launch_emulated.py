@@ -1,21 +1,22 @@
-"""``anynorm._cuda._launch`` end to end on the CPU: the Python launch sequences (layouts,
-chunk sizes, grids, workspaces, argument order) drive the real kernels compiled by the
-emulation harness (``tests/emulation/emu_harness.py``), against the reference executor.
+"""``anynorm._cuda._schedule`` and ``_launcher`` end to end on the CPU: the launch
+schedules (layouts, chunk sizes, grids, workspaces, argument order), bound and launched,
+drive the real kernels compiled by the emulation harness (``tests/emulation/emu_harness.py``),
+against the reference executor.
 
 CuPy's allocator and kernel lookup are swapped for the harness's emulated device memory
 and modules; the device is pretended small (few blocks) so grid-stride loops, several
-chunks per row and several partial chunks per column all run. Layout copies (``_buffers``)
-need real CuPy arrays and are left to the GPU suite: the buffers here are given in memory
+chunks per row and several partial chunks per column all run. Layout copies
+(``_launcher.input_buffer``) need real CuPy arrays and are left to the GPU suite: the buffers here are given in memory
 order with the strides the layout reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
 import sys
-import types
 import zlib
 from pathlib import Path
 
@@ -23,10 +24,10 @@ import numpy as np
 import pytest
 
 pytest.importorskip("cupy", exc_type=ImportError)  # anynorm._cuda imports CuPy (no GPU needed)
-_launch = pytest.importorskip("anynorm._cuda._launch", exc_type=ImportError)
+_launcher = pytest.importorskip("anynorm._cuda._launcher", exc_type=ImportError)
 
 from anynorm import _reference  # noqa: E402
-from anynorm._cuda import _bound, _compile, _layout  # noqa: E402
+from anynorm._cuda import _compile, _interop, _layout, _schedule  # noqa: E402
 from anynorm._plan import make_plan  # noqa: E402
 
 _HERE = Path(__file__).resolve().parent
@@ -72,50 +73,70 @@ def _row_view(parent, start, n):
     return v
 
 
-class _Workspace:
-    """``cupy.empty((k, n))``: rows usable as kernel pointers."""
+def _typed_view(parent, offset, dtype, count):
+    """``count`` elements of ``dtype`` at byte ``offset`` of an emulated scratch buffer."""
+    v = emu.DeviceArray.__new__(emu.DeviceArray)
+    name = np.dtype(dtype).name
+    v.shape, v.dtype, v.size = (count,), name, count
+    v.array = parent.array.reshape(-1)[offset:offset + count * np.dtype(dtype).itemsize].view(dtype)
+    v.nbytes = count * np.dtype(dtype).itemsize
+    v.ptr = parent.ptr + offset
+    v.guard_damage = parent.guard_damage
+    return v
 
-    def __init__(self, shape, dtype):
-        self.rows, self.n = shape
-        self.dev = emu.empty(self.rows * self.n, np.dtype(dtype).name)
 
-    def __getitem__(self, i):
-        return _row_view(self.dev, i * self.n, self.n)
+_buffer_arg = _launcher.buffer_arg
 
 
-def _empty(shape, dtype):
-    if isinstance(shape, tuple):
-        return _Workspace(shape, dtype)
-    return emu.empty(int(shape), np.dtype(dtype).name)
+def _emulated_arg(buf, slot):
+    """A slot's kernel argument on the emulated device: the DeviceArray itself (the emulator
+    checks its dtype and canaries), a typed view of the scratch for a workspace, a tensor's
+    address for a TensorRef."""
+    if buf is None:
+        return None
+    if type(buf) is _interop.TensorRef:
+        return _buffer_arg(buf, slot)
+    if slot.dtype is None:
+        assert slot.offset == 0
+        return buf
+    return _typed_view(buf, slot.offset, slot.dtype, slot.count)
+
+
+def _launch_on_emulator(monkeypatch):
+    """``_launcher`` on the emulated kernels: a small device (6 blocks target, a tile budget
+    of TILE_BUDGET), scratch in emulated memory, nothing bound kept between calls (the
+    tests patch the schedule's decisions)."""
+    monkeypatch.setattr(_launcher, "get_kernel",
+                        lambda k, dtype, items=None: _module(dtype).get_function(
+                            _compile.name_expression(k, dtype, items)).as_cupy())
+    monkeypatch.setattr(_launcher, "device_info", lambda device: _schedule.DeviceInfo(132, SMEM_LIMIT))
+    monkeypatch.setattr(_launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launcher, "_device_context", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_launcher, "_current_stream", lambda: None)
+    monkeypatch.setattr(_launcher, "_scratch", lambda n: emu.empty(n, "uint8") if n else None)
+    monkeypatch.setattr(_launcher, "_memo", lambda plan: {})
+    monkeypatch.setattr(_launcher, "buffer_arg", _emulated_arg)
+    monkeypatch.setattr(_schedule, "_target_blocks", lambda: 6)
+    monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
+    monkeypatch.setattr(_schedule, "_smem_limit", lambda: SMEM_LIMIT)
 
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(_launch, "cupy", types.SimpleNamespace(empty=_empty))
-    monkeypatch.setattr(_launch, "get_kernel",
-                        lambda k, dtype, items=None: _module(dtype).get_function(
-                            _compile.name_expression(k, dtype, items)).as_cupy())
-    monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
-    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
-    monkeypatch.setattr(_launch, "_smem_limit", lambda: SMEM_LIMIT)
-    monkeypatch.setattr(_launch, "_buffers", types.SimpleNamespace(
-        element_strides=lambda a: a.elem_strides, input_buffer=lambda p, l, a: a,
-        output_buffer=lambda p, l, a: a, store=lambda p, l, b, o: None))
+    _launch_on_emulator(monkeypatch)
+    monkeypatch.setattr(_launcher, "element_strides", lambda a: a.elem_strides)
+    monkeypatch.setattr(_launcher, "input_buffer", lambda p, l, a: a)
+    monkeypatch.setattr(_launcher, "output_buffer", lambda p, l, a: a)
+    monkeypatch.setattr(_launcher, "store", lambda p, l, b, o: None)
 
 
 @pytest.fixture
 def emulated_torch(monkeypatch):
-    """As ``emulated``, with the real ``_buffers``: arrays arrive as ``_interop.TensorRef`` of
-    torch CPU tensors over emulated memory, as CUDA tensors arrive from the custom ops."""
+    """As ``emulated``, with the real buffer functions: arrays arrive as
+    ``_interop.TensorRef`` of torch CPU tensors over emulated memory, as CUDA tensors arrive
+    from the custom ops."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(_launch, "cupy", types.SimpleNamespace(empty=_empty))
-    monkeypatch.setattr(_launch, "get_kernel",
-                        lambda k, dtype, items=None: _module(dtype).get_function(
-                            _compile.name_expression(k, dtype, items)).as_cupy())
-    monkeypatch.setattr(_launch, "_target_blocks", lambda: 6)
-    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
-    monkeypatch.setattr(_launch, "_smem_limit", lambda: SMEM_LIMIT)
-    from anynorm._cuda import _interop
+    _launch_on_emulator(monkeypatch)
 
     def as_ref(d, shape=None, order=None):
         """A TensorRef of a torch tensor over ``d``'s memory, logical ``shape``, memory ``order``."""
@@ -159,38 +180,46 @@ def _assert_scaled(got, want, rtol, what):
     assert err <= rtol * max(1.0, float(np.abs(want).max(initial=0))), (what, err)
 
 
-def _replay(record, plan, dtype, layout, names, buffers, pin, *extra):
-    """Record a schedule (``_bound``) for the buffers given (``names`` -> DeviceArray or None)
-    and replay it with their addresses, as the hot path does."""
+def _replay(schedule, plan, dtype, layout, names, buffers, pin, *extra):
+    """Compute a schedule for the buffers given (``names`` -> DeviceArray or None), bind it
+    (``_launcher``) and launch it with their addresses, as the hot path does."""
     present = {name for name, d in zip(names, buffers) if d is not None}
-    bound = record(plan, dtype, layout, present, pin, *extra)
+    bound = _launcher.bind(schedule(plan, dtype, layout, present, pin, *extra))
     scratch = emu.empty(max(1, bound.scratch_bytes), "uint8") if bound.scratch_bytes else None
     ptrs = [0 if d is None else d.ptr for d in buffers] + [0 if scratch is None else scratch.ptr]
     bound.run(ptrs, None)
     return bound
 
 
+def _schedule_forward(plan, dtype, layout, present, pin):
+    return _schedule.schedule_forward(plan, dtype, layout, present, pin, _launcher.device_info(0))
+
+
+def _schedule_backward(plan, dtype, layout, present, pin, gin):
+    return _schedule.schedule_backward(plan, dtype, layout, present, pin, _launcher.device_info(0), gin)
+
+
 def _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, md, sd, pin=0):
     if not bound:
-        _launch.forward(plan, dtype, xd, wd, bd, rd, yd, hd, md, sd, pin)
+        _launcher.forward(plan, dtype, xd, wd, bd, rd, yd, hd, md, sd, pin)
         return
     layout = _layout.plan_layout(plan, xd.elem_strides)
-    _replay(_bound.record_forward, plan, dtype, layout, _bound.FORWARD_SLOTS[:-1],
+    _replay(_schedule_forward, plan, dtype, layout, _schedule.FORWARD_SLOTS[:-1],
             (xd, rd, hd, yd, wd, bd, md, sd), pin)
 
 
 def _backward(bound, plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin=0, gin=0):
     if not bound:
-        _launch.backward(plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin & 1, gin)
+        _launcher.backward(plan, dtype, dyd, xd, wd, md, sd, dxd, dwd, dbd, pin & 1, gin)
         return
     layout = _layout.plan_layout(plan, xd.elem_strides, plan.has_weight or dwd is not None)
-    _replay(_bound.record_backward, plan, dtype, layout, _bound.BACKWARD_SLOTS[:-1],
+    _replay(_schedule_backward, plan, dtype, layout, _schedule.BACKWARD_SLOTS[:-1],
             (dyd, xd, wd, md, sd, dxd, dwd, dbd), pin & 1, gin)
 
 
 
 def forward_float32(op, x, kw):
-    """``(plan, xd, md, sd, y)``: ``_launch.forward`` of the C-contiguous float32 ``x`` without
+    """``(plan, xd, md, sd, y)``: ``_launcher.forward`` of the C-contiguous float32 ``x`` without
     parameters, its device buffers (mean ``md`` None for RMS norm) and ``y`` on the host."""
     plan = make_plan(op, x, **kw)
     xd = _device(x, tuple(range(x.ndim)), "float32", 0)
@@ -198,7 +227,7 @@ def forward_float32(op, x, kw):
     n = math.prod(plan.stats_shape)
     md = emu.empty(n, "float32") if plan.center else None
     sd = emu.empty(n, "float32")
-    _launch.forward(plan, "float32", xd, None, None, None, yd, None, md, sd)
+    _launcher.forward(plan, "float32", xd, None, None, None, yd, None, md, sd)
     return plan, xd, md, sd, yd.get_float().reshape(x.shape)
 
 
@@ -208,9 +237,9 @@ SEED = int(os.environ.get("ANYNORM_EMU_SEED", "0"))
 
 def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True, as_ref=None,
            bound=False, stats=True, params_in_x=False):
-    """Run forward and backward through ``_launch`` against the reference; with ``as_ref``,
+    """Run forward and backward through ``_launcher`` against the reference; with ``as_ref``,
     every buffer is handed over as a torch TensorRef (``emulated_torch``); with ``bound``, the
-    schedules are recorded once and replayed on the buffers' addresses (``_bound``), the
+    schedules are bound once and launched on the buffers' addresses (``_launcher.bind``), the
     forward without statistics unless ``stats``; with ``params_in_x`` the weight and bias are
     stored in x's dtype (``param_in_t``), not the accumulation dtype, and take their
     gradients in it (``grad_in_t``)."""
@@ -341,7 +370,7 @@ def test_launch_fused_residual(emulated, dtype, shape, offset):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_launch_columns_split_path(emulated, monkeypatch, dtype):
     """Columns through cols.cu + finish.cu, as when no tile fits in shared memory."""
-    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (0,))
+    monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (0,))
     names = _record_launches(monkeypatch)
     _check("layer_norm", (3, 70, 33), {"axis": 1}, dtype)
     _check("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, dtype, residual=True)
@@ -361,14 +390,14 @@ def test_launch_columns_split_path(emulated, monkeypatch, dtype):
 def test_launch_tile_past_default_shared_memory(emulated, monkeypatch):
     """A 62.5 KiB tile: the kernel is opted in before the launch (the emulator, like a GPU,
     refuses more than 48 KiB of dynamic shared memory otherwise)."""
-    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (64 * 1024,))
-    monkeypatch.setattr(_launch, "_target_blocks", lambda: 2)  # 2 blocks of all 16 columns suffice
-    monkeypatch.setattr(_launch, "_smem_allowed", {})
+    monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (64 * 1024,))
+    monkeypatch.setattr(_schedule, "_target_blocks", lambda: 2)  # 2 blocks of all 16 columns suffice
+    monkeypatch.setattr(_launcher, "_smem_allowed", {})
     names = _record_launches(monkeypatch)
     _check("layer_norm", (2, 1000, 4, 4), {"axis": 1}, "float32")
     assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names
     assert not {"cols_stats_partial", "cols_grad_partial", "param_grad_rows", "param_grad_cols"} & names
-    assert max(smem for _, smem in _launch._smem_allowed.values()) == 1000 * 16 * 4
+    assert max(smem for _, smem in _launcher._smem_allowed.values()) == 1000 * 16 * 4
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -376,14 +405,14 @@ def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
     """A reduced axis too long for the first budget takes a tile of the second (the device's
     whole opt-in limit on a GPU) when that gives a block per SM, else the split path."""
     # 600 rows of one 32-byte sector: 19 KiB a tile, past the first budget
-    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (6 * 1024, 80 * 1024))
+    monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (6 * 1024, 80 * 1024))
     names = _record_launches(monkeypatch)
     _check("instance_norm", (4, 30, 20, 16), {"channel_axis": -1}, dtype)
     assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names
     assert not {"cols_stats_partial", "cols_grad_partial"} & names
 
     # a "device" of 32 SMs: 4 samples x 4 tiles of 16 bytes (2 for bfloat16) are too few blocks
-    monkeypatch.setattr(_launch, "_target_blocks", lambda: 32 * _launch._BLOCKS_PER_SM)
+    monkeypatch.setattr(_schedule, "_target_blocks", lambda: 32 * _schedule._BLOCKS_PER_SM)
     names.clear()
     _check("instance_norm", (4, 30, 20, 16), {"channel_axis": -1}, dtype)
     assert {"cols_stats_partial", "cols_grad_partial"} <= names
@@ -417,8 +446,8 @@ def test_launch_row_backward_sums_params_on_the_way(emulated, monkeypatch, dtype
 
 def _multi_team(count, dtype):
     """rows_fwd_multi's team for ``count`` (one 16-byte vector a thread), or None past its block."""
-    team = 1 << (-(-count // _launch._VECTOR[dtype]) - 1).bit_length()
-    return team if team <= _launch._MULTI_BLOCK else None
+    team = 1 << (-(-count // _schedule._VECTOR[dtype]) - 1).bit_length()
+    return team if team <= _schedule._MULTI_BLOCK else None
 
 
 # (rows, count): one row (M=1); fewer rows than a block's teams; odd and not whole vectors
@@ -454,8 +483,8 @@ def test_launch_rows_with_a_parameter_per_row_skip_the_multi_kernel(emulated, mo
     names = _record_launches(monkeypatch)
     plan = make_plan("instance_norm", np.zeros((2, 3, 4, 5)), np.ones(3), np.zeros(3), channel_axis=1)
     layout = _layout.plan_layout(plan, (60, 20, 5, 1))
-    assert _launch._multi_rows(layout, "float32", True) is None
-    assert _launch._multi_rows(layout, "float32", False) is not None
+    assert _schedule._multi_rows(layout, "float32", True) is None
+    assert _schedule._multi_rows(layout, "float32", False) is not None
     _check("instance_norm", (2, 3, 4, 5), {"channel_axis": 1}, "float32")
     assert "rows_fwd_warp" in names
 
@@ -497,8 +526,8 @@ def test_launch_long_rows_of_segments(emulated, monkeypatch, dtype):
 
 def _record_launches(monkeypatch):
     """The set of kernel names the launcher fetches from now on."""
-    names, fetch = set(), _launch.get_kernel
-    monkeypatch.setattr(_launch, "get_kernel", lambda k, dtype, items=None: names.add(k) or fetch(k, dtype, items))
+    names, fetch = set(), _launcher.get_kernel
+    monkeypatch.setattr(_launcher, "get_kernel", lambda k, dtype, items=None: names.add(k) or fetch(k, dtype, items))
     return names
 
 
@@ -517,8 +546,8 @@ def test_launch_with_torch_tensor_refs(emulated_torch, case, dtype):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bound_schedules_replay(emulated, case, dtype):
-    """The hot path: each schedule recorded once with placeholder buffers (``_bound``), then
-    replayed with the buffers' addresses and one scratch allocation; the forward also without
+    """The hot path: each schedule computed and bound once (``_launcher.bind``), then
+    launched with the buffers' addresses and one scratch allocation; the forward also without
     statistics (inference writes y only, whichever kernel path the shape takes)."""
     op, shape, kw, order = case
     _check(op, shape, kw, dtype, order, bound=True, stats=False)
@@ -530,7 +559,7 @@ def test_bound_schedule_matches_eager_launches(emulated, monkeypatch):
     """A recorded schedule holds the same kernels, grids, blocks and shared memory as the
     eager launcher, and its workspaces fit in its scratch at 256-byte boundaries."""
     calls = []
-    fetch = _launch.get_kernel
+    fetch = _launcher.get_kernel
 
     class Spy:
         """The kernel, noting each launch as the GPU would see it."""
@@ -550,7 +579,7 @@ def test_bound_schedule_matches_eager_launches(emulated, monkeypatch):
         def max_dynamic_shared_size_bytes(self, n):
             self.function.max_dynamic_shared_size_bytes = n
 
-    monkeypatch.setattr(_launch, "get_kernel", lambda k, dtype, items=None: Spy(k, fetch(k, dtype, items)))
+    monkeypatch.setattr(_launcher, "get_kernel", lambda k, dtype, items=None: Spy(k, fetch(k, dtype, items)))
     for op, shape, kw, _ in CASES:
         calls.clear()
         _check(op, shape, kw, "float32")
@@ -561,14 +590,14 @@ def test_bound_schedule_matches_eager_launches(emulated, monkeypatch):
     x = np.zeros((2, 17000), np.float32)
     plan = make_plan("layer_norm", x)
     layout = _layout.plan_layout(plan, (17000, 1))
-    bound = _bound.schedule_forward(plan, "float32", layout, {"rstd", "mean"})
+    bound = _schedule_forward(plan, "float32", layout, {"rstd", "mean"}, 0)
     assert bound.names == ("rows_stats_partial", "rows_stats_finalize", "rows_apply_fwd")
     # one workspace of partial sums (3 rows), 256-byte aligned
-    assert bound.scratch_bytes % _bound.ALIGN == 0 and bound.scratch_bytes >= _bound.ALIGN
-    offsets = [off for step in bound.steps for _, index, off in step.slots if index == 8]
+    assert bound.scratch_bytes % _schedule.ALIGN == 0 and bound.scratch_bytes >= _schedule.ALIGN
+    offsets = [slot.offset for step in bound.steps for _, slot in step.slots if slot.index == 8]
     assert offsets and max(offsets) < bound.scratch_bytes
-    inference = _bound.schedule_forward(plan, "float32", layout, set())  # stats in scratch then
-    assert inference.scratch_bytes == bound.scratch_bytes + 2 * _bound.ALIGN
+    inference = _schedule_forward(plan, "float32", layout, set(), 0)  # stats in scratch then
+    assert inference.scratch_bytes == bound.scratch_bytes + 2 * _schedule.ALIGN
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}")
@@ -579,3 +608,35 @@ def test_parameters_in_the_input_dtype(emulated, case, dtype):
     op, shape, kw, order = case
     _check(op, shape, kw, dtype, order, params_in_x=True)
     _check(op, shape, kw, dtype, order, params_in_x=True, bound=True, stats=False)
+
+
+def test_one_bound_launch_per_signature(emulated, monkeypatch):
+    """``_launcher.dense_forward``/``dense_backward`` bind once per signature (as shipped:
+    kept in ``plan.memo``) and never hand a launch bound for other strides, statistics,
+    parameter dtypes or device to a call; memory in another order gets its own kernels, a
+    layout that needs copies gets None."""
+    monkeypatch.setattr(_launcher, "_memo", lambda plan: plan.memo)
+    binds = []
+    bind = _launcher.bind
+    monkeypatch.setattr(_launcher, "bind", lambda schedule: binds.append(schedule.names) or bind(schedule))
+    x = np.zeros((6, 1000), np.float32)
+    plan = make_plan("layer_norm", x, np.ones(1000, np.float32), np.ones(1000, np.float32), cache=False)
+    stats = {"w", "b", "rstd", "mean"}
+    first = _launcher.dense_forward(plan, "float32", (1000, 1), None, stats, 0, 0)
+    assert _launcher.dense_forward(plan, "float32", (1000, 1), None, set(stats), 0, 0) is first
+    assert len(binds) == 1
+    others = [_launcher.dense_forward(plan, "float32", (1000, 1), None, {"w", "b"}, 0, 0),
+              _launcher.dense_forward(plan, "float32", (1000, 1), None, stats, 3, 0),
+              _launcher.dense_forward(plan, "float32", (1000, 1), None, stats, 0, 1)]
+    assert all(o is not None and o is not first for o in others) and len(binds) == 4
+    # the same strides' schedule on another device is bound again, not shared
+    assert len({id(o) for o in others}) == 3
+    transposed = _launcher.dense_forward(plan, "float32", (1, 6), None, stats, 0, 0)  # columns in memory
+    assert transposed.names != first.names and not transposed.names[0].startswith("rows_")
+    assert _launcher.dense_forward(plan, "float32", (2000, 1), None, stats, 0, 0) is None  # every other row
+    backward = _launcher.dense_backward(plan, "float32", (1000, 1), (1000, 1), {"w", "rstd", "mean", "dw", "db"}, 0, 0, 0)
+    assert backward is _launcher.dense_backward(plan, "float32", (1000, 1), (1000, 1),
+                                                {"w", "rstd", "mean", "dw", "db"}, 0, 0, 0)
+    assert backward is not _launcher.dense_backward(plan, "float32", (1000, 1), (1000, 1),
+                                                    {"w", "rstd", "mean", "dw", "db"}, 0, 3, 0)
+    assert _launcher.dense_backward(plan, "float32", (1000, 1), (1, 6), {"w", "dw", "db"}, 0, 0, 0) is None

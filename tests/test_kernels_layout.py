@@ -24,7 +24,7 @@ from anynorm._plan import make_plan  # noqa: E402
 
 def _buffer(plan, layout, arr):
     """The kernel buffer of ``arr``: its own memory when laid out as the buffer (as
-    ``_buffers.input_buffer`` decides), else one copy in layout order."""
+    ``_launcher.input_buffer`` decides), else one copy in layout order."""
     if _is_buffer(plan, layout, arr):
         return np.lib.stride_tricks.as_strided(arr, shape=(arr.size,), strides=(arr.itemsize,))
     assert layout.copy or arr is not _buffer.x, "x itself must never need a copy in a zero-copy layout"
@@ -187,7 +187,7 @@ def test_canonical_order_is_always_rows():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_launch = pytest.importorskip("anynorm._cuda._launch", exc_type=ImportError)
+from anynorm._cuda import _schedule  # noqa: E402  (pure: no CuPy needed)
 
 
 @settings(max_examples=300, deadline=None)
@@ -197,7 +197,7 @@ _launch = pytest.importorskip("anynorm._cuda._launch", exc_type=ImportError)
 def test_tile_width_fits_and_covers_whole_statistics(outer, reduced, per_group, group, itemsize, copies,
                                                        budget, target):
     inner = per_group * group
-    width = _launch.tile_width(outer, reduced, inner, group, itemsize, copies, budget, target)
+    width = _schedule.tile_width(outer, reduced, inner, group, itemsize, copies, budget, target)
     fit = min(budget // (copies * reduced * itemsize), 256)
     if width is None:  # nothing fits: not all of inner, no sector-wide tile, no 16-byte vectors
         vector = math.lcm(group, 16 // itemsize)
@@ -219,7 +219,7 @@ def test_tile_width_fits_and_covers_whole_statistics(outer, reduced, per_group, 
 ])
 def test_tile_width_examples(shape, dtype_size, copies, want):
     outer, reduced, inner = shape
-    got = _launch.tile_width(outer, reduced, inner, 1, dtype_size, copies, 64 * 1024, 4 * 132)
+    got = _schedule.tile_width(outer, reduced, inner, 1, dtype_size, copies, 64 * 1024, 4 * 132)
     assert got == want
 
 
@@ -238,13 +238,13 @@ def test_tile_width_examples(shape, dtype_size, copies, want):
 def test_tile_tiers_on_h100(monkeypatch, shape, dtype, copies, want):
     """``_tile`` with an H100's budgets: 52 KiB first (4 blocks per SM), then its 227 KiB
     opt-in limit."""
-    monkeypatch.setattr(_launch, "_smem_limit", lambda: 232448)
-    monkeypatch.setattr(_launch, "_target_blocks", lambda: _launch._BLOCKS_PER_SM * 132)
-    assert _launch._tile_budgets("float32")[0] == (232448 + 1024) // 4 - 1024 - _launch._tile_static_smem("float32")
+    monkeypatch.setattr(_schedule, "_smem_limit", lambda: 232448)
+    monkeypatch.setattr(_schedule, "_target_blocks", lambda: _schedule._BLOCKS_PER_SM * 132)
+    assert _schedule._tile_budgets("float32")[0] == (232448 + 1024) // 4 - 1024 - _schedule._tile_static_smem("float32")
     outer, reduced, inner = shape
     layout = _layout.Layout(order=(0, 1, 2), copy=False, outer=outer, reduced=reduced, inner=inner,
                             group=1, p_div=1, p_len=inner)
-    got = _launch._tile(layout, dtype, copies)
+    got = _schedule._tile(layout, dtype, copies)
     if want is None:
         assert got is None
     else:

@@ -1,5 +1,5 @@
 """NaN/Inf semantics of the kernel paths, run on the CPU emulator through
-``anynorm._cuda._launch``: a NaN or Inf in a slice makes that whole slice's y (and dx) NaN
+``anynorm._cuda._schedule`` and ``_launcher``: a NaN or Inf in a slice makes that whole slice's y (and dx) NaN
 and no other slice's. The first GPU run found RMS norm over axes (0, 2) of (3, 4, 5)
 leaving the rest of the poisoned slice finite (``test_nan_stays_in_its_row[cupy-rms_norm
 (3, 4, 5)[axis=(0, 2)]]``): that layout is columns with groups of 5, served by
@@ -16,7 +16,7 @@ import test_kernels_launch_emulated as L
 from test_kernels_launch_emulated import emulated  # noqa: F401  (fixture)
 
 from anynorm import _reference
-from anynorm._cuda import _launch
+from anynorm._cuda import _launcher, _schedule
 from anynorm._plan import make_plan
 
 # (op, shape, kwargs, the kernel that must serve the forward, tile budget or None)
@@ -74,7 +74,7 @@ MATRIX = [pytest.param(c, bad, id=f"{i}-{bad}") for c, i in zip(CASES, IDS) for 
 def test_nan_poisons_its_slice_only(emulated, monkeypatch, case, bad):  # noqa: F811
     op, shape, kw, path, budget = case
     if budget is not None:
-        monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (budget,))
+        monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (budget,))
     names = L._record_launches(monkeypatch)
     x = _poisoned(shape, bad)
     _, _, _, _, y = L.forward_float32(op, x, kw)
@@ -91,13 +91,13 @@ def test_nan_poisons_its_slice_only(emulated, monkeypatch, case, bad):  # noqa: 
 def test_nan_poisons_its_slice_only_in_the_backward(emulated, monkeypatch, case):  # noqa: F811
     op, shape, kw, path, budget = case
     if budget is not None:
-        monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (budget,))
+        monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (budget,))
     x = _poisoned(shape, np.nan)
     dy = np.random.default_rng(16).standard_normal(shape).astype(np.float32)
     plan, xd, md, sd, _ = L.forward_float32(op, x, kw)
     dxd = L.emu.empty(x.size, "float32")
-    _launch.backward(plan, "float32", L._device(dy, tuple(range(x.ndim)), "float32", 0), xd, None, md, sd,
-                     dxd, None, None)
+    _launcher.backward(plan, "float32", L._device(dy, tuple(range(x.ndim)), "float32", 0), xd, None, md, sd,
+                       dxd, None, None)
     x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
     with np.errstate(invalid="ignore"):
         ref = _reference.backward(make_plan(op, x64, **kw), dy64, x64, None)[0]

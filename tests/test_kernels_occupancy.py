@@ -2,7 +2,7 @@
 
 ptxas's resource report (NVRTC with CuPy's options and ``--ptxas-options=-v``, as
 ``test_kernels_compile.py``) gives each instantiation's registers and static shared memory;
-the launch schedules ``_launch`` records for an H100 (``_bound``, as ``test_schedules.py``)
+the launch schedules ``_schedule`` computes for an H100 (as ``test_schedules.py``)
 give the block size and dynamic shared memory each one runs with. Per SM (sm_90)::
 
     warps/block  = ceil(threads / 32)
@@ -32,7 +32,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy", exc_type=ImportError)
 try:
-    from anynorm._cuda import _bound, _compile, _launch, _layout
+    from anynorm._cuda import _compile, _layout, _schedule
     cupy.cuda.nvrtc.getVersion()
 except Exception as exc:  # CuPy without NVRTC, or anynorm._cuda unusable
     pytest.skip(f"NVRTC or anynorm._cuda unavailable: {exc}", allow_module_level=True)
@@ -53,7 +53,7 @@ TARGETS = {
 }
 SM90 = {"regs": 65536, "reg_unit": 256, "warps": 64, "blocks": 32, "smem": 228 * 1024,
         "smem_reserved": 1024, "smem_unit": 128}
-H100 = _launch.DeviceInfo(sm_count=132, smem_optin=227 * 1024)
+H100 = _schedule.DeviceInfo(sm_count=132, smem_optin=227 * 1024)
 TUNED = ("float16", "bfloat16", "float32")
 # Row lengths across every boundary of the launcher's choices (warp/block ITEMS, the split path).
 COUNTS = (1, 8, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 768, 1024, 1025, 2048, 2049, 4096, 4097,
@@ -96,10 +96,10 @@ def launch_configs():
                 if not fwd.rows:
                     continue
                 schedules = [
-                    _bound.schedule_forward(plan, dtype, fwd, {"w", "b", "mean", "rstd"}, device=H100),
-                    _bound.schedule_forward(plan, dtype, fwd, {"w", "b"}, device=H100),
-                    _bound.schedule_backward(plan, dtype, bwd, {"w", "mean", "rstd", "dw", "db"}, device=H100),
-                    _bound.schedule_backward(plan, dtype, bwd, {"mean", "rstd"}, device=H100),
+                    _schedule.schedule_forward(plan, dtype, fwd, {"w", "b", "mean", "rstd"}, device=H100),
+                    _schedule.schedule_forward(plan, dtype, fwd, {"w", "b"}, device=H100),
+                    _schedule.schedule_backward(plan, dtype, bwd, {"w", "mean", "rstd", "dw", "db"}, device=H100),
+                    _schedule.schedule_backward(plan, dtype, bwd, {"mean", "rstd"}, device=H100),
                 ]
                 for schedule in schedules:
                     for step in schedule.steps:

@@ -1,5 +1,5 @@
 """Row kernels on rows far from zero (offset 1e4, 1e6 in float32), run on the CPU emulator
-through ``anynorm._cuda._launch``: y (and dx) within half of torch's error on the same data.
+through ``anynorm._cuda._launcher``: y (and dx) within half of torch's error on the same data.
 
 A float32 mean near 1e6 is rounded to 1/16; forming ``x - mean`` from it puts that rounding
 into every output (torch's CPU and GPU kernels do). The row kernels take ``d = x - shift``
@@ -19,7 +19,7 @@ import test_kernels_launch_emulated as L
 from test_kernels_launch_emulated import emulated  # noqa: F401  (fixture)
 
 from anynorm import _reference
-from anynorm._cuda import _launch
+from anynorm._cuda import _launcher
 from anynorm._plan import make_plan
 
 torch = pytest.importorskip("torch")
@@ -110,7 +110,7 @@ def backward_errors(op, shape, kw, offset):
     sd = L.emu.to_device(rstd.astype(np.float32), "float32")
     dxd = L.emu.empty(x.size, "float32")
     order = tuple(range(x.ndim))
-    _launch.backward(plan, "float32", L._device(dy, order, "float32", 0), L._device(x, order, "float32", 0),
+    _launcher.backward(plan, "float32", L._device(dy, order, "float32", 0), L._device(x, order, "float32", 0),
                      None, md, sd, dxd, None, None)
     x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
     ref = _reference.backward(make_plan(op, x64, **kw), dy64, x64, None)[0]
@@ -129,3 +129,52 @@ def test_offset_rows_backward_half_of_torchs_error(emulated, monkeypatch, case, 
     print(f"{op}{shape} at {offset:g}: dx error {ours:.3g}, torch's {theirs:.3g}")
     assert path in names, names
     assert ours <= max(0.5 * theirs, FLOOR), f"{op}{shape} at {offset:g}: dx error {ours:.3g}, torch's {theirs:.3g}"
+
+
+# NCHW rows past 16384 elements made of per-channel segments: rows_grad_partial per segment
+# -> segment_grad_finalize (dx's means and the dweight/dbias partials) -> apply_bwd
+SEGMENT_CASES = [("group_norm", (2, 6, 90, 70), {"channel_axis": 1, "num_groups": 2}),
+                 ("instance_norm", (2, 2, 130, 131), {"channel_axis": 1})]
+
+
+def _torch_param_backward(op, x, w, b, dy, kw):
+    t, tw, tb = (torch.from_numpy(a).requires_grad_(True) for a in (x, w, b))
+    if op == "group_norm":
+        y = F.group_norm(t, kw["num_groups"], tw, tb, eps=1e-5)
+    else:
+        y = F.instance_norm(t, weight=tw, bias=tb, eps=1e-5)
+    y.backward(torch.from_numpy(dy))
+    return t.grad.numpy().astype(np.float64), tw.grad.numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}" for c in SEGMENT_CASES])
+def test_offset_segments_backward_half_of_torchs_error(emulated, monkeypatch, case, offset):  # noqa: F811
+    """dx and dweight of the segmented split backward about the exact mean: the saved mean's
+    rounding, mean(x - mean) over the slice's segments, is taken out (segment_grad_finalize)."""
+    op, shape, kw = case
+    names = L._record_launches(monkeypatch)
+    x = _data(shape, offset)
+    rng = np.random.default_rng(13)
+    dy = (rng.standard_normal(shape) + 0.5).astype(np.float32)
+    w = (1.0 + 0.5 * rng.standard_normal(shape[1])).astype(np.float32)
+    b = (0.5 * rng.standard_normal(shape[1])).astype(np.float32)
+    _, _, mean, rstd = _ours_forward(op, x, kw)
+    md, sd = (L.emu.to_device(a.astype(np.float32), "float32") for a in (mean, rstd))
+    dxd, dwd, dbd = L.emu.empty(x.size, "float32"), L.emu.empty(w.size, "float32"), L.emu.empty(w.size, "float32")
+    order = tuple(range(x.ndim))
+    _launcher.backward(make_plan(op, x, w, **kw), "float32", L._device(dy, order, "float32", 0),
+                       L._device(x, order, "float32", 0), L.emu.to_device(w, "float32"), md, sd, dxd, dwd, dbd)
+    assert "segment_grad_finalize" in names, names
+    x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), w.astype(np.float64)
+    rdx, rdw, rdb = _reference.backward(make_plan(op, x64, w64, **kw), dy64, x64, w64)
+    tdx, tdw = _torch_param_backward(op, x, w, b, dy, kw)
+    ours_dx = float(np.abs(dxd.get_float().reshape(shape) - rdx).max())
+    ours_dw = float(np.abs(dwd.get_float() - rdw).max())
+    theirs_dx, theirs_dw = float(np.abs(tdx - rdx).max()), float(np.abs(tdw - rdw).max())
+    print(f"{op}{shape} at {offset:g}: dx {ours_dx:.3g} (torch {theirs_dx:.3g}), "
+          f"dweight {ours_dw:.3g} (torch {theirs_dw:.3g})")
+    assert ours_dx <= max(0.5 * theirs_dx, FLOOR), (ours_dx, theirs_dx)
+    # dweight sums ~1e4 float32 terms per channel: a few ulps of their magnitudes' sum
+    assert ours_dw <= max(0.5 * theirs_dw, 1e-4 * float(np.abs(rdw).max() + 1)), (ours_dw, theirs_dw)
+    np.testing.assert_allclose(dbd.get_float(), rdb, rtol=1e-5, atol=1e-3)

@@ -3,7 +3,7 @@
 CPU stand-ins (the reference executor) are registered for ``anynorm::forward`` and
 ``anynorm::backward``, so schemas, fake kernels, the autograd formula (weight, bias,
 residual), ``torch.library.opcheck`` and ``torch.compile`` are exercised here; the CUDA
-kernels behind the same ops are checked by ``tests/gpu``. Also: ``anynorm._cuda`` imports
+kernels behind the same ops are checked by ``tests/gpu``. Also: ``anynorm._cuda._executor`` imports
 without a GPU, raises ImportError without CuPy, and ``unsupported`` answers instead of raising.
 """
 
@@ -227,7 +227,7 @@ def test_compiles_fullgraph_with_backward():
 
 
 def test_unsupported_answers_without_raising():
-    import anynorm._cuda as cuda
+    from anynorm._cuda import _executor as cuda
 
     x = np.zeros((2, 3), np.float32)
     reason = cuda.unsupported(make_plan("layer_norm", x), x)
@@ -236,7 +236,7 @@ def test_unsupported_answers_without_raising():
 
 def test_import_without_cupy_raises_import_error():
     code = ("import sys; sys.modules['cupy'] = None\n"
-            "try:\n    import anynorm._cuda\nexcept ImportError as e:\n    print('ImportError', e)\n")
+            "try:\n    import anynorm._cuda._executor\nexcept ImportError as e:\n    print('ImportError', e)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=str(__import__("pathlib").Path(anynorm.__file__).parents[1]))
     assert run.stdout.startswith("ImportError"), run.stdout + run.stderr

@@ -1,20 +1,21 @@
-"""Launch schedules as data (``anynorm._cuda._bound``), computed for a described device
+"""Launch schedules as data (``anynorm._cuda._schedule``), computed for a described device
 (``DeviceInfo``) without a GPU: which kernels a call launches, with what grid and scratch,
 and that nothing but the call's signature and the device goes into them."""
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
 import threading
 
 import numpy as np
-import pytest
 
-pytest.importorskip("cupy", exc_type=ImportError)  # anynorm._cuda imports CuPy (no GPU needed)
-from anynorm._cuda import _bound, _launch, _layout  # noqa: E402
+from anynorm._cuda import _layout, _schedule  # noqa: E402  (pure: no CuPy needed)
 from anynorm._plan import make_plan  # noqa: E402
 
-H100 = _launch.DeviceInfo(sm_count=132, smem_optin=227 * 1024)
-SMALL = _launch.DeviceInfo(sm_count=16, smem_optin=48 * 1024)
+H100 = _schedule.DeviceInfo(sm_count=132, smem_optin=227 * 1024)
+SMALL = _schedule.DeviceInfo(sm_count=16, smem_optin=48 * 1024)
 STATS = {"mean", "rstd"}
 
 
@@ -27,12 +28,12 @@ def _plan(op, shape, **kw):
 
 def _forward(plan, present, dtype="bfloat16", device=H100):
     layout = _layout.plan_layout(plan, _strides(plan.shape))
-    return _bound.schedule_forward(plan, dtype, layout, present, device=device)
+    return _schedule.schedule_forward(plan, dtype, layout, present, device=device)
 
 
 def _backward(plan, present, dtype="bfloat16", device=H100):
     layout = _layout.plan_layout(plan, _strides(plan.shape), True)
-    return _bound.schedule_backward(plan, dtype, layout, present, device=device)
+    return _schedule.schedule_backward(plan, dtype, layout, present, device=device)
 
 
 def _strides(shape):
@@ -53,9 +54,9 @@ def test_transformer_rows_are_one_kernel_each_way():
         assert schedule.names == ("rows_fwd_multi",) and schedule.scratch_bytes == 0
         assert schedule.steps[0].block == (256,) and schedule.steps[0].items == 8
     inference, training = _forward(plan, {"w", "b"}), _forward(plan, {"w", "b"} | STATS)
-    mean_slot, rstd_slot = _bound.FORWARD_SLOTS.index("mean"), _bound.FORWARD_SLOTS.index("rstd")
-    assert not {i for _, i, _ in inference.steps[0].slots} & {mean_slot, rstd_slot}
-    assert {mean_slot, rstd_slot} <= {i for _, i, _ in training.steps[0].slots}
+    mean_slot, rstd_slot = _schedule.FORWARD_SLOTS.index("mean"), _schedule.FORWARD_SLOTS.index("rstd")
+    assert not {slot.index for _, slot in inference.steps[0].slots} & {mean_slot, rstd_slot}
+    assert {mean_slot, rstd_slot} <= {slot.index for _, slot in training.steps[0].slots}
     backward = _backward(plan, {"w", "rstd", "mean", "dw", "db"})
     assert backward.names == ("rows_bwd_block_params", "param_grad_finish")
     short = _plan("layer_norm", (64, 256))  # warps, the sums in registers
@@ -75,11 +76,11 @@ def test_long_rows_split_with_workspaces_in_scratch():
     assert with_stats.names == ("rows_stats_partial", "rows_stats_finalize", "rows_apply_fwd")
     inference = _forward(plan, {"w", "b"})
     # the statistics rows_apply_fwd reads live in scratch when the caller wants none
-    assert inference.scratch_bytes == with_stats.scratch_bytes + 2 * _bound.ALIGN
-    scratch = _bound.FORWARD_SLOTS.index("scratch")
+    assert inference.scratch_bytes == with_stats.scratch_bytes + 2 * _schedule.ALIGN
+    scratch = _schedule.FORWARD_SLOTS.index("scratch")
     for step in inference.steps:
-        for _, index, offset in step.slots:
-            assert index != scratch or offset < inference.scratch_bytes
+        for _, slot in step.slots:
+            assert slot.index != scratch or slot.offset < inference.scratch_bytes
 
 
 def test_the_device_decides_grids_not_kernels():
@@ -92,21 +93,26 @@ def test_the_device_decides_grids_not_kernels():
 def test_parameter_dtype_flag_is_in_the_template():
     plan = _plan("layer_norm", (64, 768))
     layout = _layout.plan_layout(plan, (768, 1))
-    plain = _bound.schedule_forward(plan, "bfloat16", layout, {"w", "b"}, 0, H100)
-    in_x = _bound.schedule_forward(plan, "bfloat16", layout, {"w", "b"}, 3, H100)
+    plain = _schedule.schedule_forward(plan, "bfloat16", layout, {"w", "b"}, 0, H100)
+    in_x = _schedule.schedule_forward(plan, "bfloat16", layout, {"w", "b"}, 3, H100)
     unhold = lambda a: int(np.asarray(a.value if hasattr(a, "value") else a))  # noqa: E731
     assert unhold(plain.steps[0].template[-1]) == 0 and unhold(in_x.steps[0].template[-1]) == 3
 
 
+def _as_data(schedule):
+    return [(s.name, s.grid, s.block, s.smem, s.template,
+             [(position, slot.index, slot.offset) for position, slot in s.slots]) for s in schedule.steps]
+
+
 def test_schedules_are_the_same_from_8_threads():
     plan = _plan("layer_norm", (4, 100_000))
-    want = [(s.name, s.grid, s.block, s.smem, s.slots) for s in _forward(plan, {"w"}).steps]
+    want = _as_data(_forward(plan, {"w"}))
     got, barrier = [], threading.Barrier(8)
 
     def work():
         barrier.wait()
         for _ in range(20):
-            got.append([(s.name, s.grid, s.block, s.smem, s.slots) for s in _forward(plan, {"w"}).steps])
+            got.append(_as_data(_forward(plan, {"w"})))
 
     threads = [threading.Thread(target=work) for _ in range(8)]
     for t in threads:
@@ -114,3 +120,20 @@ def test_schedules_are_the_same_from_8_threads():
     for t in threads:
         t.join()
     assert len(got) == 160 and all(g == want for g in got)
+
+
+def test_schedules_need_no_cupy():
+    """``_layout`` and ``_schedule`` import and compute without CuPy (a process where
+    ``import cupy`` fails), while the executor refuses to import."""
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "import numpy as np\n"
+            "from anynorm._cuda import _layout, _schedule\n"
+            "from anynorm._plan import make_plan\n"
+            "plan = make_plan('layer_norm', np.zeros((64, 768), np.float32))\n"
+            "layout = _layout.plan_layout(plan, (768, 1))\n"
+            "s = _schedule.schedule_forward(plan, 'bfloat16', layout, set(), 0, _schedule.DeviceInfo(132, 232448))\n"
+            "print(s.names, 'cupy' in sys.modules and sys.modules['cupy'] is not None)\n"
+            "try:\n    import anynorm._cuda._executor\nexcept ImportError:\n    print('executor: ImportError')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(pathlib.Path(__file__).resolve().parents[1]))
+    assert run.stdout.splitlines() == ["('rows_fwd_multi',) False", "executor: ImportError"], run.stdout + run.stderr

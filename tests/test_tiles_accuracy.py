@@ -144,7 +144,7 @@ CHUNK = 40  # rows per chunk of the split forward: 3 to 5 chunks per column here
 
 
 def run_split_forward(split, case, x, w, b):
-    """cols_stats_partial -> stats_finalize -> cols_apply_fwd, as _launch._split_columns."""
+    """cols_stats_partial -> stats_finalize -> cols_apply_fwd, as _schedule._split_columns."""
     nchunk = _ceil(case.reduced, CHUNK)
     slices = case.outer * case.inner // case.group
     ws = [emu.empty(case.outer * nchunk * case.inner, "float32") for _ in range(3)]
@@ -252,14 +252,14 @@ def _torch_grads(op, x, w, b, dy, kw):
 
 def split_backward_errors(monkeypatch, op, shape, kw, offset):
     """(ours, torch's) max |dx - exact| and max |dweight - exact| on float32 data offset by
-    ``offset``, through ``_launch`` with no tile (the split forward's statistics, then the
+    ``offset``, through ``_launcher`` with no tile (the split forward's statistics, then the
     split backward); exact: float64 from the same float32 data."""
     import test_kernels_launch_emulated as L
     from anynorm import _reference
-    from anynorm._cuda import _launch
+    from anynorm._cuda import _launcher, _schedule
     from anynorm._plan import make_plan
 
-    monkeypatch.setattr(_launch, "_tile_budgets", lambda dtype: (0,))
+    monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (0,))
     names = L._record_launches(monkeypatch)
     rng = np.random.default_rng(zlib.crc32(repr((op, shape, offset)).encode()))
     x = (offset + rng.standard_normal(shape)).astype(np.float32)
@@ -273,11 +273,11 @@ def split_backward_errors(monkeypatch, op, shape, kw, offset):
     n = int(np.prod(plan.stats_shape))
     md, sd, yd = L.emu.empty(n, "float32"), L.emu.empty(n, "float32"), L.emu.empty(x.size, "float32")
     wd, bd = L.emu.to_device(w.reshape(-1), "float32"), L.emu.to_device(b.reshape(-1), "float32")
-    _launch.forward(plan, "float32", xd, wd, bd, None, yd, None, md, sd)
+    _launcher.forward(plan, "float32", xd, wd, bd, None, yd, None, md, sd)
     dxd = L.emu.empty(x.size, "float32")
     dwd, dbd = L.emu.empty(w.size, "float32"), L.emu.empty(w.size, "float32")
     bplan = make_plan(op, x, w, **kw)
-    _launch.backward(bplan, "float32", dyd, xd, wd, md, sd, dxd, dwd, dbd)
+    _launcher.backward(bplan, "float32", dyd, xd, wd, md, sd, dxd, dwd, dbd)
     x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), w.astype(np.float64)
     rdx, rdw, _ = _reference.backward(make_plan(op, x64, w64, **kw), dy64, x64, w64)
     tdx, tdw = _torch_grads(op, x, w, b, dy, kw)

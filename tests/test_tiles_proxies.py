@@ -33,7 +33,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy", exc_type=ImportError)
 try:
-    from anynorm._cuda import _compile, _launch
+    from anynorm._cuda import _compile, _schedule
     from anynorm._cuda._sources import read_source
 except ImportError as exc:  # CuPy present but unusable
     pytest.skip(f"anynorm._cuda cannot be imported: {exc}", allow_module_level=True)
@@ -49,10 +49,10 @@ TUNED = ("float16", "bfloat16", "float32")
 OCCUPANCY = {"cols_fwd_tile": 50.0, "cols_stats_partial": 50.0, "cols_apply_fwd": 50.0,
              "cols_bwd_tile": 37.5, "cols_grad_partial": 37.5, "cols_grad_finalize": 37.5,
              "cols_param_grad_rows": 37.5}
-# Threads per block, as _launch.py launches them.
-THREADS = {"cols_fwd_tile": _launch._TILE_THREADS, "cols_bwd_tile": _launch._TILE_THREADS,
+# Threads per block, as _schedule.py launches them.
+THREADS = {"cols_fwd_tile": _schedule._TILE_THREADS, "cols_bwd_tile": _schedule._TILE_THREADS,
            "cols_stats_partial": 32 * 8, "cols_grad_partial": 32 * 8, "cols_apply_fwd": 32 * 8,
-           "cols_grad_finalize": _launch._BLOCK, "cols_param_grad_rows": 32 * 8}
+           "cols_grad_finalize": _schedule._BLOCK, "cols_param_grad_rows": 32 * 8}
 
 
 class SM90:
@@ -112,12 +112,12 @@ def _dynamic_smem(kernel, dtype):
     an H100 (tiles: the budget that keeps 4 blocks per SM; split kernels: none)."""
     if kernel not in ("cols_fwd_tile", "cols_bwd_tile"):
         return 0
-    saved = _launch._smem_limit
-    _launch._smem_limit = lambda: SM90.optin
+    saved = _schedule._smem_limit
+    _schedule._smem_limit = lambda: SM90.optin
     try:
-        return _launch._tile_budgets(dtype)[0]
+        return _schedule._tile_budgets(dtype)[0]
     finally:
-        _launch._smem_limit = saved
+        _schedule._smem_limit = saved
 
 
 def occupancy_table(reports):
@@ -152,7 +152,7 @@ def test_tile_budget_keeps_four_blocks():
     """The first tile budget on an H100 leaves room for 4 blocks (static smem included)."""
     for dtype in TUNED:
         dynamic = _dynamic_smem("cols_fwd_tile", dtype)
-        static = _launch._tile_static_smem(dtype)
+        static = _schedule._tile_static_smem(dtype)
         assert 4 * (dynamic + static + SM90.smem_reserved) <= SM90.smem
         assert dynamic >= 48 * 1024
 

@@ -1,21 +1,28 @@
 """The CUDA executor: ``kernels/*.cu`` compiled by CuPy (NVRTC), for CuPy arrays and CUDA
-torch tensors.
+torch tensors. Its modules, by life cycle:
 
-``unsupported(plan, x)`` -> None or the reason the kernels cannot take the call;
-``forward(plan, x, weight, bias, residual, stats=True)`` -> ``(y, h, mean, rstd)`` (with
-``stats=False`` the statistics may be None: inference writes y only);
-``backward(plan, dy, x, weight, mean, rstd)`` -> ``(dx, dweight, dbias)``;
-``forward_runner(plan, x, stats)`` -> ``run(x, weight, bias, residual)``: ``forward`` for one
-call signature (``anynorm._calls`` keeps it), which keeps what the signature fixes.
-
-Importing needs CuPy only (no GPU); without a usable CuPy it raises ImportError.
+* ``_layout``: a plan and x's strides -> the kernels' (outer, reduced, inner) factorization;
+* ``_schedule``: which kernels a call launches, with which grid, block, shared memory and
+  workspaces, as data computed from a ``DeviceInfo`` (pure: no CuPy, no device);
+* ``_sources``, ``_compile``, ``_args``: the kernel sources, their NVRTC instantiations, the
+  launch arguments in CuPy's form;
+* ``_launcher``: a schedule bound to compiled kernels, launched per call on new pointers
+  (copies around it where x's memory is not the layout's buffer);
+* ``_interop``: torch tensors and streams as the launcher takes them;
+* ``_cupy_exec`` and ``_torch_ops``: the executors for CuPy arrays and for torch tensors
+  (custom ops, autograd), which keep one bound launch per call signature;
+* ``_executor``: the entry points ``unsupported``, ``forward``, ``backward`` and
+  ``forward_runner``; importing it needs CuPy (no GPU) and raises ImportError without a
+  usable CuPy. This package itself imports nothing, so ``_layout`` and ``_schedule`` work
+  without CuPy.
 """
 
-try:
-    import cupy  # noqa: F401
-except Exception as exc:  # CuPy missing, or present but broken (wrong CUDA wheel, ...)
-    raise ImportError(f"anynorm's CUDA kernels need CuPy: {type(exc).__name__}: {exc}") from exc
-
-from ._executor import backward, forward, forward_runner, unsupported
-
 __all__ = ["forward", "backward", "forward_runner", "unsupported"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from . import _executor
+
+        return getattr(_executor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

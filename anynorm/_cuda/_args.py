@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - other CuPy versions convert NumPy scal
 
     _address = np.uint64
 
-__all__ = ["i64", "i32", "f64", "address", "NULL"]
+__all__ = ["i64", "i32", "f64", "address", "NULL", "kernel_arg"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -50,3 +50,15 @@ def address(pointer: int) -> object:
 
 
 NULL = address(0)
+
+
+_HOLDERS = {np.int64: i64, np.int32: i32, np.float64: f64}
+
+
+def kernel_arg(value) -> object:
+    """A schedule's constant (``_schedule``: a NumPy scalar of the parameter's width, None for
+    a null pointer) as the launch takes it."""
+    if value is None:
+        return NULL
+    hold = _HOLDERS.get(type(value))
+    return value if hold is None else hold(value.item())

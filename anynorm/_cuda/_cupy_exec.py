@@ -2,8 +2,8 @@
 
 Outputs follow ``x``'s memory layout (``cupy.empty_like``); statistics are contiguous in the
 public statistics shape, float32 for float16/bfloat16 inputs (float64 for float64). Where
-the buffers need no copies, a call replays the schedule recorded for its signature
-(``_bound``); otherwise ``_launch`` runs with its copies.
+the buffers need no copies, a call launches the schedule bound for its signature
+(``_launcher.dense_forward``); otherwise ``_launcher.forward`` copies around it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import math
 
 import cupy
 
-from . import _bound, _buffers, _launch, _layout
+from . import _launcher
+from ._schedule import acc_dtype
 from ._interop import dtype_key, run_on_cupy_stream
 
 __all__ = ["forward", "backward"]
@@ -35,45 +36,17 @@ def _scratch(bound):
 
 
 def _bound_forward(plan, x, residual, weight, bias, stats, param_in_t):
-    key = ("bound-forward", x.strides, None if residual is None else residual.strides,
-           weight is not None, bias is not None, stats, x.data.device_id, param_in_t)
-    try:
-        return plan.memo[key]
-    except KeyError:
-        pass
-    bound = None
-    layout = _layout.plan_layout(plan, _buffers.element_strides(x))
-    if not layout.copy and (residual is None or _buffers.is_buffer(plan, layout, residual)):
-        present = {name for name, a in (("res", residual), ("h", residual), ("w", weight),
-                                        ("b", bias)) if a is not None}
-        if stats:
-            present |= {"rstd", "mean"} if plan.center else {"rstd"}
-        with x.device:
-            bound = _bound.record_forward(plan, dtype_key(x.dtype), layout, present, param_in_t)
-    plan.memo[key] = bound
-    return bound
+    return _launcher.dense_forward(
+        plan, dtype_key(x.dtype), _launcher.element_strides(x),
+        None if residual is None else _launcher.element_strides(residual),
+        _launcher.forward_present(plan, residual, weight, bias, stats), param_in_t, x.data.device_id)
 
 
 def _bound_backward(plan, x, dy, weight, has_stats, param_grads, param_in_t, grad_in_t):
-    key = ("bound-backward", x.strides, dy.strides, weight is not None, has_stats, param_grads,
-           x.data.device_id, param_in_t, grad_in_t)
-    try:
-        return plan.memo[key]
-    except KeyError:
-        pass
-    bound = None
-    layout = _layout.plan_layout(plan, _buffers.element_strides(x), plan.has_weight or param_grads)
-    if not layout.copy and _buffers.is_buffer(plan, layout, dy):
-        present = {"w"} if weight is not None else set()
-        if has_stats:
-            present |= {"rstd", "mean"} if plan.center else {"rstd"}
-        if param_grads:
-            present |= {"dw", "db"}
-        with x.device:
-            bound = _bound.record_backward(plan, dtype_key(x.dtype), layout, present, param_in_t,
-                                           grad_in_t)
-    plan.memo[key] = bound
-    return bound
+    return _launcher.dense_backward(
+        plan, dtype_key(x.dtype), _launcher.element_strides(x), _launcher.element_strides(dy),
+        _launcher.backward_present(plan, weight, has_stats, param_grads), param_in_t, grad_in_t,
+        x.data.device_id)
 
 
 def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=None):
@@ -82,7 +55,7 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=Non
     dict kept per call signature (``_executor.forward_runner``), where the bound launch the
     first call finds is kept when the parameters need no conversion."""
     key = dtype_key(x.dtype)
-    acc = _launch.acc_dtype(key)
+    acc = acc_dtype(key)
     y = cupy.empty_like(x)
     h = cupy.empty_like(x) if residual is not None else None
     mean = rstd = None
@@ -94,7 +67,7 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=Non
     bound = None if site is None else site.get(stats)
     if bound is None:
         given_weight, given_bias = weight, bias
-        weight, bias, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight, bias)
+        weight, bias, param_in_t = _launcher.kernel_params(x.dtype, acc, _param, weight, bias)
         bound = _bound_forward(plan, x, residual, weight, bias, stats, param_in_t)
         if (site is not None and bound is not None and weight is given_weight
                 and bias is given_bias):
@@ -104,7 +77,7 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=Non
             mean = cupy.empty(plan.stats_shape, dtype=acc) if plan.center else None
             rstd = cupy.empty(plan.stats_shape, dtype=acc)
         with x.device:
-            _launch.forward(plan, key, x, weight, bias, residual, y, h, mean, rstd, param_in_t)
+            _launcher.forward(plan, key, x, weight, bias, residual, y, h, mean, rstd, param_in_t)
         return y, h, mean, rstd
     scratch = _scratch(bound)
     run_on_cupy_stream(bound, (x.data.ptr, _ptr(residual), _ptr(h), y.data.ptr, _ptr(weight),
@@ -115,7 +88,7 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=Non
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """``(dx, dweight, dbias)`` with dweight/dbias in weight's dtype (None without weight)."""
     key = dtype_key(x.dtype)
-    acc = _launch.acc_dtype(key)
+    acc = acc_dtype(key)
     dx = cupy.empty_like(x)
     dw = db = None
     # a half weight of x's dtype takes its gradients in that dtype, written by the kernel
@@ -129,13 +102,13 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
         rstd = _param(rstd, acc)
         mean = _param(mean, acc) if plan.center and rstd is not None else None
         dy = dy.astype(x.dtype, copy=False)
-        w, _, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight)
+        w, _, param_in_t = _launcher.kernel_params(x.dtype, acc, _param, weight)
         bound = _bound_backward(plan, x, dy, w, rstd is not None, dw is not None, param_in_t,
                                 grad_in_t)
         if bound is None:
             with x.device:
-                _launch.backward(plan, key, dy, x, w, mean, rstd, dx, dw, db, param_in_t,
-                                 grad_in_t)
+                _launcher.backward(plan, key, dy, x, w, mean, rstd, dx, dw, db, param_in_t,
+                                   grad_in_t)
         else:
             scratch = _scratch(bound)
             run_on_cupy_stream(bound, (dy.data.ptr, x.data.ptr, _ptr(w), _ptr(mean), _ptr(rstd),

@@ -3,6 +3,8 @@
 CuPy arrays run directly on CuPy's current stream; CUDA torch tensors go through the
 ``anynorm::forward`` / ``anynorm::backward`` custom ops (autograd, torch.compile) on torch's
 current stream.
+
+Importing this module needs CuPy only (no GPU); without a usable CuPy it raises ImportError.
 """
 
 from __future__ import annotations
@@ -10,6 +12,11 @@ from __future__ import annotations
 import functools
 
 import array_api_compat
+
+try:
+    import cupy  # noqa: F401
+except Exception as exc:  # CuPy missing, or present but broken (wrong CUDA wheel, ...)
+    raise ImportError(f"anynorm's CUDA kernels need CuPy: {type(exc).__name__}: {exc}") from exc
 
 from . import _cupy_exec
 from ._interop import dtype_key

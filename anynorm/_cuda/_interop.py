@@ -17,7 +17,7 @@ import numpy as np
 
 from ._args import address
 
-__all__ = ["TensorRef", "ref", "as_cupy", "to_cupy", "on_torch_stream", "dtype_key", "on_device",
+__all__ = ["TensorRef", "ref", "as_cupy", "to_cupy", "on_torch_stream", "dtype_key",
            "cupy_stream", "torch_stream", "current_device", "run_on_torch_stream", "run_on_cupy_stream"]
 
 _KEYS = ("float16", "bfloat16", "float32", "float64")
@@ -166,15 +166,8 @@ def cupy_stream(pointer: int, device: int):
     return stream
 
 
-@contextlib.contextmanager
-def on_device(device: int):
-    """``device`` as CuPy's (and the runtime's) current device, for compiling and recording."""
-    with cupy.cuda.Device(device):
-        yield
-
-
 def run_on_torch_stream(bound, ptrs, device: int) -> None:
-    """Launch a ``_bound.BoundLaunch`` on torch's current stream of ``device``; the current
+    """Launch a ``_launcher.BoundLaunch`` on torch's current stream of ``device``; the current
     device is switched only when it is another one."""
     stream = cupy_stream(torch_stream(device), device)
     if current_device() == device:
@@ -185,7 +178,7 @@ def run_on_torch_stream(bound, ptrs, device: int) -> None:
 
 
 def run_on_cupy_stream(bound, ptrs, device: int) -> None:
-    """Launch a ``_bound.BoundLaunch`` on CuPy's current stream (of ``device``)."""
+    """Launch a ``_launcher.BoundLaunch`` on CuPy's current stream (of ``device``)."""
     if current_device() == device:
         bound.run(ptrs, cupy.cuda.get_current_stream())
     else:

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import _bound, _buffers, _interop, _launch, _layout
+from . import _interop, _launcher
 from .._plan import namespace_of, plan_for
 
 __all__ = ["forward", "backward", "RUNNERS"]
@@ -100,7 +100,7 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
         bound, device = kept
     else:
         given_weight, given_bias = weight, bias
-        weight, bias, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight, bias)
+        weight, bias, param_in_t = _launcher.kernel_params(x.dtype, acc, _param, weight, bias)
         device = x.get_device()
         bound = _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t)
         if (site is not None and bound is not None and weight is given_weight
@@ -111,8 +111,8 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
             mean, rstd = _forward_outputs(x, None, plan.stats_shape, plan.center)[2:]
         ref = _interop.ref
         with _interop.on_torch_stream(x.device):
-            _launch.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(weight), ref(bias),
-                            ref(residual), ref(y), ref(h), ref(mean), ref(rstd), param_in_t)
+            _launcher.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(weight), ref(bias),
+                              ref(residual), ref(y), ref(h), ref(mean), ref(rstd), param_in_t)
         return y, h, mean, rstd
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
@@ -159,7 +159,7 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
         bound, device = kept
     else:
         given_weight = weight
-        weight, _, param_in_t = _launch.kernel_params(x.dtype, acc, _param, weight)
+        weight, _, param_in_t = _launcher.kernel_params(x.dtype, acc, _param, weight)
         device = x.get_device()
         bound = _bound_backward(plan, x, dy, weight, rstd is not None, bool(param_grads), device,
                                 param_in_t, grad_in_t)
@@ -168,9 +168,9 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
     if bound is None:
         ref = _interop.ref
         with _interop.on_torch_stream(x.device):
-            _launch.backward(plan, _interop.dtype_key(x.dtype), ref(dy), ref(x), ref(weight),
-                             ref(mean), ref(rstd), ref(dx), ref(dw) if param_grads else None,
-                             ref(db) if param_grads else None, param_in_t, grad_in_t)
+            _launcher.backward(plan, _interop.dtype_key(x.dtype), ref(dy), ref(x), ref(weight),
+                               ref(mean), ref(rstd), ref(dx), ref(dw) if param_grads else None,
+                               ref(db) if param_grads else None, param_in_t, grad_in_t)
         return dx, dw, db
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
@@ -192,52 +192,20 @@ def _scratch(bound, x):
 
 
 def _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t):
-    """The recorded forward schedule for this signature, or None where the layout needs
-    copies (worked out once per plan and strides; ``_bound``)."""
-    key = ("bound-forward", x.stride(), None if residual is None else residual.stride(),
-           weight is not None, bias is not None, stats, device, param_in_t)
-    try:
-        return plan.memo[key]
-    except KeyError:
-        pass
-    bound = None
-    layout = _layout.plan_layout(plan, key[1])
-    ref = _interop.ref
-    if not layout.copy and (residual is None or _buffers.is_buffer(plan, layout, ref(residual))):
-        present = {name for name, t in (("res", residual), ("h", residual), ("w", weight),
-                                        ("b", bias)) if t is not None}
-        if stats:
-            present |= {"rstd", "mean"} if plan.center else {"rstd"}
-        with _interop.on_device(device):
-            bound = _bound.record_forward(plan, _interop.dtype_key(x.dtype), layout, present,
-                                          param_in_t)
-    plan.memo[key] = bound
-    return bound
+    """The bound forward schedule for this signature, or None where the layout needs copies
+    (worked out once per plan and strides; ``_launcher.dense_forward``)."""
+    return _launcher.dense_forward(
+        plan, _interop.dtype_key(x.dtype), x.stride(), None if residual is None else residual.stride(),
+        _launcher.forward_present(plan, residual, weight, bias, stats), param_in_t, device)
 
 
 def _bound_backward(plan, x, dy, weight, has_stats, param_grads, device, param_in_t,
                     grad_in_t=0):
-    """The recorded backward schedule for this signature, or None (copies needed)."""
-    key = ("bound-backward", x.stride(), dy.stride(), weight is not None, has_stats, param_grads,
-           device, param_in_t, grad_in_t)
-    try:
-        return plan.memo[key]
-    except KeyError:
-        pass
-    bound = None
-    need_params = plan.has_weight or param_grads
-    layout = _layout.plan_layout(plan, key[1], need_params)
-    if not layout.copy and _buffers.is_buffer(plan, layout, _interop.ref(dy)):
-        present = {"w"} if weight is not None else set()
-        if has_stats:
-            present |= {"rstd", "mean"} if plan.center else {"rstd"}
-        if param_grads:
-            present |= {"dw", "db"}
-        with _interop.on_device(device):
-            bound = _bound.record_backward(plan, _interop.dtype_key(x.dtype), layout, present,
-                                           param_in_t, grad_in_t)
-    plan.memo[key] = bound
-    return bound
+    """The bound backward schedule for this signature, or None (copies needed)."""
+    return _launcher.dense_backward(
+        plan, _interop.dtype_key(x.dtype), x.stride(), dy.stride(),
+        _launcher.backward_present(plan, weight, has_stats, param_grads), param_in_t, grad_in_t,
+        device)
 
 
 # Per device type, the (forward, backward) runners that eager calls use without the

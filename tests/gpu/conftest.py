@@ -23,9 +23,9 @@ def gpu_problem():
     except Exception as exc:
         return f"no usable CUDA device: {exc}"
     try:
-        import anynorm._cuda  # noqa: F401
+        import anynorm._cuda._executor  # noqa: F401
     except ImportError as exc:
-        return f"anynorm._cuda cannot be imported: {exc}"
+        return f"anynorm._cuda._executor cannot be imported: {exc}"
     return None
 
 

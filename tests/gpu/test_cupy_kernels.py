@@ -146,10 +146,11 @@ TILE_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", TILE_CASES, ids=_ids)
 def test_columns_paths(cp, monkeypatch, case, dtype, cap):
-    from anynorm._cuda import _launch
+    from anynorm._cuda import _launcher, _schedule
 
-    monkeypatch.setattr(_launch, "_TILE_SMEM_CAPS", (cap,))
-    monkeypatch.setattr(_launch, "_target_blocks", lambda: 1)  # widest tile that fits
+    monkeypatch.setattr(_schedule, "_TILE_SMEM_CAPS", (cap,))
+    monkeypatch.setattr(_schedule, "_target_blocks", lambda: 1)  # widest tile that fits
+    monkeypatch.setattr(_launcher, "_memo", lambda plan: {})  # nothing bound before the patch kept
     op, shape, kw = case
     x = _data(cp, shape, dtype)
     w, b = _params(cp, op, shape, kw, dtype)

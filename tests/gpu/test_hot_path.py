@@ -1,4 +1,4 @@
-"""The GPU call path (anynorm._calls, _cuda/_bound): CUDA graph capture and replay for every
+"""The GPU call path (anynorm._calls, _cuda/_launcher): CUDA graph capture and replay for every
 op and layout, torch.compile(mode="reduce-overhead"), CuPy stream capture, no stale launcher
 across strides, dtypes and devices, one kernel and one allocation per inference call, and
 the custom ops in a fresh process (opcheck)."""

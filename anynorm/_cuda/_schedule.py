@@ -1,32 +1,40 @@
-"""Launch the kernels of one forward or backward call on CuPy's current stream.
+"""Launch schedules as data: which kernels one call runs, with which grid, block, shared
+memory, sizes and workspaces, worked out from a plan, a layout and a device description.
 
-Inputs and outputs are CuPy arrays (or torch tensors as ``_interop.TensorRef``), outputs
-preallocated by the caller: ``y``/``h``/``dx``
-with ``x``'s shape and dtype (any strides), statistics contiguous in the public statistics
-shape and the accumulation dtype, ``dweight``/``dbias`` contiguous ``(p_len,)`` in the
-accumulation dtype or x's (``grad_in_t``). ``weight``/``bias`` arrive contiguous, in the
+Nothing here touches a GPU or imports CuPy: a :class:`Schedule` depends only on the call's
+signature and on a :class:`DeviceInfo` (SM count, opt-in shared memory), so tests compute
+schedules for an H100 on a machine without one, and ``_launcher`` computes each one once per
+call signature and binds it to compiled kernels. The decision code below reads like a launch
+sequence: ``_step`` notes a kernel launch, ``_workspace`` a part of the call's one scratch
+buffer; both add to the schedule being built for this thread (:func:`schedule_forward`,
+:func:`schedule_backward`).
+
+A step's arguments are a template: constants as NumPy scalars of the parameter's width
+(``i64`` sizes, ``i32`` flags, ``f64`` eps), None for a null pointer, and :class:`Slot`s for
+the call's buffers, which per call become addresses (``ptrs[slot] + offset``):
+
+    forward slots:  x, res, h, y, w, b, mean, rstd, scratch
+    backward slots: dy, x, w, mean, rstd, dx, dw, db, scratch
+
+Inputs and outputs are dense buffers in the layout's order (``_layout``): ``y``/``h``/``dx``
+with x's size and dtype, statistics in the accumulation dtype, ``dweight``/``dbias``
+``(p_len,)`` in the accumulation dtype or x's (``grad_in_t``), ``weight``/``bias`` in the
 accumulation dtype or x's (``param_in_t``). ``dtype`` is the kernel dtype key ("float16",
-"bfloat16", "float32", "float64").
-Which kernels run for which layout: kernels/README.md.
+"bfloat16", "float32", "float64"). Which kernels run for which layout: kernels/README.md.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from dataclasses import dataclass
 
-import cupy
 import numpy as np
 
-from . import _buffers
-from ._args import NULL, f64, i32, i64
-from ._compile import MULTI_ITEMS, block_threads_max, get_kernel, items_of
-from ._interop import TensorRef
-from ._layout import plan_layout
+from ._compile import MULTI_ITEMS, block_threads_max, items_of
 
-__all__ = ["forward", "backward", "acc_dtype", "param_in_t", "kernel_params", "DeviceInfo", "device_info", "opt_in"]
+__all__ = ["DeviceInfo", "Slot", "Step", "Schedule", "schedule_forward", "schedule_backward", "acc_dtype",
+           "param_in_t", "FORWARD_SLOTS", "BACKWARD_SLOTS", "ALIGN", "DEFAULT_SMEM"]
 
 _ROWS_BLOCK, _BLOCK = 128, 256  # warp-per-row block, others (block-per-row: sized to the row)
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
@@ -56,7 +64,7 @@ class _SMShare:
 
 # The budgets in turn: an _SMShare, a byte count, or None (the opt-in limit).
 _TILE_SMEM_CAPS = (_SMShare(_TILE_BLOCKS_PER_SM), None)
-_DEFAULT_SMEM = 48 * 1024  # static + dynamic shared memory a block gets without opting in
+DEFAULT_SMEM = 48 * 1024  # static + dynamic shared memory a block gets without opting in
 _SECTOR = 32  # bytes: a tile row narrower than one DRAM sector wastes bandwidth
 _FINISH_BLOCK = (32, 16)  # param_grad_finish: 32 parameters x 16 lanes over the chunks
 # Rows per team, where the row backward also sums dweight/dbias: each block writes one partial
@@ -80,13 +88,9 @@ def param_in_t(x_dtype, acc, *params) -> int:
     return flags
 
 
-def kernel_params(x_dtype, acc, as_dtype, weight, bias=None):
-    """``(weight, bias, param_in_t)`` as the kernels read them: each in x's dtype where it
-    holds that (see :func:`param_in_t`), else in ``acc``; ``as_dtype(array, dtype)`` makes
-    an array contiguous in a dtype (a no-op where it already is)."""
-    flags = param_in_t(x_dtype, acc, weight, bias)
-    return (as_dtype(weight, x_dtype if flags & 1 else acc), as_dtype(bias, x_dtype if flags & 2 else acc),
-            flags)
+# Kernel arguments as the schedule holds them (the launcher makes CuPy's holders of them once)
+i64, i32, f64 = np.int64, np.int32, np.float64
+NULL = None
 
 
 def _ptr(arr):
@@ -102,29 +106,103 @@ class DeviceInfo:
     smem_optin: int
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+# ---- the schedule being built on this thread ----------------------------------------------
+
+FORWARD_SLOTS = ("x", "res", "h", "y", "w", "b", "mean", "rstd", "scratch")
+BACKWARD_SLOTS = ("dy", "x", "w", "mean", "rstd", "dx", "dw", "db", "scratch")
+ALIGN = 256  # bytes: every workspace starts on a 256-byte boundary of the scratch buffer
 
 
-def _described_device():
-    """The DeviceInfo a schedule is being recorded for (``_bound.schedule_for``), else None."""
-    recorder = getattr(_recording, "recorder", None)
-    return None if recorder is None else recorder.device
+class Slot:
+    """A buffer of the call (``index`` into its pointer list) at a byte ``offset``; a
+    workspace (a part of the scratch buffer) also knows its element ``dtype`` and ``count``."""
+
+    __slots__ = ("index", "offset", "row_bytes", "dtype", "count")
+
+    def __init__(self, index, offset=0, row_bytes=0, dtype=None, count=0):
+        self.index, self.offset, self.row_bytes = index, offset, row_bytes
+        self.dtype, self.count = dtype, count
+
+    def __getitem__(self, row):
+        """Row ``row`` of a 2-D workspace (``ws[0]``, ``part[1]`` below)."""
+        count = self.row_bytes // np.dtype(self.dtype).itemsize
+        return Slot(self.index, self.offset + row * self.row_bytes, 0, self.dtype, count)
+
+    def __repr__(self):
+        return f"Slot({self.index}, +{self.offset})"
+
+
+class Step:
+    """One kernel launch: which instantiation (``name``, ``dtype``, ``items``), its launch
+    configuration, its argument ``template`` (None where a slot puts a pointer) and
+    ``slots``: ``(position, Slot)`` pairs."""
+
+    __slots__ = ("name", "dtype", "items", "grid", "block", "smem", "template", "slots")
+
+    def __init__(self, name, dtype, items, grid, block, smem, template, slots):
+        self.name, self.dtype, self.items, self.grid, self.block = name, dtype, items, grid, block
+        self.smem, self.template, self.slots = smem, template, slots
+
+    def __repr__(self):
+        return f"Step({self.name}, grid={self.grid}, block={self.block}, smem={self.smem})"
+
+
+class Schedule:
+    """The launches of one call signature, as data (no compiled code, no device needed)."""
+
+    __slots__ = ("steps", "scratch_bytes")
+
+    def __init__(self, steps, scratch_bytes):
+        self.steps, self.scratch_bytes = tuple(steps), scratch_bytes
+
+    @property
+    def names(self) -> tuple:
+        return tuple(step.name for step in self.steps)
+
+
+class _Builder:
+    """The steps and workspaces of the schedule being built, and the device it is for."""
+
+    def __init__(self, scratch_index, device):
+        self.scratch_index, self.device = scratch_index, device
+        self.scratch_bytes = 0
+        self.steps = []
+
+
+_building = threading.local()  # .builder: the _Builder of this thread's schedule
+
+
+def _workspace(shape, dtype):
+    """A part of the call's scratch buffer (``(n,)`` or ``(k, n)`` elements of ``dtype``)."""
+    builder = _building.builder
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    itemsize = np.dtype(dtype).itemsize
+    offset = builder.scratch_bytes
+    builder.scratch_bytes += -(-math.prod(shape) * itemsize // ALIGN) * ALIGN
+    row_bytes = shape[-1] * itemsize if len(shape) == 2 else 0
+    return Slot(builder.scratch_index, offset, row_bytes, np.dtype(dtype), math.prod(shape))
+
+
+def _step(kernel, dtype, grid, block, args, items=None, smem=0):
+    """Note one launch of ``kernel`` (its ``dtype`` and ``items`` instantiation)."""
+    template, slots = [], []
+    for position, arg in enumerate(args):
+        if type(arg) is Slot:
+            slots.append((position, arg))
+            template.append(None)
+        else:
+            template.append(arg)
+    _building.builder.steps.append(Step(kernel, dtype, items, tuple(grid), tuple(block), smem,
+                                        template, tuple(slots)))
+
+
+def _device() -> DeviceInfo:
+    return _building.builder.device
 
 
 def _target_blocks() -> int:
     """Enough blocks to fill the device a few times over."""
-    device = _described_device()
-    if device is not None:
-        return _BLOCKS_PER_SM * device.sm_count
-    return _BLOCKS_PER_SM * _sm_count(cupy.cuda.runtime.getDevice())
-
-
-def device_info() -> DeviceInfo:
-    """The current CUDA device's DeviceInfo."""
-    device = cupy.cuda.runtime.getDevice()
-    return DeviceInfo(_sm_count(device), _smem_optin(device))
+    return _BLOCKS_PER_SM * _device().sm_count
 
 
 def _ceil(a, b):
@@ -182,57 +260,10 @@ def _split(length, parallel, target, min_chunk, align=1):
     return chunk, _ceil(length, chunk)
 
 
-_smem_allowed: dict = {}
-# While a schedule is recorded (``_bound``), the recorder of this thread: launches and
-# workspaces are noted instead of run and allocated.
-_recording = threading.local()
-
-
-def _workspace(shape, dtype):
-    """Scratch memory for partial sums: a CuPy array, or a slot of the recorded call's scratch."""
-    recorder = getattr(_recording, "recorder", None)
-    if recorder is not None:
-        return recorder.workspace(shape, dtype)
-    return cupy.empty(shape, dtype=dtype)
-
-
-def _launch(kernel, dtype, grid, block, args, items=None, smem=0):
-    recorder = getattr(_recording, "recorder", None)
-    if recorder is not None:  # a schedule: which kernel, not yet which compiled function
-        recorder.launch(kernel, dtype, items, grid, block, args, smem)
-        return
-    function = get_kernel(kernel, dtype, items)
-    opt_in(function, smem)
-    function(grid, block, tuple([a.kernel_arg if type(a) is TensorRef else a for a in args]),
-             shared_mem=smem)
-
-
-def opt_in(function, smem) -> None:
-    """Let ``function`` take ``smem`` bytes of dynamic shared memory where that is near or
-    past the default limit (cuFuncSetAttribute)."""
-    if smem > _DEFAULT_SMEM - _MAX_STATIC_SMEM:
-        # near or past the default limit: opt the kernel in (cuFuncSetAttribute), once per
-        # function and size; the entry holds the function, so its id cannot be reused
-        allowed = _smem_allowed.get(id(function))
-        if allowed is None or allowed[0] is not function or allowed[1] < smem:
-            function.max_dynamic_shared_size_bytes = smem
-            _smem_allowed[id(function)] = (function, smem)
-
-
-# ---- shared-memory tiles of the columns family (tiles.cu) ---------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _smem_optin(device_id: int) -> int:
-    runtime = cupy.cuda.runtime
-    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
-
-
 def _smem_limit() -> int:
-    """Shared memory (static + dynamic) one block may opt in to on the current device."""
-    device = _described_device()
-    if device is not None:
-        return device.smem_optin
-    return _smem_optin(cupy.cuda.runtime.getDevice())
+    """Shared memory (static + dynamic) one block may opt in to on the device."""
+    return _device().smem_optin
+
 
 
 def _tile_static_smem(dtype) -> int:
@@ -240,7 +271,7 @@ def _tile_static_smem(dtype) -> int:
     return 4 * _TILE_THREADS * np.dtype(acc_dtype(dtype)).itemsize + 128
 
 
-_MAX_STATIC_SMEM = _tile_static_smem("float64")
+MAX_STATIC_SMEM = _tile_static_smem("float64")
 _ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params: its block sum and IndexMap
 
 
@@ -326,21 +357,21 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
     multi = _multi_rows(layout, dtype, w is not None or b is not None)
     if multi is not None:
         kernel, grid, block, items = multi
-        _launch(kernel, dtype, grid, block,
+        _step(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), center, eps, pin), items=items)
         return
     row = _row_kernel("rows_fwd", outer, reduced, dtype) if layout.rows else None
     if row is not None:
         kernel, grid, block, items = row
-        _launch(kernel, dtype, grid, block,
+        _step(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items)
         return
     tile = _tile(layout, dtype, 1)
     if tile is not None:
         width, grid, smem = tile
-        _launch("cols_fwd_tile", dtype, grid, (_TILE_THREADS,),
+        _step("cols_fwd_tile", dtype, grid, (_TILE_THREADS,),
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), i64(inner), i64(group), i64(width), i64(layout.p_div),
                  i64(layout.p_len), center, eps, pin), smem=smem)
@@ -363,14 +394,14 @@ def _split_row_stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, para
     outer, reduced = layout.outer, layout.reduced
     chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
     ws = _workspace((3, outer * nchunk), dtype=acc)
-    _launch("rows_stats_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
+    _step("rows_stats_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
             (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced), i64(chunk)))
     lo = _workspace(outer, dtype=acc) if plan.center and y is not None else None
-    _launch("rows_stats_finalize", dtype, (_grid_1d(outer, _BLOCK, _MAX_Y),), (_BLOCK,),
+    _step("rows_stats_finalize", dtype, (_grid_1d(outer, _BLOCK, _MAX_Y),), (_BLOCK,),
             (h if res is not None else src, ws[0], ws[1], ws[2], _ptr(mean), rstd, _ptr(lo), i64(outer),
              i64(reduced), i64(nchunk), center, eps))
     if y is not None:
-        _launch("rows_apply_fwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
+        _step("rows_apply_fwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
                 (h if res is not None else src, y, _ptr(w), _ptr(b), _ptr(mean), _ptr(lo), rstd,
                  i64(layout.total), i64(reduced), i64(layout.p_div), i64(layout.p_len), center, pin))
 
@@ -386,34 +417,20 @@ def _split_columns(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, pin):
     chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
     ws = _workspace((3, outer * nchunk * inner), dtype=acc)
     grid = (tiles, nchunk, zdim)
-    _launch("cols_stats_partial", dtype, grid, (32, 8),
+    _step("cols_stats_partial", dtype, grid, (32, 8),
             (src, _ptr(res), _ptr(h), ws[0], ws[1], ws[2], i64(outer), i64(reduced), i64(inner),
              i64(chunk), i64(group), center))
     slices = layout.slices
     shifted = _workspace((1, slices), dtype=acc)[0] if plan.center else None
-    _launch("stats_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
+    _step("stats_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], ws[2], _ptr(shifted), rstd, i64(outer), i64(nchunk), i64(inner),
              i64(group), center, eps))
     if y is None and mean is None:
         return
-    _launch("cols_apply_fwd", dtype, grid, (32, 8),
+    _step("cols_apply_fwd", dtype, grid, (32, 8),
             (h if res is not None else src, _ptr(y), _ptr(w), _ptr(b), _ptr(shifted), rstd, _ptr(mean),
              i64(outer), i64(reduced), i64(inner), i64(group), i64(chunk), i64(layout.p_div),
              i64(layout.p_len), center, pin))
-
-
-def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd, param_in_t=0):
-    """y = (v - mean) * rstd * weight + bias with v = x (+ residual -> h); fills outputs.
-    ``param_in_t``: as in :func:`_stats`."""
-    layout = plan_layout(plan, _buffers.element_strides(x))
-    xb = _buffers.input_buffer(plan, layout, x)
-    rb = None if residual is None else _buffers.input_buffer(plan, layout, residual)
-    hb = None if h is None else _buffers.output_buffer(plan, layout, h)
-    yb = _buffers.output_buffer(plan, layout, y)
-    _stats(plan, layout, dtype, xb, rb, hb, yb, weight, bias, mean, rstd, param_in_t)
-    _buffers.store(plan, layout, yb, y)
-    if h is not None:
-        _buffers.store(plan, layout, hb, h)
 
 
 # ---- gradients -------------------------------------------------------------------------
@@ -471,11 +488,11 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
         if fused is not None:
             kernel, grid, smem, nchunk, extra = fused
             part = _workspace((2, nchunk * layout.p_len), dtype=acc)
-            _launch(kernel, dtype, grid, block,
+            _step(kernel, dtype, grid, block,
                     (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, part[0], _ptr(part[1] if param_grads else None),
                      i64(outer), i64(reduced)) + extra + (center, pin), items=items, smem=smem)
             return part, nchunk
-        _launch(kernel, dtype, grid, block,
+        _step(kernel, dtype, grid, block,
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, i64(outer), i64(reduced), pdiv, plen,
                  center, pin), items=items)
         return None
@@ -488,7 +505,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
             nchunk = outer if mode == 0 else outer * grid[0]
             part = _workspace((2, nchunk * layout.p_len), dtype=acc)
             part_w, part_b = part[0], (part[1] if param_grads else None)
-        _launch("cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
+        _step("cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(part_w), _ptr(part_b), i64(outer),
                  i64(reduced), i64(inner), i64(group), i64(width), pdiv, plen, i32(mode or 0),
                  center, pin), smem=smem)
@@ -522,7 +539,7 @@ def _split_columns_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_gr
     chunk, nchunk = _split(reduced, tiles * zdim, _target_blocks(), 64)
     ws = _workspace((3 if plan.center else 2, outer * nchunk * inner), dtype=acc)
     ws_x = ws[2] if plan.center else None
-    _launch("cols_grad_partial", dtype, (tiles, nchunk, zdim), (32, 8),
+    _step("cols_grad_partial", dtype, (tiles, nchunk, zdim), (32, 8),
             (dyb, xb, NULL if by_column else _ptr(w), _ptr(mean), rstd, ws[0], ws[1], _ptr(ws_x), i64(outer),
              i64(reduced), i64(inner), i64(group), i64(chunk), i64(layout.p_div), i64(layout.p_len), center,
              pin))
@@ -530,14 +547,14 @@ def _split_columns_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_gr
     means = _workspace((2, slices), dtype=acc)
     part = _workspace((2, outer * inner), dtype=acc) if by_column else None
     lo = _workspace((1, slices), dtype=acc)[0] if by_row and plan.center else None
-    _launch("cols_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
+    _step("cols_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
             (ws[0], ws[1], _ptr(ws_x), _ptr(w) if by_column else NULL, _ptr(mean), rstd, means[0], means[1],
              _ptr(lo), part[0] if by_column else NULL, part[1] if by_column and param_grads else NULL,
              i64(outer), i64(nchunk), i64(inner), i64(group), f64(plan.count), center, pin))
     _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
     if by_row:
         part = _workspace((2, outer * tiles * reduced), dtype=acc)
-        _launch("cols_param_grad_rows", dtype, (tiles, nchunk, zdim), (32, 8),
+        _step("cols_param_grad_rows", dtype, (tiles, nchunk, zdim), (32, 8),
                 (dyb, xb, _ptr(mean), _ptr(lo), rstd, part[0], part[1] if param_grads else NULL, i64(outer),
                  i64(reduced), i64(inner), i64(chunk)))
         return part, outer * tiles
@@ -552,21 +569,21 @@ def _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t=0
     outer, reduced = layout.outer, layout.reduced
     chunk, nchunk = _split(reduced, min(outer, _MAX_Y), _target_blocks(), 4096, align=256)
     ws = _workspace((3 if plan.center else 2, outer * nchunk), dtype=acc)
-    _launch("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
+    _step("rows_grad_partial", dtype, (nchunk, min(outer, _MAX_Y)), (_BLOCK,),
             (dyb, xb, _ptr(w), _ptr(mean), rstd, ws[0], ws[1], ws[2] if plan.center else NULL, i64(outer),
              i64(reduced), i64(chunk), i64(layout.p_div), i64(layout.p_len), i64(1), i32(plan.center),
              i32(param_in_t)))
     means = _workspace((2, outer), dtype=acc)
-    _launch("rows_grad_finalize", dtype, (_grid_1d(outer, _BLOCK, _MAX_Y),), (_BLOCK,),
-            (ws[0], ws[1], ws[2] if plan.center else NULL, rstd, means[0], means[1], i64(outer),
-             i64(nchunk), f64(plan.count)))
+    _step("rows_grad_finalize", dtype, (_grid_1d(outer, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], ws[2] if plan.center else NULL, _ptr(mean), rstd, means[0], means[1],
+             i64(outer), i64(nchunk), f64(plan.count)))
     _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
     return None
 
 
 def _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t=0):
     """dx elementwise from the per-slice means of g = dy * w and g * xhat (``means[0]``, ``[1]``)."""
-    _launch("apply_bwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
+    _step("apply_bwd", dtype, (_grid_1d(_ceil(layout.total, _VECTOR[dtype]), _BLOCK),), (_BLOCK,),
             (dyb, xb, _ptr(w), _ptr(mean), rstd, means[0], means[1], dxb, i64(layout.total),
              i64(layout.reduced), i64(layout.inner), i64(layout.group), i64(layout.p_div),
              i64(layout.p_len), i32(plan.center), i32(param_in_t)))
@@ -580,26 +597,27 @@ def _segmented(layout) -> bool:
 
 
 def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias, param_in_t=0):
-    """Split rows of parameter segments, with dweight/dbias: rows_grad_partial sums dy and
-    dy*xhat per (segment, chunk), unweighted; segment_grad_finalize makes of them both the
-    slices' means of g and g*xhat (the weight applied per segment) and per-segment
-    dweight/dbias partials; apply_bwd writes dx. dy and x are read twice in all (5 transfers
+    """Split rows of parameter segments, with dweight/dbias: rows_grad_partial sums dy,
+    dy*xhat and, centred, x - mean per (segment, chunk), unweighted; segment_grad_finalize
+    takes the saved mean's rounding out and makes of them both the slices' means of g and
+    g*xhat (the weight applied per segment) and per-segment dweight/dbias partials; apply_bwd writes dx. dy and x are read twice in all (5 transfers
     of x's size; the split path followed by param_grad_rows: 7). Returns (part, batch)."""
     acc = acc_dtype(dtype)
     seg, per_row = layout.p_div, layout.reduced // layout.p_div
     segs = layout.outer * per_row
     chunk, nchunk = _split(seg, min(segs, _MAX_Y), _target_blocks(), 4096, align=256)
-    ws = _workspace((2, segs * nchunk), dtype=acc)
-    _launch("rows_grad_partial", dtype, (nchunk, min(segs, _MAX_Y)), (_BLOCK,),
-            (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], NULL, i64(segs), i64(seg), i64(chunk),
+    ws = _workspace((3 if plan.center else 2, segs * nchunk), dtype=acc)
+    ws_x = ws[2] if plan.center else NULL
+    _step("rows_grad_partial", dtype, (nchunk, min(segs, _MAX_Y)), (_BLOCK,),
+            (dyb, xb, NULL, _ptr(mean), rstd, ws[0], ws[1], ws_x, i64(segs), i64(seg), i64(chunk),
              i64(1), i64(1), i64(per_row), i32(plan.center), i32(0)))
     slices = layout.slices
     means = _workspace((2, slices), dtype=acc)
     part = _workspace((2, segs), dtype=acc)
-    _launch("segment_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
-            (ws[0], ws[1], _ptr(w), means[0], means[1], part[0], _ptr(part[1] if with_bias else None),
-             i64(slices), i64(per_row), i64(nchunk), i64(layout.p_len), f64(plan.count),
-             i32(param_in_t)))
+    _step("segment_grad_finalize", dtype, (_grid_1d(slices, _BLOCK, _MAX_Y),), (_BLOCK,),
+            (ws[0], ws[1], ws_x, _ptr(w), _ptr(mean), rstd, means[0], means[1], part[0],
+             _ptr(part[1] if with_bias else None), i64(slices), i64(per_row), i64(nchunk),
+             i64(layout.p_len), f64(plan.count), i32(param_in_t)))
     _apply_bwd(plan, layout, dtype, dyb, xb, w, mean, rstd, means, dxb, param_in_t)
     return part, layout.a_len
 
@@ -607,7 +625,7 @@ def _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, with_bias,
 def _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias, grad_in_t=0):
     """dweight/dbias from per-chunk partial sums ``part[k][c * p_len + p]``; ``grad_in_t``:
     bit 0 / bit 1 when dweight / dbias hold x's dtype (else the accumulation dtype)."""
-    _launch("param_grad_finish", dtype, (_grid_1d(p_len, _FINISH_BLOCK[0], _MAX_Y),), _FINISH_BLOCK,
+    _step("param_grad_finish", dtype, (_grid_1d(p_len, _FINISH_BLOCK[0], _MAX_Y),), _FINISH_BLOCK,
             (part[0], _ptr(part[1] if dbias is not None else None), dweight, _ptr(dbias),
              i64(p_len), i64(nchunk), i32(grad_in_t)))
 
@@ -622,37 +640,67 @@ def _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias, grad_
         tiles = _ceil(p_len, 32)
         chunk, nchunk = _split(a_len, tiles, target, 32)
         part = _workspace((2, nchunk * p_len), dtype=acc)
-        _launch("param_grad_cols", dtype, (tiles, nchunk), (32, 8),
+        _step("param_grad_cols", dtype, (tiles, nchunk), (32, 8),
                 (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
                  i64(a_len), i64(p_len)) + geometry + (i64(chunk), center))
     else:
         chunk, nchunk = _split(a_len, p_len, target, 1)
         part = _workspace((2, nchunk * p_len), dtype=acc)
-        _launch("param_grad_rows", dtype, (p_len, nchunk), (_BLOCK,),
+        _step("param_grad_rows", dtype, (p_len, nchunk), (_BLOCK,),
                 (dyb, xb, _ptr(mean), rstd, part[0], _ptr(part[1] if dbias is not None else None),
                  i64(a_len), i64(p_len), i64(b_len)) + geometry + (i64(chunk), center))
     _finish_param_grads(part, nchunk, p_len, dtype, dweight, dbias, grad_in_t)
 
 
-def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias, param_in_t=0,
-             grad_in_t=0):
-    """dx (and dweight/dbias unless None); ``mean``/``rstd`` None to recompute them;
-    ``param_in_t`` 1 when ``weight`` holds x's dtype; ``grad_in_t`` bit 0 / bit 1 when
-    ``dweight`` / ``dbias`` do (else they hold the accumulation dtype)."""
-    need_params = plan.has_weight or dweight is not None
-    layout = plan_layout(plan, _buffers.element_strides(x), need_params)
-    xb = _buffers.input_buffer(plan, layout, x)
-    dyb = _buffers.input_buffer(plan, layout, dy)
-    if rstd is None:
-        acc = acc_dtype(dtype)
-        mean = _workspace(layout.slices, dtype=acc) if plan.center else None
-        rstd = _workspace(layout.slices, dtype=acc)
-        _stats(plan, layout, dtype, xb, None, None, None, None, None, mean, rstd)
-    dxb = _buffers.output_buffer(plan, layout, dx)
-    fused = _dx(plan, layout, dtype, dyb, xb, weight, mean, rstd, dxb,
-                None if dweight is None else dbias is not None, param_in_t)
-    _buffers.store(plan, layout, dxb, dx)
-    if fused is not None:
-        _finish_param_grads(*fused, layout.p_len, dtype, dweight, dbias, grad_in_t)
-    elif dweight is not None:
-        _param_grads(plan, layout, dtype, dyb, xb, mean, rstd, dweight, dbias, grad_in_t)
+# ---- schedules ---------------------------------------------------------------------------
+
+def _build(scratch_index, device, schedule) -> Schedule:
+    if not isinstance(device, DeviceInfo):
+        raise TypeError(f"a schedule is computed for a DeviceInfo, got {device!r}")
+    builder = _Builder(scratch_index, device)
+    _building.builder = builder
+    try:
+        schedule()
+    finally:
+        _building.builder = None
+    return Schedule(builder.steps, builder.scratch_bytes)
+
+
+def _slots(names, present):
+    """A Slot per name in ``present``, None for the others."""
+    return [Slot(i) if name in present else None for i, name in enumerate(names)]
+
+
+def schedule_forward(plan, dtype, layout, present, param_in_t=0, device=None) -> Schedule:
+    """The forward of ``plan`` on dense buffers in ``layout``'s order: ``y = (v - mean) * rstd
+    * weight + bias`` with ``v = x`` (``+ residual -> h``). ``present``: the forward slot
+    names the call has (``mean``/``rstd`` absent: statistics not written); ``param_in_t``:
+    bit 0 / bit 1 when weight / bias hold x's dtype; ``device``: the :class:`DeviceInfo`."""
+    x, res, h, y, w, b, mean, rstd, _ = _slots(FORWARD_SLOTS, set(present) | {"x", "y"})
+    return _build(FORWARD_SLOTS.index("scratch"), device, lambda: _stats(
+        plan, layout, dtype, x, res, h, y, w, b, mean, rstd, param_in_t))
+
+
+def schedule_backward(plan, dtype, layout, present, param_in_t=0, device=None,
+                      grad_in_t=0) -> Schedule:
+    """The backward of ``plan``: dx, and dweight/dbias where ``present`` has ``dw``/``db``;
+    without ``rstd`` in ``present`` the statistics are recomputed first. ``param_in_t`` 1
+    when the weight holds x's dtype; ``grad_in_t`` bit 0 / bit 1 when dweight / dbias are
+    written in x's dtype; ``device`` as in :func:`schedule_forward`."""
+    dy, x, w, mean, rstd, dx, dw, db, _ = _slots(BACKWARD_SLOTS, set(present) | {"dy", "x", "dx"})
+
+    def schedule():
+        nonlocal mean, rstd
+        if rstd is None:
+            acc = acc_dtype(dtype)
+            mean = _workspace(layout.slices, acc) if plan.center else None
+            rstd = _workspace(layout.slices, acc)
+            _stats(plan, layout, dtype, x, None, None, None, None, None, mean, rstd)
+        fused = _dx(plan, layout, dtype, dy, x, w, mean, rstd, dx,
+                    None if dw is None else db is not None, param_in_t)
+        if fused is not None:
+            _finish_param_grads(*fused, layout.p_len, dtype, dw, db, grad_in_t)
+        elif dw is not None:
+            _param_grads(plan, layout, dtype, dy, x, mean, rstd, dw, db, grad_in_t)
+
+    return _build(BACKWARD_SLOTS.index("scratch"), device, schedule)

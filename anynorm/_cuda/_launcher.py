@@ -1,0 +1,331 @@
+"""Bind a schedule (``_schedule``) to the current device's compiled kernels and launch it.
+
+:class:`BoundLaunch` is a :class:`~._schedule.Schedule` whose steps hold the compiled
+functions and argument templates of CuPy holders; :meth:`BoundLaunch.run` fills in the call's
+pointers (``ptrs[slot] + offset``) and launches every step on a stream: that is all a repeat
+call does. :func:`forward_launch` / :func:`backward_launch` compute and bind one per call
+signature (plan, layout, which buffers are present, parameter dtypes, device), kept in the
+plan's memo.
+
+Where x's memory is not the layout's dense buffer (``Layout.copy``: non-dense views, other
+axis orders), :func:`forward` / :func:`backward` copy the inputs into dense buffers in the
+layout's order, run the same kind of bound schedule on them, and copy the outputs back
+(:func:`input_buffer`, :func:`output_buffer`, :func:`store`). Arrays there are CuPy arrays
+or torch tensors as ``_interop.TensorRef`` (strides and a data pointer; they become CuPy
+arrays through DLPack only to be copied; bfloat16 then arrives as int16 bits, which copies
+treat the same).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cupy
+from cupy.lib.stride_tricks import as_strided
+
+from . import _schedule
+from ._args import NULL, address, kernel_arg
+from ._compile import get_kernel
+from ._interop import TensorRef, as_cupy
+from ._layout import buffer_strides, plan_layout, view_strides
+from ._schedule import BACKWARD_SLOTS, FORWARD_SLOTS, DeviceInfo
+
+__all__ = ["BoundLaunch", "bind", "device_info", "opt_in", "forward_launch", "backward_launch",
+           "forward_present", "backward_present", "dense_forward", "dense_backward",
+           "forward", "backward", "kernel_params", "element_strides", "is_buffer", "input_buffer",
+           "output_buffer", "store"]
+
+
+# ---- the device ------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def device_info(device_id: int) -> DeviceInfo:
+    """The :class:`DeviceInfo` of CUDA device ``device_id`` (asked once)."""
+    runtime = cupy.cuda.runtime
+    return DeviceInfo(int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]),
+                      int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                     device_id)))
+
+
+def _current_device() -> int:
+    return cupy.cuda.runtime.getDevice()
+
+
+def _current_stream():
+    return cupy.cuda.get_current_stream()
+
+
+def _memo(plan) -> dict:
+    """Where a plan keeps what its call signatures bound (``plan.memo``)."""
+    return plan.memo
+
+
+_smem_allowed: dict = {}
+
+
+def opt_in(function, smem) -> None:
+    """Let ``function`` take ``smem`` bytes of dynamic shared memory where that is near or
+    past the default limit (cuFuncSetAttribute), once per function and size."""
+    if smem > _schedule.DEFAULT_SMEM - _schedule.MAX_STATIC_SMEM:
+        # the entry holds the function, so its id cannot be reused
+        allowed = _smem_allowed.get(id(function))
+        if allowed is None or allowed[0] is not function or allowed[1] < smem:
+            function.max_dynamic_shared_size_bytes = smem
+            _smem_allowed[id(function)] = (function, smem)
+
+
+# ---- bound schedules ---------------------------------------------------------------------------
+
+class BoundLaunch:
+    """A schedule bound to the current device's compiled functions; :meth:`run` launches it
+    on new buffers."""
+
+    __slots__ = ("steps", "slots", "scratch_bytes", "names")
+
+    def __init__(self, schedule):
+        self.scratch_bytes, self.names = schedule.scratch_bytes, schedule.names
+        steps, slots = [], []
+        for step in schedule.steps:
+            function = get_kernel(step.name, step.dtype, step.items)
+            opt_in(function, step.smem)
+            if isinstance(function, cupy.RawKernel):
+                # the current device's CUDA function behind it (what RawKernel.__call__
+                # calls), which also takes the stream
+                function = function.kernel
+            pointers = {position for position, _ in step.slots}
+            template = [None if k in pointers else kernel_arg(a) for k, a in enumerate(step.template)]
+            steps.append((function, step.grid, step.block, step.smem, template,
+                          tuple((position, slot.index, slot.offset) for position, slot in step.slots)))
+            slots.append(step.slots)
+        self.steps, self.slots = tuple(steps), tuple(slots)
+
+    def run(self, ptrs, stream):
+        """Launch every step on ``stream`` (an object with ``.ptr``, as CuPy's functions
+        take it) with the buffers at the integer addresses ``ptrs`` (slot order)."""
+        for function, grid, block, smem, template, slots in self.steps:
+            args = template.copy()
+            for position, index, offset in slots:
+                args[position] = address(ptrs[index] + offset)
+            function(grid, block, tuple(args), shared_mem=smem, stream=stream)
+
+    def run_buffers(self, buffers, stream):
+        """:meth:`run` with the buffers themselves (slot order; each slot's argument made by
+        :func:`buffer_arg`)."""
+        for (function, grid, block, smem, template, _), slots in zip(self.steps, self.slots):
+            args = template.copy()
+            for position, slot in slots:
+                args[position] = buffer_arg(buffers[slot.index], slot)
+            function(grid, block, tuple(args), shared_mem=smem, stream=stream)
+
+
+def bind(schedule) -> BoundLaunch:
+    return BoundLaunch(schedule)
+
+
+def _device_context(device_id):
+    return cupy.cuda.Device(device_id)
+
+
+def _bind_on(device_id, schedule) -> BoundLaunch:
+    """:func:`bind` for device ``device_id`` (its compiled functions are that device's)."""
+    if _current_device() == device_id:
+        return bind(schedule)
+    with _device_context(device_id):
+        return bind(schedule)
+
+
+def forward_launch(plan, dtype, layout, present, param_in_t, device_id) -> BoundLaunch:
+    """The forward schedule of this signature on device ``device_id``, computed and bound
+    once (kept in ``plan.memo``)."""
+    key = ("forward-launch", layout, frozenset(present), param_in_t, device_id)
+    memo = _memo(plan)
+    bound = memo.get(key)
+    if bound is None:
+        bound = memo[key] = _bind_on(device_id, _schedule.schedule_forward(
+            plan, dtype, layout, present, param_in_t, device_info(device_id)))
+    return bound
+
+
+def backward_launch(plan, dtype, layout, present, param_in_t, grad_in_t, device_id) -> BoundLaunch:
+    """The backward schedule of this signature, computed and bound once (``plan.memo``)."""
+    key = ("backward-launch", layout, frozenset(present), param_in_t, grad_in_t, device_id)
+    memo = _memo(plan)
+    bound = memo.get(key)
+    if bound is None:
+        bound = memo[key] = _bind_on(device_id, _schedule.schedule_backward(
+            plan, dtype, layout, present, param_in_t, device_info(device_id), grad_in_t))
+    return bound
+
+
+def forward_present(plan, residual, weight, bias, stats) -> set:
+    """The forward slot names a call fills: ``stats`` False: no statistics written."""
+    present = {name for name, a in (("res", residual), ("h", residual), ("w", weight),
+                                    ("b", bias)) if a is not None}
+    if stats:
+        present |= {"rstd", "mean"} if plan.center else {"rstd"}
+    return present
+
+
+def backward_present(plan, weight, has_stats, param_grads) -> set:
+    """The backward slot names a call fills (no statistics given: recomputed)."""
+    present = {"w"} if weight is not None else set()
+    if has_stats:
+        present |= {"rstd", "mean"} if plan.center else {"rstd"}
+    if param_grads:
+        present |= {"dw", "db"}
+    return present
+
+
+def dense_forward(plan, dtype, x_strides, res_strides, present, param_in_t, device_id):
+    """The bound forward for an x (and residual) of these element strides, or None where
+    x's memory is not the layout's dense buffer (:func:`forward` copies then); kept in
+    ``plan.memo``."""
+    key = ("dense-forward", x_strides, res_strides, frozenset(present), param_in_t, device_id)
+    memo = _memo(plan)
+    try:
+        return memo[key]
+    except KeyError:
+        pass
+    layout = plan_layout(plan, x_strides)
+    bound = None
+    if not layout.copy and (res_strides is None or _is_buffer(plan, layout, res_strides)):
+        bound = forward_launch(plan, dtype, layout, present, param_in_t, device_id)
+    memo[key] = bound
+    return bound
+
+
+def dense_backward(plan, dtype, x_strides, dy_strides, present, param_in_t, grad_in_t, device_id):
+    """The bound backward for an x and dy of these element strides, or None (copies needed:
+    :func:`backward`); kept in ``plan.memo``."""
+    key = ("dense-backward", x_strides, dy_strides, frozenset(present), param_in_t, grad_in_t,
+           device_id)
+    memo = _memo(plan)
+    try:
+        return memo[key]
+    except KeyError:
+        pass
+    layout = plan_layout(plan, x_strides, plan.has_weight or "dw" in present)
+    bound = None
+    if not layout.copy and _is_buffer(plan, layout, dy_strides):
+        bound = backward_launch(plan, dtype, layout, present, param_in_t, grad_in_t, device_id)
+    memo[key] = bound
+    return bound
+
+
+def kernel_params(x_dtype, acc, as_dtype, weight, bias=None):
+    """``(weight, bias, param_in_t)`` as the kernels read them: each in x's dtype where it
+    holds that (``_schedule.param_in_t``), else in ``acc``; ``as_dtype(array, dtype)`` makes
+    an array contiguous in a dtype (a no-op where it already is)."""
+    flags = _schedule.param_in_t(x_dtype, acc, weight, bias)
+    return (as_dtype(weight, x_dtype if flags & 1 else acc), as_dtype(bias, x_dtype if flags & 2 else acc),
+            flags)
+
+
+# ---- buffers ---------------------------------------------------------------------------------
+
+def buffer_arg(buf, slot):
+    """The kernel argument for ``slot`` of the buffer ``buf`` (a CuPy array, a TensorRef or
+    None)."""
+    if buf is None:
+        return NULL
+    if type(buf) is TensorRef:
+        return address(buf.tensor.data_ptr() + slot.offset)
+    return address(buf.data.ptr + slot.offset)
+
+
+def _scratch(nbytes):
+    return cupy.empty(nbytes, dtype=cupy.uint8) if nbytes else None
+
+
+def element_strides(arr) -> tuple:
+    if type(arr) is TensorRef:
+        return arr.element_strides
+    return tuple(s // arr.itemsize for s in arr.strides)
+
+
+def _view(plan, arr):
+    """``arr`` (shape ``plan.shape``) as ``plan.view_shape``, always a view."""
+    strides = view_strides(plan, element_strides(arr))
+    return as_strided(arr, shape=plan.view_shape, strides=tuple(s * arr.itemsize for s in strides))
+
+
+def is_buffer(plan, layout, arr) -> bool:
+    """True when ``arr``'s memory is laid out exactly as the kernel buffer (worked out once
+    per plan, layout and strides)."""
+    return _is_buffer(plan, layout, element_strides(arr))
+
+
+def _is_buffer(plan, layout, strides) -> bool:
+    key = ("is_buffer", layout, strides)
+    answer = plan.memo.get(key)
+    if answer is None:
+        want = buffer_strides(plan, layout)
+        have = view_strides(plan, strides)
+        answer = plan.memo[key] = all(n == 1 or w == h for n, w, h in zip(plan.view_shape, want, have))
+    return answer
+
+
+def _ordered(plan, layout, arr):
+    return cupy.transpose(_view(plan, arr), layout.order)
+
+
+def input_buffer(plan, layout, arr):
+    """``arr`` itself when it is laid out as the buffer, else a dense copy in layout order."""
+    if arr is None or is_buffer(plan, layout, arr):
+        return arr
+    return cupy.ascontiguousarray(_ordered(plan, layout, as_cupy(arr)))
+
+
+def output_buffer(plan, layout, out):
+    """Where the kernels should write ``out``: ``out`` itself, or a scratch buffer."""
+    if out is None or is_buffer(plan, layout, out):
+        return out
+    return cupy.empty(layout.total, dtype=out.dtype)
+
+
+def store(plan, layout, buf, out) -> None:
+    """Copy a scratch buffer back into ``out`` (no-op when the kernels wrote ``out``)."""
+    if buf is out:
+        return
+    ordered = _ordered(plan, layout, as_cupy(out))
+    ordered[...] = buf.reshape(ordered.shape)
+
+
+def _present(names, buffers):
+    return {name for name, buf in zip(names, buffers) if buf is not None}
+
+
+# ---- any layout: copies around a bound schedule ------------------------------------------------
+
+def forward(plan, dtype, x, weight, bias, residual, y, h, mean, rstd, param_in_t=0):
+    """y = (v - mean) * rstd * weight + bias with v = x (+ residual -> h) into the outputs
+    given, on CuPy's current stream and device; ``mean``/``rstd`` None: not written.
+    ``param_in_t``: bit 0 / bit 1 when weight / bias hold x's dtype."""
+    layout = plan_layout(plan, element_strides(x))
+    xb, rb = input_buffer(plan, layout, x), input_buffer(plan, layout, residual)
+    hb, yb = output_buffer(plan, layout, h), output_buffer(plan, layout, y)
+    buffers = [xb, rb, hb, yb, weight, bias, mean, rstd]
+    bound = forward_launch(plan, dtype, layout, _present(FORWARD_SLOTS, buffers), param_in_t,
+                           _current_device())
+    bound.run_buffers(buffers + [_scratch(bound.scratch_bytes)], _current_stream())
+    store(plan, layout, yb, y)
+    if h is not None:
+        store(plan, layout, hb, h)
+
+
+def backward(plan, dtype, dy, x, weight, mean, rstd, dx, dweight, dbias, param_in_t=0,
+             grad_in_t=0):
+    """dx (and dweight/dbias unless None) on CuPy's current stream and device;
+    ``mean``/``rstd`` None to recompute them; ``param_in_t`` 1 when ``weight`` holds x's
+    dtype; ``grad_in_t`` bit 0 / bit 1 when ``dweight`` / ``dbias`` do (else they hold the
+    accumulation dtype)."""
+    layout = plan_layout(plan, element_strides(x), plan.has_weight or dweight is not None)
+    xb, dyb = input_buffer(plan, layout, x), input_buffer(plan, layout, dy)
+    dxb = output_buffer(plan, layout, dx)
+    if rstd is None:
+        mean = None
+    buffers = [dyb, xb, weight, mean, rstd, dxb, dweight, dbias]
+    bound = backward_launch(plan, dtype, layout, _present(BACKWARD_SLOTS, buffers), param_in_t,
+                            grad_in_t, _current_device())
+    bound.run_buffers(buffers + [_scratch(bound.scratch_bytes)], _current_stream())
+    store(plan, layout, dxb, dx)
