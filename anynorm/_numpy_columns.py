@@ -53,7 +53,6 @@ SHORT_ROW = 256  # without parameters, "cl" (whole samples) below this many colu
 # "cf": accumulation-dtype bytes of x per block: x's block, the centred temporary and y's
 # block in a core's L2
 CF_BLOCK_BYTES = 2 << 20
-CF_TILES_BELOW = 384  # "cf" rows shorter than this: scale and bias as tiles
 # "cf" rows shorter than this go through the folded "cl" sweeps instead (32x384x14x14:
 # inner loops of 196 elements ran each pass at 2x the time per element)
 CF_FOLD_BELOW = 384
@@ -126,12 +125,6 @@ class ColumnsForward:
             budget = CF_BLOCK_BYTES // (self.P * acc.itemsize)
             parts = -(-self.Q // max(1, budget))
             self.chunk = self.inner = -(-self.Q // parts)
-            # short rows (ConvNeXt's late stages, 14x14): NumPy's broadcast loops run row by
-            # row, so the scale is an (r (x) w) tile and the bias a tile, same-shape passes
-            self.tiles = self.chunk < CF_TILES_BELOW
-            self.b_tile = None
-            if self.tiles and self.b is not None:
-                self.b_tile = np.ascontiguousarray(np.broadcast_to(self.b, (self.P, self.chunk)))
         else:
             limit = SAMPLE_ELEMENTS_HALF if half else SAMPLE_ELEMENTS
             self.per_block = max(1, min(self.B, limit // (self.P * self.Q)))
@@ -222,17 +215,7 @@ class ColumnsForward:
         _correct_columns(d, m, v, self.plan.eps)
         _rstd(v, self.plan.eps)
         last = d if work is not None or d is yb else yb
-        if self.tiles and (self.w is not None or self.b is not None):
-            factor = v
-            if self.w is not None:  # in y's block where d is in the temporary (y written last)
-                spare = yb if work is None and d is not yb else bufs["t"][:d.size].reshape(d.shape)
-                factor = np.multiply(self.w, v, out=spare)
-            if self.b_tile is None:
-                np.multiply(d, factor, out=last)
-            else:
-                np.multiply(d, factor, out=d)
-                np.add(d, self.b_tile[:, :d.shape[1]], out=last)
-        elif self.w is None and self.b is None:
+        if self.w is None and self.b is None:
             np.multiply(d, v, out=last)
         else:
             np.multiply(d, v, out=d)

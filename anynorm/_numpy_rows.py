@@ -33,7 +33,6 @@ __all__ = ["COL_RUN", "REDUCE_RUN", "ROW_BLOCK_BYTES", "SUM_RUN", "RowsForward",
            "reduce_sums", "row_dots", "row_sums"]
 
 ROW_BLOCK_BYTES = 512 << 10  # accumulation-dtype bytes of x per block (256K: 1.1x the time)
-OUTER_TILES = False  # "outer": r (x) w and bias tiled per block (else three broadcast passes)
 MIN_RUN = 64  # shortest run of constant parameters for the "per run" affine step
 SKIP_CORRECTION = 0.25  # largest |mean| * rstd of a block at which the correction is skipped
 
@@ -226,10 +225,6 @@ class RowsForward:
         self.rstd = np.empty(self.rows, acc)
         self.block_rows = max(1, min(self.rows, ROW_BLOCK_BYTES // (self.n * acc.itemsize)))
         self.w, self.b = self._params(layout, k, weight), self._params(layout, k, bias)
-        self.b_tile = None
-        if self.mode == "outer" and self.b is not None and OUTER_TILES:
-            self.b_tile = np.empty((self.block_rows, self.n), acc)
-            self.b_tile[...] = self.b
 
     def _params(self, layout, k, arr):
         """weight/bias as the vector the affine step reads: n per row ("outer") or one per
@@ -320,16 +315,6 @@ class RowsForward:
         ``work``: where a first pass may go (``d``'s block or scratch), ``t``: a block-sized
         temporary; the last pass writes ``y``."""
         if self.mode == "outer":
-            if OUTER_TILES:
-                factor = r[:, None]
-                if self.w is not None:
-                    factor = np.multiply(r[:, None], self.w, out=t)
-                if self.b_tile is None:
-                    np.multiply(d, factor, out=y)
-                else:
-                    np.multiply(d, factor, out=work)
-                    np.add(work, self.b_tile[:s1 - s0], out=y)
-                return
             last = y if self.w is None and self.b is None else work
             np.multiply(d, r[:, None], out=last)
             if self.w is not None:

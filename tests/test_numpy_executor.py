@@ -13,7 +13,9 @@ CASES = [
     ("layer_norm", (6, 64), dict(axis=-1)),
     ("layer_norm", (3, 40, 70), dict(axis=-1)),
     ("layer_norm", (3, 4, 5), dict(axis=(-2, -1))),
-    ("layer_norm", (2, 8, 5, 5), dict(axis=1)),  # ConvNeXt channels-first
+    ("layer_norm", (2, 8, 5, 5), dict(axis=1)),  # ConvNeXt channels-first (short rows: folded)
+    ("layer_norm", (2, 6, 20, 20), dict(axis=1)),  # channels-first, rows of >= 384 ("cf")
+    ("layer_norm", (1, 260, 1, 384), dict(axis=1)),  # "cf" with > REDUCE_RUN channels
     ("layer_norm", (4, 5, 3), dict(axis=(0, 2))),
     ("layer_norm", (4, 5, 3), dict(axis=(2, 0, 1))),
     ("layer_norm", (9, 7), dict(axis=0)),
