@@ -22,10 +22,13 @@ group-norm kernel takes ``E[x^2] - E[x]^2``, which loses ``(|mean| * rstd)^2`` o
 digits at an offset of 1e4).  So every centred call checks the conditioning its own
 statistics show (``max |mean| * rstd`` against ``_LIMITS``: Python floats for a few
 statistics, three torch ops below 32768, NumPy beyond; NaN slices never hide the others); a call over the limit runs
-again on ``x - shift``, the shift being the first run's mean rounded to x's dtype and
-detached from autograd (layer and group norm are shift-invariant: ``x - shift`` is exact
-for rows far from zero, its statistics well conditioned, and ``shift`` is added back to the
-returned mean), and is checked again; what still fails takes the exact executors.  Under
+again on ``x - shift``, the shift being the first run's mean rounded to x's dtype on the
+slices over the limit (zero on the others) and detached from autograd (layer and group
+norm are shift-invariant: ``x - shift`` is exact for rows far from zero, its statistics well
+conditioned, and ``shift`` is added back to the returned mean), and is checked again; what
+still fails takes the exact executors.  Checking after the kernel beats shifting before it
+at every size measured on torch CPU (a (4, 8) call: the check on Python floats 1.1 us,
+``x - x[..., :1]`` 3.4 us; at 1000 rows three torch ops 3.8 us against a pass over x).  Under
 ``torch.compile`` (no data-dependent branch) the shift is always taken, from one element of
 each slice, and the channels-last kernel is not used.
 

@@ -15,7 +15,7 @@ import numpy as np
 
 import anynorm
 
-from .common import CASE_NAMES, MAIN_CASES, best_time, call_anynorm, case, numpy_inputs
+from .common import CASE_NAMES, MAIN_CASES, best_time, call_anynorm, numpy_inputs
 from .peers import torch_functional
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -126,44 +126,79 @@ class TorchCPUBackward(_TorchCase):
     track_peer_ratio.unit = "anynorm time / torch time"
 
 
+# tiny calls: (op, shape, keyword arguments), the asv small-call shapes of issue 16
+SMALL_CASES = {
+    "ln tiny 4x8": ("layer_norm", (4, 8), {}),
+    "rms tiny 4x8": ("rms_norm", (4, 8), {}),
+    "gn odd 3x30x7x9 g5": ("group_norm", (3, 30, 7, 9), {"num_groups": 5}),
+}
+
+
 class TorchCPUSmallCall:
-    """Tiny calls, many per sample: anynorm's per-call cost against torch.nn.functional's."""
+    """Tiny calls, many per sample: anynorm's per-call cost against torch.nn.functional's.
+
+    The peer is the plain ``F.layer_norm(x, (8,), w, b, eps)`` (``F.rms_norm``,
+    ``F.group_norm``) a user writes, bound once, not the general ``peers.torch_functional``
+    (whose own Python steps would add ~2 us to the peer); ``grad``: the inputs require grad
+    and each sample is a forward and a backward."""
 
     timeout = 120
-    params = [["ln tiny 4x8", "gn odd 3x30x7x9 g5"], DTYPES, [False, True]]
-    param_names = ["case", "dtype", "return_stats"]
+    params = [list(SMALL_CASES), DTYPES, [False, True], [False, True]]
+    param_names = ["case", "dtype", "return_stats", "grad"]
     number = 200
 
-    def setup(self, name, dtype, stats):
+    def setup(self, name, dtype, stats, grad):
         torch = _torch()
-        arrays = numpy_inputs(name, np.dtype("float32"))
-        self.x, self.weight, self.bias = (torch.from_numpy(a).to(getattr(torch, dtype)) for a in arrays[:3])
-        self.name, self.stats = name, stats
-        self.grad_mode = torch.no_grad()
+        import torch.nn.functional as F
+
+        op, shape, kwargs = SMALL_CASES[name]
+        gen = np.random.default_rng(0)
+        tdtype = getattr(torch, dtype)
+        pshape = (shape[1],) if op == "group_norm" else shape[-1:]
+        self.x, self.weight, self.bias = (
+            torch.from_numpy(gen.standard_normal(s).astype(np.float32)).to(tdtype).requires_grad_(grad)
+            for s in (shape, pshape, pshape))
+        x, w, b = self.x, self.weight, self.bias
+        if op == "group_norm":
+            g = kwargs["num_groups"]
+            self._ours = lambda: anynorm.group_norm(x, g, w, b, return_stats=stats)
+            self._peer = lambda: F.group_norm(x, g, w, b, 1e-5)
+        elif op == "rms_norm":
+            self._ours = lambda: anynorm.rms_norm(x, w, return_stats=stats)
+            self._peer = lambda: F.rms_norm(x, pshape, w, None)
+        else:
+            self._ours = lambda: anynorm.layer_norm(x, w, b, return_stats=stats)
+            self._peer = lambda: F.layer_norm(x, pshape, w, b, 1e-5)
+        self.grad = grad
+        self.grad_mode = torch.enable_grad() if grad else torch.no_grad()
         self.grad_mode.__enter__()
 
-    def teardown(self, name, dtype, stats):
+    def teardown(self, name, dtype, stats, grad):
         mode = getattr(self, "grad_mode", None)
         if mode is not None:
             mode.__exit__(None, None, None)
 
+    def _run(self, fn):
+        if not self.grad:
+            return fn()
+        for t in (self.x, self.weight, self.bias):
+            t.grad = None
+        out = fn()
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+
     def ours(self):
-        op, _, kwargs = case(self.name)
-        if op == "group_norm":
-            return anynorm.group_norm(self.x, kwargs.pop("num_groups"), self.weight, self.bias,
-                                      return_stats=self.stats, **kwargs)
-        return anynorm.layer_norm(self.x, self.weight, self.bias, return_stats=self.stats, **kwargs)
+        return self._run(self._ours)
 
     def peer(self):
-        return torch_functional(self.name, self.x, self.weight, self.bias)
+        return self._run(self._peer)
 
-    def time_anynorm(self, name, dtype, stats):
+    def time_anynorm(self, name, dtype, stats, grad):
         self.ours()
 
-    def time_torch_functional(self, name, dtype, stats):
+    def time_torch_functional(self, name, dtype, stats, grad):
         self.peer()
 
-    def track_peer_ratio(self, name, dtype, stats):
+    def track_peer_ratio(self, name, dtype, stats, grad):
         return best_time(lambda: [self.ours() for _ in range(100)], repeat=5) / best_time(
             lambda: [self.peer() for _ in range(100)], repeat=5)
 
