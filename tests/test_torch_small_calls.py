@@ -174,3 +174,46 @@ def test_small_call_gradients_far_from_zero(op, shape, kw):
             scale = max(np.max(np.abs(ref)), 1.0)
             err = np.max(np.abs(got.double().numpy() - ref))
             assert err <= 1e-4 * scale, (name, err)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+@pytest.mark.parametrize("stats", [False, True], ids=["y", "stats"])
+@pytest.mark.parametrize("op,shape,kw", [c for c in CASES if c[0] != "rms_norm"],
+                         ids=[i for i, c in zip(IDS, CASES) if c[0] != "rms_norm"])
+def test_signature_that_meets_far_data_shifts_first_and_stays_exact(op, shape, kw, stats, grad,
+                                                                     monkeypatch):
+    """float32: after two reruns a signature shifts first (torch's kernel on x - shift, no
+    rerun for far data any more); far, per-slice, near and NaN data all stay exact."""
+    from anynorm import _torch
+
+    reruns = []
+    rerun = _torch._shift_and_rerun
+    monkeypatch.setattr(_torch, "_shift_and_rerun", lambda *a: reruns.append(1) or rerun(*a))
+    anynorm._calls.clear()
+    w64, b64 = _params(op, shape, kw)
+    w, b = torch.from_numpy(w64).float(), torch.from_numpy(b64).float()
+    kinds = ["1e4", "1e6", "1e4", "1e6", "per slice", "near", "1e6", "nan"]
+    for i, kind in enumerate(kinds):
+        x64 = _offsets(shape, "1e4" if kind == "nan" else kind, 20 + i)
+        if kind == "nan":
+            x64.reshape(-1)[0] = np.nan
+        x32 = x64.astype(np.float32)
+        xt = torch.from_numpy(x32).requires_grad_(grad)
+        y_ref, mean_ref, rstd_ref = reference.forward(op, x32.astype(np.float64), w64.astype(np.float32),
+                                                      b64.astype(np.float32), eps=1e-5, **kw)
+        out = _call(op, xt, w, b, return_stats=stats, **kw)
+        y = (out[0] if stats else out).detach().double().numpy()
+        ok = ~np.isnan(y_ref)
+        assert np.isnan(y[~ok]).all(), kind
+        if not ok.any():  # one slice, NaN
+            continue
+        scale = np.max(np.abs(y_ref[ok]))
+        assert np.max(np.abs(y[ok] - y_ref[ok])) <= 32 * F32_EPS * scale, (kind, np.max(np.abs(y[ok] - y_ref[ok])))
+        if stats and mean_ref is not None:
+            mean = out[1].detach().double().numpy()
+            good = ~np.isnan(mean_ref)
+            far = np.max(np.abs(mean_ref[good]))
+            assert np.max(np.abs(mean[good] - mean_ref[good])) <= 8 * F32_EPS * max(far, 1.0), kind
+            np.testing.assert_allclose(out[2].detach().double().numpy()[good], rstd_ref[good], rtol=64 * F32_EPS)
+    # the first two far calls reran; from then on the signature shifted first
+    assert len(reruns) == 2, reruns
