@@ -193,8 +193,12 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
     if key is None and _keyable(axis, channel_axis, num_groups, eps):
         arrays = signature(x, weight, bias, residual)
         if arrays is not None:
-            key = ("forward", op, _backend.get_backend(), axis, channel_axis, num_groups, eps,
-                   stats, arrays)
+            if type(x) in _TORCH_TYPES:  # signed just now: the key later calls will build
+                key = _torch_forward_key(op, x, weight, bias, residual, stats, axis,
+                                         channel_axis, num_groups, eps)
+            if key is None:
+                key = ("forward", op, _backend.get_backend(), axis, channel_axis, num_groups,
+                       eps, stats, arrays)
             call = _CALLS.get(key)
             if call is not None:
                 return call
