@@ -613,6 +613,116 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
     }
 }
 
+// The backward of rows held in shared memory (rows_fwd_smem's rows, and float32 rows past the
+// register backward's 8192): x and dy read once into dynamic shared memory (two arrays of
+// count * sizeof(T), each rounded up to 16 bytes), then as backward_row: mean(d) of
+// d = x - x[0] again (xhat about the exact mean), sum(g) and sum(g * xhat) with g = dy * w,
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)). 3 transfers of x's size where the split
+// path (rows_grad_partial -> rows_grad_finalize -> apply_bwd) moves 5; dweight/dbias are
+// left to param_grad_cols/rows. Every pass runs on the elements its thread loaded (16-byte
+// vectors where the row, dy, dx and the parameter pattern allow, else element by element).
+// Launch: as rows_fwd_smem, dynamic smem 2 * round16(count * sizeof(T)).
+template <typename T>
+__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        long long rows, long long count, long long p_div, long long p_len, int center, int param_in_t) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const Param<T> w = {w_arg, param_in_t & 1};
+    __shared__ A smem[64];
+    const int len = (int)count, tid = threadIdx.x, threads = blockDim.x;
+    T* const xs = dynamic_shared<T>();
+    T* const gs = xs + ((len + V - 1) / V) * V;  // dy, from the next 16-byte boundary
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    const bool plain = (p_div == 1 && p_len == count) || !w_arg;
+    const A n = A(count);
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        __syncthreads();  // the previous row's last pass is done with the arrays
+        const long long base = row * count;
+        const T* xr = x + base;
+        const T* dyr = dy + base;
+        T* dxr = dx + base;
+        const bool vec = (len % V == 0) && aligned16(xr) && aligned16(dyr) && aligned16(dxr) &&
+                         (plain ? param_vec_ok(w) : p_div % V == 0);
+        const A shift = center ? row_shift(xr, (const T*)0) : A(0);
+        const A r = rstd[row];
+        A s = A(0);
+        if (vec) {
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(xr + j);
+                store16(xs + j, a);
+                store16(gs + j, load16(dyr + j));
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
+            }
+        } else {
+            for (int j = tid; j < len; j += threads) {
+                const T a = xr[j];
+                xs[j] = a;
+                gs[j] = dyr[j];
+                s += to_acc(a) - shift;
+            }
+        }
+        const A mu = center ? BlockTeam::allsum(s, smem) / n : A(0);
+        A sg = A(0), sgx = A(0);
+        if (vec) {
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(xs + j), d = load16(gs + j);
+                A wv[V];
+                if (plain) {
+                    param_vec(w, j, wv, A(1));
+                } else {
+                    const A wk = weight_at(w, param_at(map, base + j));
+                    ANYNORM_UNROLL
+                    for (int k = 0; k < V; ++k) wv[k] = wk;
+                }
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) {
+                    const A g = to_acc(d.v[k]) * wv[k];
+                    sg += g;
+                    sgx += g * (((to_acc(a.v[k]) - shift) - mu) * r);
+                }
+            }
+        } else {
+            for (int j = tid; j < len; j += threads) {
+                const A g = to_acc(gs[j]) * weight_at(w, plain ? (long long)j : param_at(map, base + j));
+                sg += g;
+                sgx += g * (((to_acc(xs[j]) - shift) - mu) * r);
+            }
+        }
+        BlockTeam::allsum2(sg, sgx, smem);
+        const A mg = center ? sg / n : A(0);
+        const A mgx = sgx / n;
+        if (vec) {
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(xs + j), d = load16(gs + j);
+                A wv[V];
+                if (plain) {
+                    param_vec(w, j, wv, A(1));
+                } else {
+                    const A wk = weight_at(w, param_at(map, base + j));
+                    ANYNORM_UNROLL
+                    for (int k = 0; k < V; ++k) wv[k] = wk;
+                }
+                Vec16<T> o;
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) {
+                    const A xh = ((to_acc(a.v[k]) - shift) - mu) * r;
+                    o.v[k] = from_acc<T>(r * (to_acc(d.v[k]) * wv[k] - mg - xh * mgx));
+                }
+                store16(dxr + j, o);
+            }
+        } else {
+            for (int j = tid; j < len; j += threads) {
+                const A g = to_acc(gs[j]) * weight_at(w, plain ? (long long)j : param_at(map, base + j));
+                const A xh = ((to_acc(xs[j]) - shift) - mu) * r;
+                dxr[j] = from_acc<T>(r * (g - mg - xh * mgx));
+            }
+        }
+    }
+}
+
 // Short rows, several per block (plain rows, p = position in the row, or no parameters):
 // teams of `size` threads, the smallest power of two that holds the row at ITEMS per thread,
 // MULTI_BLOCK / size rows at a time per block, grid-stride over those groups of rows. A thread

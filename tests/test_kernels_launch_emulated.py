@@ -121,7 +121,7 @@ def _launch_on_emulator(monkeypatch):
     monkeypatch.setattr(_schedule, "_smem_limit", lambda: SMEM_LIMIT)
     # long rows take the split path here (its cases below); test_launch_rows_in_shared_memory
     # puts rows_fwd_smem back
-    monkeypatch.setattr(_schedule, "_smem_row", lambda layout, dtype: None)
+    monkeypatch.setattr(_schedule, "_smem_row", lambda layout, dtype, copies=1: None)
 
 
 _SMEM_ROW = _schedule._smem_row
@@ -662,14 +662,20 @@ SMEM_CASES = [
 @pytest.mark.parametrize("case", SMEM_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
 def test_launch_rows_in_shared_memory(emulated, monkeypatch, case, dtype):
-    """Rows past the register kernels held in a block's shared memory (rows_fwd_smem): one
-    read of x; with and without statistics, residual, parameters in x's dtype; the backward's
-    recomputed statistics come from it too."""
+    """Rows past the register kernels held in a block's shared memory (rows_fwd_smem, and
+    rows_bwd_smem with x and dy): one read of x (and dy); with and without statistics,
+    residual, parameters in x's dtype; the backward's recomputed statistics come from the
+    forward kernel too."""
     monkeypatch.setattr(_schedule, "_smem_row", _SMEM_ROW)
     op, shape, kw, order = case
     names = _record_launches(monkeypatch)
     _check(op, shape, kw, dtype, order, stats=False)
     assert "rows_fwd_smem" in names and not {"rows_stats_partial", "rows_apply_fwd"} & names, names
+    if op in ("group_norm", "instance_norm"):  # with weights the segments path: without
+        names.clear()
+        _check(op, shape, kw, dtype, order, with_params=False)
+    if dtype != "float64":  # float64 rows past 13.6K need 2 arrays past 227 KiB: the split path
+        assert "rows_bwd_smem" in names and not {"rows_grad_partial", "apply_bwd"} & names, names
     if op in ("layer_norm", "rms_norm"):
         _check(op, shape, kw, dtype, order, residual=True, params_in_x=True, bound=True)
 

@@ -46,7 +46,7 @@ TARGETS = {
     "rows_stats_partial": FORWARD,
     "rows_stats_finalize": FORWARD, "rows_apply_fwd": FORWARD,
     "rows_bwd_warp": BACKWARD, "rows_bwd_block": BACKWARD, "rows_bwd_warp_params": BACKWARD,
-    "rows_bwd_block_params": BACKWARD, "rows_bwd_warp_row_params": BACKWARD,
+    "rows_bwd_block_params": BACKWARD, "rows_bwd_smem": BACKWARD, "rows_bwd_warp_row_params": BACKWARD,
     "rows_bwd_block_row_params": BACKWARD, "rows_grad_partial": BACKWARD,
     "rows_grad_finalize": BACKWARD,
     "segment_grad_finalize": BACKWARD, "apply_bwd": BACKWARD, "param_grad_finish": BACKWARD,

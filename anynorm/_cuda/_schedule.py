@@ -252,15 +252,16 @@ def _multi_rows(layout, dtype, has_params):
     return "rows_fwd_multi", (min(groups, _target_blocks()),), (_MULTI_BLOCK,), items
 
 
-def _smem_row(layout, dtype):
-    """(grid, block, dynamic smem bytes) of rows_fwd_smem, or None: rows too long for the
-    register kernels whose row (in x's dtype, a 16-byte multiple) fits one block's opt-in
-    shared memory, at least one row per SM (fewer rows take the split path, which cuts them
-    into chunks over every SM). Blocks of 512 threads where two rows fit an SM (one loads
-    while the other sums), else 1024; at most the blocks resident at once (registers allow
-    one block of 1024 or two of 512 per SM), each taking rows in turn."""
+def _smem_row(layout, dtype, copies=1):
+    """(grid, block, dynamic smem bytes) of rows_fwd_smem (``copies`` 1: x) or rows_bwd_smem
+    (2: x and dy), or None: rows too long for the register kernels whose ``copies`` arrays (in
+    x's dtype, each a 16-byte multiple) fit one block's opt-in shared memory, at least one
+    row per SM (fewer rows take the split path, which cuts them into chunks over every SM).
+    Blocks of 512 threads where two rows fit an SM (one loads while the other sums), else
+    1024; at most the blocks resident at once (registers allow one block of 1024 or two of
+    512 per SM), each taking rows in turn."""
     itemsize = 16 // _VECTOR[dtype]
-    smem = _ceil(layout.reduced * itemsize, 16) * 16
+    smem = copies * _ceil(layout.reduced * itemsize, 16) * 16
     limit = _smem_limit()
     sms = max(1, _target_blocks() // _BLOCKS_PER_SM)
     if smem > limit - _ROW_STATIC_SMEM or layout.outer < sms:
@@ -543,6 +544,13 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
     if param_grads is not None and _segmented(layout):
         return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads,
                                param_in_t)
+    smem_row = _smem_row(layout, dtype, 2)
+    if smem_row is not None:  # dweight/dbias then from param_grad_cols/rows
+        grid, block, smem = smem_row
+        _step("rows_bwd_smem", dtype, grid, block,
+              (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, i64(outer), i64(reduced), pdiv, plen, center,
+               pin), smem=smem)
+        return None
     return _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t)
 
 
