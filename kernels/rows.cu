@@ -694,24 +694,30 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
         BlockTeam::allsum2(sg, sgx, smem);
         const A mg = center ? sg / n : A(0);
         const A mgx = sgx / n;
-        if (vec) {
+        if (vec && plain) {
             for (int j = tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = load16(xs + j), d = load16(gs + j);
                 A wv[V];
-                if (plain) {
-                    param_vec(w, j, wv, A(1));
-                } else {
-                    const A wk = weight_at(w, param_at(map, base + j));
-                    ANYNORM_UNROLL
-                    for (int k = 0; k < V; ++k) wv[k] = wk;
-                }
+                param_vec(w, j, wv, A(1));
                 Vec16<T> o;
                 ANYNORM_UNROLL
                 for (int k = 0; k < V; ++k) {
                     const A xh = ((to_acc(a.v[k]) - shift) - mu) * r;
                     o.v[k] = from_acc<T>(r * (to_acc(d.v[k]) * wv[k] - mg - xh * mgx));
                 }
-                store16(dxr + j, o);
+                store16_global(dxr + j, o);
+            }
+        } else if (vec) {  // segments of whole vectors: one parameter a vector
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(xs + j), d = load16(gs + j);
+                const A wk = weight_at(w, param_at(map, base + j));
+                Vec16<T> o;
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) {
+                    const A xh = ((to_acc(a.v[k]) - shift) - mu) * r;
+                    o.v[k] = from_acc<T>(r * (to_acc(d.v[k]) * wk - mg - xh * mgx));
+                }
+                store16_global(dxr + j, o);
             }
         } else {
             for (int j = tid; j < len; j += threads) {
