@@ -67,6 +67,20 @@ template <typename T> __device__ __forceinline__ void store16(T* p, const Vec16<
     *reinterpret_cast<Vec16<T>*>(p) = v;
 }
 
+// store16 to global memory in one st.global.v4: where the compiler split a Vec16 built element
+// by element into four scalar stores (rows_bwd_smem's dx, seen in its PTX), the bits still go
+// out as one 16-byte store (p: 16-byte aligned global memory).
+template <typename T> __device__ __forceinline__ void store16_global(T* p, const Vec16<T>& v) {
+#ifdef ANYNORM_CUDA_EMU
+    store16(p, v);
+#else
+    unsigned int bits[4];
+    memcpy(bits, &v, 16);
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(bits[0]), "r"(bits[1]),
+                 "r"(bits[2]), "r"(bits[3]) : "memory");
+#endif
+}
+
 // ---- dynamic shared memory -------------------------------------------------------------
 
 // The block's dynamic shared memory (the launch's shared_mem bytes, 16-byte aligned) as T[].

@@ -496,6 +496,239 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
                                          center, acc_t<T>(eps), smem);
 }
 
+// Long rows held in shared memory: rows past the register kernels (16384) that fit a block's
+// opt-in shared memory (an H100: 113K 16-bit or 56K float32 elements). The row (h = x + res,
+// rounded to T as the register kernels do) is read once into dynamic shared memory, in
+// 16-byte vectors where aligned; the two passes of d = v - shift (mean(d), then
+// sum((d - mean(d))^2)) and y are taken from there: one read of x, where the split path
+// (rows_stats_partial -> rows_stats_finalize -> rows_apply_fwd) reads it twice. The statistics
+// passes read back the elements each thread wrote; the y pass of parameter segments that are
+// not whole vectors reads others', so a barrier opens every row.
+// Launch: block (ROW_BLOCK_MAX), grid min(rows, blocks resident), dynamic shared memory
+// count * sizeof(T) rounded up to 16 bytes; grid-stride over rows.
+template <typename T>
+__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
+        const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
+        const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
+        acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
+        long long p_len, int center, double eps, int param_in_t) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
+    __shared__ A smem[64];
+    T* const v = dynamic_shared<T>();
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    // parameters by position in the row (or none): w and b read in vectors with the row
+    const bool plain = (p_div == 1 && p_len == count) || (!w_arg && !b_arg);
+    const int len = (int)count, tid = threadIdx.x, threads = blockDim.x;
+    const A n = A(count);
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        // the previous row's y pass may read elements other threads load now (its scalar
+        // path, for segments of parameters that are not whole vectors)
+        __syncthreads();
+        const long long base = row * count;
+        const T* xr = x + base;
+        const T* rr = res ? res + base : (const T*)0;
+        T* hr = res ? h + base : (T*)0;
+        T* yr = y ? y + base : (T*)0;
+        const bool vec = (len % V == 0) && aligned16(xr) && (rr == 0 || (aligned16(rr) && aligned16(hr))) &&
+                         (yr == 0 || aligned16(yr));
+        const A shift = center ? row_shift(xr, rr) : A(0);
+        A s = A(0);
+        if (vec) {
+            for (int j = tid * V; j < len; j += threads * V) {
+                Vec16<T> a = load16(xr + j);
+                if (rr) {
+                    const Vec16<T> q = load16(rr + j);
+                    ANYNORM_UNROLL
+                    for (int k = 0; k < V; ++k) a.v[k] = add_in_dtype(a.v[k], q.v[k]);
+                    store16(hr + j, a);
+                }
+                store16(v + j, a);
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
+            }
+        } else {
+            for (int j = tid; j < len; j += threads) {
+                T a = xr[j];
+                if (rr) {
+                    a = add_in_dtype(a, rr[j]);
+                    hr[j] = a;
+                }
+                v[j] = a;
+                s += to_acc(a) - shift;
+            }
+        }
+        const A mu = center ? BlockTeam::allsum(s, smem) / n : A(0);
+        A ss = A(0);
+        if (vec) {
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(v + j);
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) {
+                    const A d = (to_acc(a.v[k]) - shift) - mu;
+                    ss += d * d;
+                }
+            }
+        } else {
+            for (int j = tid; j < len; j += threads) {
+                const A d = (to_acc(v[j]) - shift) - mu;
+                ss += d * d;
+            }
+        }
+        const A r = inv_sqrt(BlockTeam::allsum(ss, smem) / n + A(eps));
+        if (tid == 0) {  // statistics are optional: inference without autograd writes y only
+            if (rstd) rstd[row] = r;
+            if (mean) mean[row] = shift + mu;
+        }
+        if (yr == 0) continue;
+        if (vec && plain && param_vec_ok(w) && param_vec_ok(b)) {  // w, b in 16-byte vectors too
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(v + j);
+                A wv[V], bv[V];
+                param_vec(w, j, wv, A(1));
+                param_vec(b, j, bv, A(0));
+                Vec16<T> o;
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(((to_acc(a.v[k]) - shift) - mu) * r * wv[k] + bv[k]);
+                store16(yr + j, o);
+            }
+        } else if (vec && !plain && p_div % V == 0) {  // segments of whole vectors: one p a vector
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(v + j);
+                const long long p = param_at(map, base + j);
+                const A wk = weight_at(w, p) * r, bk = bias_at(b, p);
+                Vec16<T> o;
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(((to_acc(a.v[k]) - shift) - mu) * wk + bk);
+                store16(yr + j, o);
+            }
+        } else {
+            for (int j = tid; j < len; j += threads) {
+                const long long p = plain ? (long long)j : param_at(map, base + j);
+                yr[j] = from_acc<T>(((to_acc(v[j]) - shift) - mu) * r * weight_at(w, p) + bias_at(b, p));
+            }
+        }
+    }
+}
+
+// The backward of rows held in shared memory (rows_fwd_smem's rows, and float32 rows past the
+// register backward's 8192): x and dy read once into dynamic shared memory (two arrays of
+// count * sizeof(T), each rounded up to 16 bytes), then as backward_row: mean(d) of
+// d = x - x[0] again (xhat about the exact mean), sum(g) and sum(g * xhat) with g = dy * w,
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)). 3 transfers of x's size where the split
+// path (rows_grad_partial -> rows_grad_finalize -> apply_bwd) moves 5; dweight/dbias are
+// left to param_grad_cols/rows. Every pass runs on the elements its thread loaded (16-byte
+// vectors where the row, dy, dx and the parameter pattern allow, else element by element).
+// Launch: as rows_fwd_smem, dynamic smem 2 * round16(count * sizeof(T)).
+template <typename T>
+__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        long long rows, long long count, long long p_div, long long p_len, int center, int param_in_t) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const Param<T> w = {w_arg, param_in_t & 1};
+    __shared__ A smem[64];
+    const int len = (int)count, tid = threadIdx.x, threads = blockDim.x;
+    T* const xs = dynamic_shared<T>();
+    T* const gs = xs + ((len + V - 1) / V) * V;  // dy, from the next 16-byte boundary
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    const bool plain = (p_div == 1 && p_len == count) || !w_arg;
+    const A n = A(count);
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        __syncthreads();  // the previous row's last pass is done with the arrays
+        const long long base = row * count;
+        const T* xr = x + base;
+        const T* dyr = dy + base;
+        T* dxr = dx + base;
+        const bool vec = (len % V == 0) && aligned16(xr) && aligned16(dyr) && aligned16(dxr) &&
+                         (plain ? param_vec_ok(w) : p_div % V == 0);
+        const A shift = center ? row_shift(xr, (const T*)0) : A(0);
+        const A r = rstd[row];
+        A s = A(0);
+        if (vec) {
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(xr + j);
+                store16(xs + j, a);
+                store16(gs + j, load16(dyr + j));
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
+            }
+        } else {
+            for (int j = tid; j < len; j += threads) {
+                const T a = xr[j];
+                xs[j] = a;
+                gs[j] = dyr[j];
+                s += to_acc(a) - shift;
+            }
+        }
+        const A mu = center ? BlockTeam::allsum(s, smem) / n : A(0);
+        A sg = A(0), sgx = A(0);
+        if (vec) {
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(xs + j), d = load16(gs + j);
+                A wv[V];
+                if (plain) {
+                    param_vec(w, j, wv, A(1));
+                } else {
+                    const A wk = weight_at(w, param_at(map, base + j));
+                    ANYNORM_UNROLL
+                    for (int k = 0; k < V; ++k) wv[k] = wk;
+                }
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) {
+                    const A g = to_acc(d.v[k]) * wv[k];
+                    sg += g;
+                    sgx += g * (((to_acc(a.v[k]) - shift) - mu) * r);
+                }
+            }
+        } else {
+            for (int j = tid; j < len; j += threads) {
+                const A g = to_acc(gs[j]) * weight_at(w, plain ? (long long)j : param_at(map, base + j));
+                sg += g;
+                sgx += g * (((to_acc(xs[j]) - shift) - mu) * r);
+            }
+        }
+        BlockTeam::allsum2(sg, sgx, smem);
+        const A mg = center ? sg / n : A(0);
+        const A mgx = sgx / n;
+        if (vec && plain) {
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(xs + j), d = load16(gs + j);
+                A wv[V];
+                param_vec(w, j, wv, A(1));
+                Vec16<T> o;
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) {
+                    const A xh = ((to_acc(a.v[k]) - shift) - mu) * r;
+                    o.v[k] = from_acc<T>(r * (to_acc(d.v[k]) * wv[k] - mg - xh * mgx));
+                }
+                store16_global(dxr + j, o);
+            }
+        } else if (vec) {  // segments of whole vectors: one parameter a vector
+            for (int j = tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(xs + j), d = load16(gs + j);
+                const A wk = weight_at(w, param_at(map, base + j));
+                Vec16<T> o;
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) {
+                    const A xh = ((to_acc(a.v[k]) - shift) - mu) * r;
+                    o.v[k] = from_acc<T>(r * (to_acc(d.v[k]) * wk - mg - xh * mgx));
+                }
+                store16_global(dxr + j, o);
+            }
+        } else {
+            for (int j = tid; j < len; j += threads) {
+                const A g = to_acc(gs[j]) * weight_at(w, plain ? (long long)j : param_at(map, base + j));
+                const A xh = ((to_acc(xs[j]) - shift) - mu) * r;
+                dxr[j] = from_acc<T>(r * (g - mg - xh * mgx));
+            }
+        }
+    }
+}
+
 // Short rows, several per block (plain rows, p = position in the row, or no parameters):
 // teams of `size` threads, the smallest power of two that holds the row at ITEMS per thread,
 // MULTI_BLOCK / size rows at a time per block, grid-stride over those groups of rows. A thread

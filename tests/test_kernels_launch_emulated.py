@@ -119,6 +119,12 @@ def _launch_on_emulator(monkeypatch):
     monkeypatch.setattr(_schedule, "_target_blocks", lambda: 6)
     monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (TILE_BUDGET,))
     monkeypatch.setattr(_schedule, "_smem_limit", lambda: SMEM_LIMIT)
+    # long rows take the split path here (its cases below); test_launch_rows_in_shared_memory
+    # puts rows_fwd_smem back
+    monkeypatch.setattr(_schedule, "_smem_row", lambda layout, dtype, copies=1: None)
+
+
+_SMEM_ROW = _schedule._smem_row
 
 
 @pytest.fixture
@@ -640,3 +646,53 @@ def test_one_bound_launch_per_signature(emulated, monkeypatch):
     assert backward is not _launcher.dense_backward(plan, "float32", (1000, 1), (1000, 1),
                                                     {"w", "rstd", "mean", "dw", "db"}, 0, 3, 0)
     assert _launcher.dense_backward(plan, "float32", (1000, 1), (1, 6), {"w", "dw", "db"}, 0, 0, 0) is None
+
+
+SMEM_CASES = [
+    ("layer_norm", (3, 17000), {}, None),  # 16-byte vectors, 1 row per block of a 6-block "device"
+    ("layer_norm", (7, 16392), {}, None),  # several rows per block (grid 2: one SM, two blocks)
+    ("layer_norm", (2, 17001), {}, None),  # odd length: element by element
+    ("rms_norm", (3, 20000), {"axis": -1, "eps": 1e-6}, None),
+    ("group_norm", (2, 6, 90, 70), {"channel_axis": 1, "num_groups": 2}, None),  # segments of 6300
+    ("group_norm", (2, 4, 96, 96), {"channel_axis": 1, "num_groups": 2}, None),  # segments of whole vectors
+    ("instance_norm", (2, 2, 130, 131), {"channel_axis": 1}, None),  # one parameter a row
+]
+
+
+@pytest.mark.parametrize("case", SMEM_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_launch_rows_in_shared_memory(emulated, monkeypatch, case, dtype):
+    """Rows past the register kernels held in a block's shared memory (rows_fwd_smem, and
+    rows_bwd_smem with x and dy): one read of x (and dy); with and without statistics,
+    residual, parameters in x's dtype; the backward's recomputed statistics come from the
+    forward kernel too."""
+    monkeypatch.setattr(_schedule, "_smem_row", _SMEM_ROW)
+    op, shape, kw, order = case
+    names = _record_launches(monkeypatch)
+    _check(op, shape, kw, dtype, order, stats=False)
+    assert "rows_fwd_smem" in names and not {"rows_stats_partial", "rows_apply_fwd"} & names, names
+    if op in ("group_norm", "instance_norm"):  # with weights the segments path: without
+        names.clear()
+        _check(op, shape, kw, dtype, order, with_params=False)
+    if dtype != "float64":  # float64 rows past 13.6K need 2 arrays past 227 KiB: the split path
+        assert "rows_bwd_smem" in names and not {"rows_grad_partial", "apply_bwd"} & names, names
+    if op in ("layer_norm", "rms_norm"):
+        _check(op, shape, kw, dtype, order, residual=True, params_in_x=True, bound=True)
+
+
+def test_shared_memory_rows_need_a_row_per_sm_and_room(emulated, monkeypatch):
+    """The rule (``_schedule._smem_row``): a row per SM at least, a row that fits the opt-in
+    shared memory; blocks of 512 where two rows fit an SM, else 1024."""
+    monkeypatch.setattr(_schedule, "_smem_row", _SMEM_ROW)
+    monkeypatch.setattr(_schedule, "_target_blocks", lambda: 4 * 132)
+    monkeypatch.setattr(_schedule, "_smem_limit", lambda: 227 * 1024)
+
+    def rule(rows, n, dtype):
+        plan = make_plan("layer_norm", np.zeros((rows, n), np.float32))
+        return _schedule._smem_row(_layout.plan_layout(plan, (n, 1)), dtype)
+
+    assert rule(512, 65536, "bfloat16") == ((132,), (1024,), 131072)
+    assert rule(256, 40960, "bfloat16") == ((256,), (512,), 81920)  # two 80 KiB rows an SM
+    assert rule(512, 65536, "float32") is None  # 256 KiB
+    assert rule(64, 65536, "bfloat16") is None  # fewer rows than SMs: the split path
+    assert rule(132, 16392, "float64") == ((132,), (1024,), 131136)  # 128 KiB: one an SM

@@ -28,6 +28,8 @@ CASES = [
     ("rms_norm", (3, 2000), {"axis": -1}, "rows_fwd_block", None),
     ("layer_norm", (2, 17000), {}, "rows_stats_partial", None),
     ("rms_norm", (2, 17000), {"axis": -1}, "rows_stats_partial", None),
+    ("layer_norm", (2, 17000), {}, "rows_fwd_smem", None),
+    ("rms_norm", (2, 17000), {"axis": -1}, "rows_fwd_smem", None),
     ("instance_norm", (3, 4, 5), {"channel_axis": 1}, "rows_fwd_multi", None),  # no parameters
     ("group_norm", (3, 4, 5), {"channel_axis": 1, "num_groups": 2}, "rows_fwd_multi", None),
     ("rms_norm", (3, 4, 5), {"axis": (0, 2)}, "cols_fwd_tile", L.TILE_BUDGET),
@@ -75,6 +77,8 @@ def test_nan_poisons_its_slice_only(emulated, monkeypatch, case, bad):  # noqa: 
     op, shape, kw, path, budget = case
     if budget is not None:
         monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (budget,))
+    if path == "rows_fwd_smem":
+        monkeypatch.setattr(_schedule, "_smem_row", L._SMEM_ROW)
     names = L._record_launches(monkeypatch)
     x = _poisoned(shape, bad)
     _, _, _, _, y = L.forward_float32(op, x, kw)
@@ -92,6 +96,8 @@ def test_nan_poisons_its_slice_only_in_the_backward(emulated, monkeypatch, case)
     op, shape, kw, path, budget = case
     if budget is not None:
         monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (budget,))
+    if path == "rows_fwd_smem":  # and rows_bwd_smem
+        monkeypatch.setattr(_schedule, "_smem_row", L._SMEM_ROW)
     x = _poisoned(shape, np.nan)
     dy = np.random.default_rng(16).standard_normal(shape).astype(np.float32)
     plan, xd, md, sd, _ = L.forward_float32(op, x, kw)

@@ -42,10 +42,11 @@ pytestmark = pytest.mark.slow
 
 FORWARD, BACKWARD = 0.5, 0.375
 TARGETS = {
-    "rows_fwd_warp": FORWARD, "rows_fwd_block": FORWARD, "rows_fwd_multi": FORWARD, "rows_stats_partial": FORWARD,
+    "rows_fwd_warp": FORWARD, "rows_fwd_block": FORWARD, "rows_fwd_multi": FORWARD, "rows_fwd_smem": FORWARD,
+    "rows_stats_partial": FORWARD,
     "rows_stats_finalize": FORWARD, "rows_apply_fwd": FORWARD,
     "rows_bwd_warp": BACKWARD, "rows_bwd_block": BACKWARD, "rows_bwd_warp_params": BACKWARD,
-    "rows_bwd_block_params": BACKWARD, "rows_bwd_warp_row_params": BACKWARD,
+    "rows_bwd_block_params": BACKWARD, "rows_bwd_smem": BACKWARD, "rows_bwd_warp_row_params": BACKWARD,
     "rows_bwd_block_row_params": BACKWARD, "rows_grad_partial": BACKWARD,
     "rows_grad_finalize": BACKWARD,
     "segment_grad_finalize": BACKWARD, "apply_bwd": BACKWARD, "param_grad_finish": BACKWARD,
@@ -57,7 +58,7 @@ H100 = _schedule.DeviceInfo(sm_count=132, smem_optin=227 * 1024)
 TUNED = ("float16", "bfloat16", "float32")
 # Row lengths across every boundary of the launcher's choices (warp/block ITEMS, the split path).
 COUNTS = (1, 8, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 768, 1024, 1025, 2048, 2049, 4096, 4097,
-          8192, 8193, 12288, 16384, 16385, 65536)
+          8192, 8193, 12288, 16384, 16385, 40960, 65536)
 # (op, shape for a row length n, kwargs): the row layouts (inner == 1) these kernels serve.
 CALLS = (
     ("layer_norm", lambda n: (512, n), {}),

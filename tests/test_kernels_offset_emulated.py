@@ -19,7 +19,7 @@ import test_kernels_launch_emulated as L
 from test_kernels_launch_emulated import emulated  # noqa: F401  (fixture)
 
 from anynorm import _reference
-from anynorm._cuda import _launcher
+from anynorm._cuda import _launcher, _schedule
 from anynorm._plan import make_plan
 
 torch = pytest.importorskip("torch")
@@ -36,6 +36,8 @@ CASES = [
     ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, "rows_fwd_block", "rows_bwd_block"),
     ("rms_norm", (64, 768), {"axis": -1, "eps": 1e-6}, "rows_fwd_multi", "rows_bwd_block"),
     ("layer_norm", (5, 40000), {}, "rows_stats_partial", "rows_grad_finalize"),  # 2+ chunks a row
+    ("layer_norm", (3, 20000), {}, "rows_fwd_smem", "rows_bwd_smem"),  # the row in shared memory
+    ("layer_norm", (3, 20001), {}, "rows_fwd_smem", "rows_bwd_smem"),  # element by element
 ]
 # Where torch is itself at float32 rounding (RMS norm has no cancellation), a few ulps of y.
 FLOOR = 1e-6
@@ -74,6 +76,8 @@ def forward_errors(op, shape, kw, offset):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_offset_rows_forward_half_of_torchs_error(emulated, monkeypatch, case, offset):  # noqa: F811
     op, shape, kw, path, _ = case
+    if path == "rows_fwd_smem":
+        monkeypatch.setattr(_schedule, "_smem_row", L._SMEM_ROW)
     names = L._record_launches(monkeypatch)
     ours, theirs = forward_errors(op, shape, kw, offset)
     assert path in names, names
@@ -124,6 +128,8 @@ def test_offset_rows_backward_half_of_torchs_error(emulated, monkeypatch, case, 
     """dx about the exact mean: the register kernels take mean(d) again from the row they hold;
     the split path takes the saved mean's rounding, mean(x - mean), out (rows_grad_finalize)."""
     op, shape, kw, _, path = case
+    if path == "rows_bwd_smem":
+        monkeypatch.setattr(_schedule, "_smem_row", L._SMEM_ROW)
     names = L._record_launches(monkeypatch)
     ours, theirs = backward_errors(op, shape, kw, offset)
     print(f"{op}{shape} at {offset:g}: dx error {ours:.3g}, torch's {theirs:.3g}")

@@ -56,12 +56,14 @@ if NVCC is None or CUOBJDUMP is None:
 
 ROW_KERNELS = ("rows_fwd_warp", "rows_fwd_block", "rows_fwd_multi", "rows_bwd_warp", "rows_bwd_block", "rows_bwd_warp_params",
                "rows_bwd_block_params", "rows_bwd_warp_row_params", "rows_bwd_block_row_params")
+SMEM_ROWS = ("rows_fwd_smem", "rows_bwd_smem")  # rows held in shared memory (no ITEMS)
 VEC = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
 
 
 def sass(dtype, arch="90"):
-    """{name expression: SASS text} of every row-kernel instantiation for ``dtype``."""
-    names = [name for _, _, name in _instantiations(dtype)]
+    """{name expression: SASS text} of every row-kernel instantiation for ``dtype`` (and of
+    the shared-memory row kernels)."""
+    names = [name for _, _, name in _instantiations(dtype)] + [_compile.name_expression(k, dtype) for k in SMEM_ROWS]
     kernels = Path(__file__).resolve().parent.parent / "kernels"
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.cu"
@@ -151,3 +153,24 @@ def test_multi_row_forward_loads_weight_and_bias_once(rows_sass):
     loads = len(re.findall(r"\bLDG\.E\.128\b", code[name]))
     per_a = VEC[dtype] * (8 if dtype == "float64" else 4) // 16  # A vectors per V weights
     assert 3 <= loads <= 2 + 2 * (1 + per_a), (name, loads)
+
+
+def test_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
+    """rows_fwd_smem: x in (LDG.E.128), into shared memory and back (STS.128, LDS.128: the
+    statistics pass and the y pass), y out (STG.E.128), w and b in vectors too."""
+    dtype, code = rows_sass
+    text = code[_compile.name_expression("rows_fwd_smem", dtype)]
+    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text)) for op in ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128")}
+    # x, residual, weight, bias (a float32 weight of a 16-bit row: two vectors per V items)
+    assert counts["LDG.E.128"] >= 4 and counts["STG.E.128"] >= 2, counts  # y and h
+    assert counts["STS.128"] >= 1 and counts["LDS.128"] >= 2, counts
+
+
+def test_backward_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
+    """rows_bwd_smem: x and dy in (LDG.E.128), into shared memory (STS.128) and back twice
+    (LDS.128), dx out (STG.E.128)."""
+    dtype, code = rows_sass
+    text = code[_compile.name_expression("rows_bwd_smem", dtype)]
+    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text)) for op in ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128")}
+    assert counts["LDG.E.128"] >= 3 and counts["STG.E.128"] >= 1, counts  # x, dy, w
+    assert counts["STS.128"] >= 2 and counts["LDS.128"] >= 4, counts

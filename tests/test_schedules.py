@@ -83,11 +83,16 @@ def test_long_rows_split_with_workspaces_in_scratch():
             assert slot.index != scratch or slot.offset < inference.scratch_bytes
 
 
-def test_the_device_decides_grids_not_kernels():
-    plan = _plan("group_norm", (8, 320, 64, 64), num_groups=32)
+def test_the_device_decides_grids_and_kernels():
+    """Rows too long for shared memory everywhere: the same split kernels, other grids; rows
+    an H100 holds in shared memory and a 48 KiB device does not: other kernels."""
+    plan = _plan("group_norm", (8, 320, 128, 128), num_groups=32)  # rows of 163840
     big, small = _forward(plan, {"w", "b"}, device=H100), _forward(plan, {"w", "b"}, device=SMALL)
     assert big.names == small.names
     assert [s.grid for s in big.steps] != [s.grid for s in small.steps]
+    sd = _plan("group_norm", (8, 320, 64, 64), num_groups=32)  # rows of 40960: 80 KiB in bfloat16
+    assert _forward(sd, {"w", "b"}, device=H100).names == ("rows_fwd_smem",)
+    assert _forward(sd, {"w", "b"}, device=SMALL).names[0] == "rows_stats_partial"
 
 
 def test_parameter_dtype_flag_is_in_the_template():
@@ -137,3 +142,21 @@ def test_schedules_need_no_cupy():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=str(pathlib.Path(__file__).resolve().parents[1]))
     assert run.stdout.splitlines() == ["('rows_fwd_multi',) False", "executor: ImportError"], run.stdout + run.stderr
+
+
+def test_long_rows_that_fit_shared_memory_read_x_once():
+    """Rows past the register kernels that fit a block's shared memory on an H100: one kernel
+    forward (rows_fwd_smem), the backward's dx in one (rows_bwd_smem) and dweight/dbias
+    after it; Stable Diffusion's 64x64 GroupNorm(32, 320) rows (40960) forward likewise;
+    rows too long (float32 65536: 256 KiB) or too few to fill the SMs take the split path."""
+    plan = _plan("layer_norm", (1024, 32768))
+    assert _forward(plan, {"w", "b"}).names == ("rows_fwd_smem",)
+    assert _backward(plan, {"w", "mean", "rstd", "dw", "db"}).names == (
+        "rows_bwd_smem", "param_grad_cols", "param_grad_finish")
+    f32 = _plan("layer_norm", (1024, 16384))  # past the float32 register backward (8192)
+    assert _backward(f32, {"w", "mean", "rstd", "dw", "db"}, "float32").names[0] == "rows_bwd_smem"
+    sd = _plan("group_norm", (8, 320, 64, 64), num_groups=32)
+    step = _forward(sd, {"w", "b"}).steps
+    assert [(s.name, s.block, s.smem) for s in step] == [("rows_fwd_smem", (512,), 40960 * 2)]
+    assert _forward(_plan("layer_norm", (512, 65536)), {"w"}, "float32").names[0] == "rows_stats_partial"
+    assert _forward(_plan("layer_norm", (64, 32768)), {"w"}).names[0] == "rows_stats_partial"

@@ -31,6 +31,7 @@ BLOCK_ITEMS = (8, 16)
 MULTI_ITEMS = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
 KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block", "rows_fwd_multi",
+                "rows_fwd_smem", "rows_bwd_smem",
                 "rows_bwd_warp_params", "rows_bwd_block_params", "rows_bwd_warp_row_params",
                 "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial", "cols_apply_fwd", "cols_grad_finalize",

@@ -252,6 +252,28 @@ def _multi_rows(layout, dtype, has_params):
     return "rows_fwd_multi", (min(groups, _target_blocks()),), (_MULTI_BLOCK,), items
 
 
+def _smem_row(layout, dtype, copies=1):
+    """(grid, block, dynamic smem bytes) of rows_fwd_smem (``copies`` 1: x) or rows_bwd_smem
+    (2: x and dy), or None: rows too long for the register kernels whose ``copies`` arrays (in
+    x's dtype, each a 16-byte multiple) fit one block's opt-in shared memory, at least one
+    row per SM (fewer rows take the split path, which cuts them into chunks over every SM).
+    Blocks of 512 threads where two rows fit an SM (one loads while the other sums), else
+    1024; at most the blocks resident at once (registers allow one block of 1024 or two of
+    512 per SM), each taking rows in turn."""
+    itemsize = 16 // _VECTOR[dtype]
+    smem = copies * _ceil(layout.reduced * itemsize, 16) * 16
+    limit = _smem_limit()
+    sms = max(1, _target_blocks() // _BLOCKS_PER_SM)
+    if smem > limit - _ROW_STATIC_SMEM or layout.outer < sms:
+        return None
+    fit = (limit + _SMEM_RESERVED) // (smem + _ROW_STATIC_SMEM + _SMEM_RESERVED)
+    per_sm, threads = (2, _SMEM_ROW_THREADS // 2) if fit >= 2 else (1, _SMEM_ROW_THREADS)
+    return (min(layout.outer, per_sm * sms),), (threads,), smem
+
+
+_SMEM_ROW_THREADS = 1024  # rows_fwd_smem's launch bound (rows.cu: ROW_BLOCK_MAX)
+
+
 def _split(length, parallel, target, min_chunk, align=1):
     """(chunk, nchunk): cut ``length`` into at most 65535 chunks so that ``parallel`` blocks
     per chunk make about ``target`` blocks, chunks of at least ``min_chunk`` elements."""
@@ -272,7 +294,7 @@ def _tile_static_smem(dtype) -> int:
 
 
 MAX_STATIC_SMEM = _tile_static_smem("float64")
-_ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params: its block sum and IndexMap
+_ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params, rows_fwd_smem: block sums and IndexMap
 
 
 def _tile_budgets(dtype) -> tuple:
@@ -367,6 +389,13 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
         _step(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items)
+        return
+    smem_row = _smem_row(layout, dtype) if layout.rows else None
+    if smem_row is not None:
+        grid, block, smem = smem_row
+        _step("rows_fwd_smem", dtype, grid, block,
+              (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
+               i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), smem=smem)
         return
     tile = _tile(layout, dtype, 1)
     if tile is not None:
@@ -515,6 +544,13 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
     if param_grads is not None and _segmented(layout):
         return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads,
                                param_in_t)
+    smem_row = _smem_row(layout, dtype, 2)
+    if smem_row is not None:  # dweight/dbias then from param_grad_cols/rows
+        grid, block, smem = smem_row
+        _step("rows_bwd_smem", dtype, grid, block,
+              (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, i64(outer), i64(reduced), pdiv, plen, center,
+               pin), smem=smem)
+        return None
     return _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t)
 
 
