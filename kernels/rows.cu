@@ -75,6 +75,32 @@ __device__ __forceinline__ long long row_param(long long base, int idx, bool pla
     return plain ? (long long)idx : param_at(map, base + idx);
 }
 
+// The values a forward normalizes at position i of a row: x[i], or h[i] = x[i] + res[i] rounded to
+// T (and written) where there is a residual; one element, or one 16-byte vector from i.
+template <typename T>
+__device__ __forceinline__ T input_value(const T* __restrict__ x, const T* __restrict__ res,
+                                         T* __restrict__ h, long long i) {
+    T v = x[i];
+    if (res) {
+        v = add_in_dtype(v, res[i]);
+        h[i] = v;
+    }
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ Vec16<T> input_vec16(const T* __restrict__ x, const T* __restrict__ res,
+                                                T* __restrict__ h, long long i) {
+    Vec16<T> v = load16(x + i);
+    if (res) {
+        const Vec16<T> r = load16(res + i);
+        ANYNORM_UNROLL
+        for (int j = 0; j < VecLen<T>::value; ++j) v.v[j] = add_in_dtype(v.v[j], r.v[j]);
+        store16(h + i, v);
+    }
+    return v;
+}
+
 // Read the row into v as v - shift (x, or h = x + res with h written); zeros past the end.
 template <typename T, int ITEMS>
 __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restrict__ x,
@@ -87,13 +113,7 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
         for (int k = 0; k < ITEMS; k += V) {
             const int idx = team_item<V>(k, rank, size, true);
             if (idx < count) {
-                Vec16<T> xv = load16(x + idx);
-                if (res) {
-                    const Vec16<T> rv = load16(res + idx);
-                    ANYNORM_UNROLL
-                    for (int j = 0; j < V; ++j) xv.v[j] = add_in_dtype(xv.v[j], rv.v[j]);
-                    store16(h + idx, xv);
-                }
+                const Vec16<T> xv = input_vec16(x, res, h, idx);
                 ANYNORM_UNROLL
                 for (int j = 0; j < V; ++j) v[k + j] = to_acc(xv.v[j]) - shift;
             } else {
@@ -106,12 +126,7 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
         for (int k = 0; k < ITEMS; ++k) {
             const int idx = team_item<V>(k, rank, size, false);
             if (idx < count) {
-                T xv = x[idx];
-                if (res) {
-                    xv = add_in_dtype(xv, res[idx]);
-                    h[idx] = xv;
-                }
-                v[k] = to_acc(xv) - shift;
+                v[k] = to_acc(input_value(x, res, h, idx)) - shift;
             } else {
                 v[k] = A(0);
             }
@@ -538,24 +553,14 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
         A s = A(0);
         if (vec) {
             for (int j = tid * V; j < len; j += threads * V) {
-                Vec16<T> a = load16(xr + j);
-                if (rr) {
-                    const Vec16<T> q = load16(rr + j);
-                    ANYNORM_UNROLL
-                    for (int k = 0; k < V; ++k) a.v[k] = add_in_dtype(a.v[k], q.v[k]);
-                    store16(hr + j, a);
-                }
+                const Vec16<T> a = input_vec16(xr, rr, hr, j);
                 store16(v + j, a);
                 ANYNORM_UNROLL
                 for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
             }
         } else {
             for (int j = tid; j < len; j += threads) {
-                T a = xr[j];
-                if (rr) {
-                    a = add_in_dtype(a, rr[j]);
-                    hr[j] = a;
-                }
+                const T a = input_value(xr, rr, hr, j);
                 v[j] = a;
                 s += to_acc(a) - shift;
             }
@@ -921,21 +926,11 @@ __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict_
         const A shift = row_shift(x + row * count, res ? res + row * count : res);
         Welford<A> s = welford_empty<A>();
         for (long long j = (long long)threadIdx.x * V; j < vlen; j += (long long)blockDim.x * V) {
-            Vec16<T> xv = load16(x + base + j);
-            if (res) {
-                const Vec16<T> rv = load16(res + base + j);
-                for (int q = 0; q < V; ++q) xv.v[q] = add_in_dtype(xv.v[q], rv.v[q]);
-                store16(h + base + j, xv);
-            }
+            const Vec16<T> xv = input_vec16(x, res, h, base + j);
             for (int q = 0; q < V; ++q) welford_push(s, to_acc(xv.v[q]) - shift);
         }
         for (long long j = vlen + threadIdx.x; j < len; j += blockDim.x) {
-            T xv = x[base + j];
-            if (res) {
-                xv = add_in_dtype(xv, res[base + j]);
-                h[base + j] = xv;
-            }
-            welford_push(s, to_acc(xv) - shift);
+            welford_push(s, to_acc(input_value(x, res, h, base + j)) - shift);
         }
         s = block_welford(s, smem);
         if (threadIdx.x == 0) {
