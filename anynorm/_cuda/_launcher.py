@@ -134,27 +134,29 @@ def _bind_on(device_id, schedule) -> BoundLaunch:
         return bind(schedule)
 
 
+def _kept(plan, key, build):
+    """``build()``'s value for ``key``, made once per plan (``_memo``)."""
+    memo = _memo(plan)
+    try:
+        return memo[key]
+    except KeyError:
+        value = memo[key] = build()
+        return value
+
+
 def forward_launch(plan, dtype, layout, present, param_in_t, device_id) -> BoundLaunch:
     """The forward schedule of this signature on device ``device_id``, computed and bound
     once (kept in ``plan.memo``)."""
-    key = ("forward-launch", layout, frozenset(present), param_in_t, device_id)
-    memo = _memo(plan)
-    bound = memo.get(key)
-    if bound is None:
-        bound = memo[key] = _bind_on(device_id, _schedule.schedule_forward(
-            plan, dtype, layout, present, param_in_t, device_info(device_id)))
-    return bound
+    return _kept(plan, ("forward-launch", layout, frozenset(present), param_in_t, device_id),
+                 lambda: _bind_on(device_id, _schedule.schedule_forward(
+                     plan, dtype, layout, present, param_in_t, device_info(device_id))))
 
 
 def backward_launch(plan, dtype, layout, present, param_in_t, grad_in_t, device_id) -> BoundLaunch:
     """The backward schedule of this signature, computed and bound once (``plan.memo``)."""
-    key = ("backward-launch", layout, frozenset(present), param_in_t, grad_in_t, device_id)
-    memo = _memo(plan)
-    bound = memo.get(key)
-    if bound is None:
-        bound = memo[key] = _bind_on(device_id, _schedule.schedule_backward(
-            plan, dtype, layout, present, param_in_t, device_info(device_id), grad_in_t))
-    return bound
+    return _kept(plan, ("backward-launch", layout, frozenset(present), param_in_t, grad_in_t, device_id),
+                 lambda: _bind_on(device_id, _schedule.schedule_backward(
+                     plan, dtype, layout, present, param_in_t, device_info(device_id), grad_in_t)))
 
 
 def forward_present(plan, residual, weight, bias, stats) -> set:
@@ -180,36 +182,27 @@ def dense_forward(plan, dtype, x_strides, res_strides, present, param_in_t, devi
     """The bound forward for an x (and residual) of these element strides, or None where
     x's memory is not the layout's dense buffer (:func:`forward` copies then); kept in
     ``plan.memo``."""
-    key = ("dense-forward", x_strides, res_strides, frozenset(present), param_in_t, device_id)
-    memo = _memo(plan)
-    try:
-        return memo[key]
-    except KeyError:
-        pass
-    layout = plan_layout(plan, x_strides)
-    bound = None
-    if not layout.copy and (res_strides is None or _is_buffer(plan, layout, res_strides)):
-        bound = forward_launch(plan, dtype, layout, present, param_in_t, device_id)
-    memo[key] = bound
-    return bound
+    def build():
+        layout = plan_layout(plan, x_strides)
+        if layout.copy or not (res_strides is None or _is_buffer(plan, layout, res_strides)):
+            return None
+        return forward_launch(plan, dtype, layout, present, param_in_t, device_id)
+
+    return _kept(plan, ("dense-forward", x_strides, res_strides, frozenset(present), param_in_t,
+                        device_id), build)
 
 
 def dense_backward(plan, dtype, x_strides, dy_strides, present, param_in_t, grad_in_t, device_id):
     """The bound backward for an x and dy of these element strides, or None (copies needed:
     :func:`backward`); kept in ``plan.memo``."""
-    key = ("dense-backward", x_strides, dy_strides, frozenset(present), param_in_t, grad_in_t,
-           device_id)
-    memo = _memo(plan)
-    try:
-        return memo[key]
-    except KeyError:
-        pass
-    layout = plan_layout(plan, x_strides, plan.has_weight or "dw" in present)
-    bound = None
-    if not layout.copy and _is_buffer(plan, layout, dy_strides):
-        bound = backward_launch(plan, dtype, layout, present, param_in_t, grad_in_t, device_id)
-    memo[key] = bound
-    return bound
+    def build():
+        layout = plan_layout(plan, x_strides, plan.has_weight or "dw" in present)
+        if layout.copy or not _is_buffer(plan, layout, dy_strides):
+            return None
+        return backward_launch(plan, dtype, layout, present, param_in_t, grad_in_t, device_id)
+
+    return _kept(plan, ("dense-backward", x_strides, dy_strides, frozenset(present), param_in_t,
+                        grad_in_t, device_id), build)
 
 
 def kernel_params(x_dtype, acc, as_dtype, weight, bias=None):
