@@ -470,19 +470,6 @@ def forward_runner(plan, x, stats):
     if float_params:
         def run(x, weight, bias, residual):
             return converted(x, weight, bias)
-    elif center and not stats:
-        def run(x, weight, bias, residual):
-            if ((weight is not None and weight.dtype is not dtype)
-                    or (bias is not None and bias.dtype is not dtype)):
-                return converted(x, weight, bias)
-            if reruns is not None and reruns[0] >= _SHIFT_FIRST_AFTER:
-                out = shift_first(x, weight, bias)
-                if out is not None:
-                    return out
-            y, mean, rstd = kernel(x, weight, bias)
-            if within(mean, rstd):
-                return y, None, None, None
-            return finish(x, weight, bias, weight, bias, y, mean, rstd)
     else:
         def run(x, weight, bias, residual):
             if ((weight is not None and weight.dtype is not dtype)
