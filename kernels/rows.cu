@@ -251,24 +251,18 @@ struct NoSums : NoRowEnd {
     template <typename A> __device__ __forceinline__ void add(int, int, A, A) {}
 };
 
-// In registers, item by item; a block's warp teams add up at the end (store_register_sums).
-template <typename A, int ITEMS> struct RegisterSums : NoRowEnd {
-    A w[ITEMS], b[ITEMS];
-    __device__ __forceinline__ void add(int k, int, A d, A xhat) {
-        w[k] += d * xhat;
-        b[k] += d;
-    }
-};
-
-// In shared memory at the position (2 * count values): a block team's threads own disjoint
-// positions, and no register is spent, so the block kernels keep their plain occupancy.
-// Interleaved, wb[2p] = sum dy * xhat, wb[2p + 1] = sum dy: one pointer (on sm_80 a second one
-// made ptxas spill at ITEMS=16 under the 64-register bound).
+// In shared memory, a block team's thread at its own slots (2 * ITEMS * blockDim.x values): no
+// register is spent, so the block kernels keep their plain occupancy. Slot s = k * blockDim.x +
+// thread of item k, so a warp's 32 threads meet consecutive slots (by position, a vector
+// thread's V positions apart, they met 2 of the 32 banks). Interleaved, wb[2s] = sum
+// dy * xhat, wb[2s + 1] = sum dy: one 8-byte access, one pointer (on sm_80 a second one made
+// ptxas spill at ITEMS=16 under the 64-register bound).
 template <typename A> struct SharedSums : NoRowEnd {
     A* wb;
-    __device__ __forceinline__ void add(int, int idx, A d, A xhat) {
-        wb[2 * idx] += d * xhat;
-        wb[2 * idx + 1] += d;
+    __device__ __forceinline__ void add(int k, int, A d, A xhat) {
+        const int s = k * blockDim.x + threadIdx.x;
+        wb[2 * s] += d * xhat;
+        wb[2 * s + 1] += d;
     }
 };
 
@@ -396,41 +390,6 @@ __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T*
     }
 }
 
-// Write a block's warp teams' register sums to part_*[blockIdx.x * count + idx] (part_b
-// nullable): the warps (each over the same positions) add up in turn through `exchange`
-// (2 * 32 * ITEMS values of A). Every thread of the block must call it.
-template <typename T, int ITEMS>
-__device__ __forceinline__ void store_register_sums(acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
-                                                    RegisterSums<acc_t<T>, ITEMS>& sums, int count, bool vec,
-                                                    acc_t<T>* exchange) {
-    const int V = VecLen<T>::value;
-    const int rank = WarpTeam::rank();
-    const long long base = (long long)blockIdx.x * count;
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
-    for (int q = 0; q < warps; ++q) {
-        if (warp == q) {
-            ANYNORM_UNROLL
-            for (int k = 0; k < ITEMS; ++k) {
-                const int idx = team_item<V>(k, rank, 32, vec);
-                if (idx < count) {
-                    if (q > 0) {
-                        sums.w[k] += exchange[idx];
-                        sums.b[k] += exchange[count + idx];
-                    }
-                    if (q + 1 < warps) {
-                        exchange[idx] = sums.w[k];
-                        exchange[count + idx] = sums.b[k];
-                    } else {
-                        part_w[base + idx] = sums.w[k];
-                        if (part_b) part_b[base + idx] = sums.b[k];
-                    }
-                }
-            }
-        }
-        __syncthreads();
-    }
-}
-
 // Short rows: one warp per row, several warps per block, grid-stride over rows.
 template <typename T, int ITEMS>
 __global__ void rows_fwd_warp(
@@ -471,26 +430,6 @@ __global__ void rows_bwd_warp_row_params(
     RowSums<acc_t<T> > sums = {part_w, part_b, acc_t<T>(0), acc_t<T>(0)};
     backward_rows<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, count, p_len, center,
                                       (acc_t<T>*)0, sums);
-}
-
-// Plain rows (layer/RMS norm over trailing axes) with dweight/dbias partial sums on the way:
-// part_w/part_b[blockIdx.x * count + p] (part_b nullable), for param_grad_finish.
-template <typename T, int ITEMS>
-__global__ void rows_bwd_warp_params(
-        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
-        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-        acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
-        int center, int param_in_t) {
-    const Param<T> w = {w_arg, param_in_t & 1};
-    typedef acc_t<T> A;
-    __shared__ A exchange[2 * 32 * ITEMS];
-    RegisterSums<A, ITEMS> sums;
-    ANYNORM_UNROLL
-    for (int k = 0; k < ITEMS; ++k) sums.w[k] = sums.b[k] = A(0);
-    backward_rows<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, 1, count, center,
-                                      (A*)0, sums);
-    store_register_sums<T, ITEMS>(part_w, part_b, sums, (int)count,
-                                  rows_vec<T, ITEMS>((int)count, x, dy, dx), exchange);
 }
 
 // Medium rows: one block per row (blockDim.x threads, a power of two up to ROW_BLOCK_MAX),
@@ -762,6 +701,63 @@ __device__ __forceinline__ A team_sum(A v, int size, A* smem) {
     return v;
 }
 
+// One parameter (w, or b: `none` where absent) at the positions a thread of a multi-row team
+// meets in every row (16-byte vectors where `vec` and the parameter allow), `none` past the row.
+// team_sum of two values at once (one pair of barriers for teams wider than a warp; `smem`:
+// 2 * blockDim.x / 32 values of A).
+template <typename A>
+__device__ __forceinline__ void team_sum2(A& a, A& b, int size, A* smem) {
+    const int width = size < 32 ? size : 32;
+    for (int off = width >> 1; off > 0; off >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, off);
+        b += __shfl_xor_sync(0xffffffffu, b, off);
+    }
+    if (size > 32) {
+        const int warp = threadIdx.x >> 5, per = size >> 5;
+        if ((threadIdx.x & 31) == 0) {
+            smem[2 * warp] = a;
+            smem[2 * warp + 1] = b;
+        }
+        __syncthreads();
+        const int first = warp & ~(per - 1);
+        a = smem[2 * first];
+        b = smem[2 * first + 1];
+        for (int k = 1; k < per; ++k) {
+            a += smem[2 * (first + k)];
+            b += smem[2 * (first + k) + 1];
+        }
+        __syncthreads();
+    }
+}
+
+template <typename T, int ITEMS>
+__device__ __forceinline__ void team_param(acc_t<T> (&out)[ITEMS], const Param<T>& q, acc_t<T> none,
+                                           int n, int rank, int size, bool vec) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    if (vec && param_vec_ok(q)) {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; k += V) {
+            const int idx = team_item<V>(k, rank, size, true);
+            A t[V];
+            if (idx < n) {
+                param_vec(q, idx, t, none);
+            } else {
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) t[j] = none;
+            }
+            ANYNORM_UNROLL
+            for (int j = 0; j < V; ++j) out[k + j] = t[j];
+        }
+    } else {
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) {
+            const int idx = team_item<V>(k, rank, size, vec);
+            out[k] = idx < n ? param_value(q, idx, none) : none;
+        }
+    }
+}
+
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
@@ -784,32 +780,8 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
                      aligned16_or_null(res ? h : 0) && aligned16_or_null(y);
     // this thread's weights and biases, for every row it takes
     A wv[ITEMS], bv[ITEMS];
-    if (vec && param_vec_ok(w) && param_vec_ok(b)) {
-        ANYNORM_UNROLL
-        for (int k = 0; k < ITEMS; k += V) {
-            const int idx = team_item<V>(k, rank, size, true);
-            A wt[V], bt[V];
-            if (idx < n) {
-                param_vec(w, idx, wt, A(1));
-                param_vec(b, idx, bt, A(0));
-            } else {
-                ANYNORM_UNROLL
-                for (int j = 0; j < V; ++j) wt[j] = bt[j] = A(0);
-            }
-            ANYNORM_UNROLL
-            for (int j = 0; j < V; ++j) {
-                wv[k + j] = wt[j];
-                bv[k + j] = bt[j];
-            }
-        }
-    } else {
-        ANYNORM_UNROLL
-        for (int k = 0; k < ITEMS; ++k) {
-            const int idx = team_item<V>(k, rank, size, vec);
-            wv[k] = idx < n ? weight_at(w, idx) : A(0);
-            bv[k] = idx < n ? bias_at(b, idx) : A(0);
-        }
-    }
+    team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
+    team_param<T, ITEMS>(bv, b, A(0), n, rank, size, vec);
     const A fn = A(n), e = A(eps);
     const long long groups = (rows + teams - 1) / teams;
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
@@ -853,6 +825,106 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
     }
 }
 
+// The backward of rows_fwd_multi's rows (plain, or without parameters), as backward_row with
+// teams of `size` threads: each thread's weight loaded once, and its dweight/dbias partial
+// sums (dy * xhat, dy) kept in registers for every row it takes. At the end the block's
+// teams (each over the same positions) add theirs up in shared memory in team order, and the
+// block writes part_w/part_b[blockIdx.x * count + p] (part_b nullable; part_w null: dx only)
+// for param_grad_finish (nchunk = gridDim.x): deterministic, no atomics. Launch as
+// rows_fwd_multi; the grid is persistent (about the resident blocks) so the partial rows
+// stay few. Resident blocks per SM (the launch bound): 16-bit types 3 (80 registers, 24 warps,
+// 37.5%: at 64 their 3 x 8 values a thread of x, dy, w and 2 x 8 sums spill), the others 4
+// (64 registers, 50%).
+template <typename T> struct MultiBwdBlocks { static const int value = sizeof(T) == 2 ? 3 : 4; };
+
+template <typename T, int ITEMS>
+__global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bwd_multi(
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
+        int center, int param_in_t) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const Param<T> w = {w_arg, param_in_t & 1};
+    __shared__ A smem[2 * MULTI_BLOCK / 32];
+    __shared__ A sums[2 * ITEMS * MULTI_BLOCK];  // [2][ITEMS][thread]: the teams' sums at the end
+    const int n = (int)count;
+    const int need = (n + ITEMS - 1) / ITEMS;
+    int size = 1;
+    while (size < need) size <<= 1;
+    const int rank = threadIdx.x & (size - 1);
+    const int teams = blockDim.x / size, team = threadIdx.x / size;
+    const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);
+    A wv[ITEMS], sw[ITEMS], sb[ITEMS];
+    team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS; ++k) sw[k] = sb[k] = A(0);
+    const A fn = A(n);
+    const long long groups = (rows + teams - 1) / teams;
+    for (long long grp = blockIdx.x; grp < groups; grp += gridDim.x) {
+        // every thread runs every group (team sums meet at barriers); a team past the last
+        // row reads and writes nothing
+        const long long row = grp * teams + team;
+        const bool active = row < rows;
+        const int len = active ? n : 0;
+        const long long base = active ? row * count : 0;
+        const T* xr = x + base;
+        const A shift = center && active ? row_shift(xr, (const T*)0) : A(0);
+        const A r = active ? rstd[row] : A(0);
+        A xh[ITEMS], g[ITEMS];
+        load_row<T, ITEMS>(xh, xr, (const T*)0, (T*)0, len, rank, size, vec, shift);
+        load_row<T, ITEMS>(g, dy + base, (const T*)0, (T*)0, len, rank, size, vec);
+        // xhat about the row's exact mean, as backward_row: mean(d) of d = x - shift again
+        A mu = A(0);
+        if (center) {
+            A s = A(0);
+            ANYNORM_UNROLL
+            for (int k = 0; k < ITEMS; ++k) s += xh[k];
+            mu = team_sum(s, size, smem) / fn;
+        }
+        A sg = A(0), sgx = A(0);
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) {
+            if (team_item<V>(k, rank, size, vec) < len) {
+                xh[k] = (xh[k] - mu) * r;
+                sw[k] += g[k] * xh[k];  // g is still dy here
+                sb[k] += g[k];
+                g[k] *= wv[k];
+                sg += g[k];
+                sgx += g[k] * xh[k];
+            }
+        }
+        team_sum2(sg, sgx, size, smem);
+        const A mg = center ? sg / fn : A(0);
+        const A mgx = sgx / fn;
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) g[k] = r * (g[k] - mg - xh[k] * mgx);
+        store_row<T, ITEMS>(dx + base, g, len, rank, size, vec);
+    }
+    if (part_w == 0) return;
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS; ++k) {
+        sums[k * MULTI_BLOCK + threadIdx.x] = sw[k];
+        sums[(ITEMS + k) * MULTI_BLOCK + threadIdx.x] = sb[k];
+    }
+    __syncthreads();
+    // slot s = (item k, rank q) of a team: every position of the row is one slot's
+    const long long out = (long long)blockIdx.x * count;
+    for (int s = threadIdx.x; s < size * ITEMS; s += blockDim.x) {
+        const int k = s / size, q = s - k * size;
+        const int idx = team_item<V>(k, q, size, vec);
+        if (idx < n) {
+            A tw = A(0), tb = A(0);
+            for (int t = 0; t < teams; ++t) {
+                tw += sums[k * MULTI_BLOCK + t * size + q];
+                tb += sums[(ITEMS + k) * MULTI_BLOCK + t * size + q];
+            }
+            part_w[out + idx] = tw;
+            if (part_b) part_b[out + idx] = tb;
+        }
+    }
+}
+
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
@@ -879,8 +951,10 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_row_p
                                        smem, sums);
 }
 
-// As rows_bwd_warp_params, one block per row; the sums wait in dynamic shared memory
-// (2 * count values of A), then the block copies them out.
+// Plain rows (layer/RMS norm over trailing axes) past rows_bwd_multi's, one block per row, with
+// dweight/dbias partial sums on the way: they wait in dynamic shared memory (2 * count values
+// of A), then the block writes part_w/part_b[blockIdx.x * count + p] (part_b nullable) for
+// param_grad_finish.
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_params(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
@@ -893,14 +967,21 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_param
     const int n = (int)count;
     SharedSums<A> sums;
     sums.wb = dynamic_shared<A>();
-    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) sums.wb[i] = A(0);
+    const int slots = ITEMS * blockDim.x;
+    for (int i = threadIdx.x; i < 2 * slots; i += blockDim.x) sums.wb[i] = A(0);
     __syncthreads();
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, n, 1, count, center, smem, sums);
     __syncthreads();
+    // slot s = (item k, thread t) holds position team_item(k, t): each position is one slot's
+    const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);
     const long long base = (long long)blockIdx.x * count;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        part_w[base + i] = sums.wb[2 * i];
-        if (part_b) part_b[base + i] = sums.wb[2 * i + 1];
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+        const int k = s / blockDim.x, t = s - k * blockDim.x;
+        const int idx = team_item<VecLen<T>::value>(k, t, blockDim.x, vec);
+        if (idx < n) {
+            part_w[base + idx] = sums.wb[2 * s];
+            if (part_b) part_b[base + idx] = sums.wb[2 * s + 1];
+        }
     }
 }
 

@@ -739,9 +739,14 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     ``per_row``), then param_grad_finish: dx, dweight and dbias against float64 formulas."""
     A = ACC[dtype]
     kind = "row_params" if per_row else "params"
-    kernel_name = f"rows_bwd_{path}_{kind}"
-    items = (_items(dtype, case.reduced, kernel_name) if path == "warp"
-             else _block_items(dtype, case.reduced, kernel_name))
+    kernel_name = "rows_bwd_multi" if path == "multi" else f"rows_bwd_{path}_{kind}"
+    if path == "multi":  # teams of one 16-byte vector a thread, several rows a block
+        items, threads = _compile.MULTI_ITEMS[dtype], 256
+    elif path == "warp":
+        items, threads = _items(dtype, case.reduced, kernel_name), ROWS_BLOCK
+    else:
+        items = _block_items(dtype, case.reduced, kernel_name)
+        threads = row_threads(case.reduced, items)
     x, w, _ = _data(case, dtype, 5)
     dy = np.random.default_rng(6).standard_normal(case.shape)
     xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
@@ -751,12 +756,12 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     nchunk = case.a_len if per_row else grid  # partial rows: one per sample, or one per block
     parts = [_acc_buf(nchunk * case.p_len, dtype) for _ in range(2)]
     part_b = parts[1] if with_bias else None
-    kernel = kernels(f"rows_bwd_{path}_{kind}", dtype, items)
-    # a block's sums per position wait in shared memory
-    smem = 0 if path == "warp" or per_row else 2 * case.reduced * np.dtype(A).itemsize
+    kernel = kernels(kernel_name, dtype, items)
+    # a block's sums per (item, thread) wait in shared memory
+    smem = 0 if path != "block" or per_row else 2 * items * threads * np.dtype(A).itemsize
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
-    kernel((grid,), (ROWS_BLOCK if path == "warp" else row_threads(case.reduced, items),),
+    kernel((grid,), (threads,),
            (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A) if center else None,
             emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer, case.reduced,
             *((case.p_len,) if per_row else ()), center, 0), shared_mem=smem, schedule=schedule)
@@ -774,8 +779,9 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
 
 # (path, dtype, rows, count, grid): rows dealt to fewer teams than rows (several rows per
 # team, teams with none), odd and vector-wide counts, one team per block and four per block.
-_FUSED_ROWS = [("warp", "float32", 9, 250, 1), ("warp", "float32", 37, 33, 3), ("warp", "float64", 11, 64, 2),
-               ("warp", "float16", 13, 255, 2), ("warp", "bfloat16", 6, 64, 4), ("warp", "float32", 3, 1, 2),
+_FUSED_ROWS = [("multi", "float32", 9, 250, 1), ("multi", "float32", 37, 33, 3), ("multi", "float64", 11, 64, 2),
+               ("multi", "float16", 13, 255, 2), ("multi", "bfloat16", 6, 64, 4), ("multi", "float32", 3, 1, 2),
+               ("multi", "bfloat16", 5, 2048, 2), ("multi", "float32", 40, 1000, 3),
                ("block", "float32", 5, 2049, 2), ("block", "float16", 7, 1024, 3), ("block", "float64", 4, 3001, 3),
                ("block", "bfloat16", 3, 2048, 1), ("block", "bfloat16", 3, 16384, 2),  # 128 KiB of sums
                ("block", "bfloat16", 4, 12000, 3)]

@@ -426,7 +426,7 @@ def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype, shape, fused", [
-    ("float32", (70, 100), "rows_bwd_warp_params"),  # 70 rows: 2 blocks of 4 warps (16 rows a warp)
+    ("float32", (70, 100), "rows_bwd_multi"),  # 70 rows: teams of 32, 8 rows a block at a time
     ("bfloat16", (40, 3000), "rows_bwd_block_params"),
     ("float64", (6, 1000), "rows_bwd_block_params"),  # past the warp sums' 256: a block, sums in smem
 ])
@@ -465,11 +465,13 @@ MULTI_SHAPES = [(1, 8), (1, 200), (3, 24), (50, 5), (900, 12), (7, 100), (5, 777
 @pytest.mark.parametrize("shape", MULTI_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_launch_several_rows_per_block(emulated, monkeypatch, dtype, shape):
-    """Short plain rows (or rows without parameters): rows_fwd_multi, weight and bias loaded
-    once per thread for all its rows; with a residual, without parameters, parameters in x's dtype."""
+    """Short plain rows (or rows without parameters): rows_fwd_multi and rows_bwd_multi,
+    weight and bias loaded once per thread for all its rows, dweight/dbias partials per block;
+    with a residual, without parameters, parameters in x's dtype."""
     names = _record_launches(monkeypatch)
     _check("layer_norm", shape, {}, dtype)
-    assert ("rows_fwd_multi" in names) == (_multi_team(shape[1], dtype) is not None), names
+    multi = _multi_team(shape[1], dtype) is not None
+    assert ("rows_fwd_multi" in names) == multi and ("rows_bwd_multi" in names) == multi, names
     _check("rms_norm", shape, {"axis": -1, "eps": 1e-6}, dtype, residual=True, params_in_x=True)
     _check("layer_norm", shape, {}, dtype, with_params=False, offset=1)
 
@@ -480,7 +482,7 @@ def test_launch_several_rows_per_block_dtypes(emulated, monkeypatch, dtype, shap
     names = _record_launches(monkeypatch)
     _check("layer_norm", shape, {}, dtype)
     _check("layer_norm", shape, {}, dtype, residual=True, params_in_x=True)
-    assert "rows_fwd_multi" in names, names
+    assert {"rows_fwd_multi", "rows_bwd_multi"} <= names, names
 
 
 def test_launch_rows_with_a_parameter_per_row_skip_the_multi_kernel(emulated, monkeypatch):

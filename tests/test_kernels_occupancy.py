@@ -42,10 +42,10 @@ pytestmark = pytest.mark.slow
 
 FORWARD, BACKWARD = 0.5, 0.375
 TARGETS = {
-    "rows_fwd_warp": FORWARD, "rows_fwd_block": FORWARD, "rows_fwd_multi": FORWARD, "rows_fwd_smem": FORWARD,
+    "rows_fwd_warp": FORWARD, "rows_fwd_block": FORWARD, "rows_fwd_multi": FORWARD, "rows_bwd_multi": BACKWARD, "rows_fwd_smem": FORWARD,
     "rows_stats_partial": FORWARD,
     "rows_stats_finalize": FORWARD, "rows_apply_fwd": FORWARD,
-    "rows_bwd_warp": BACKWARD, "rows_bwd_block": BACKWARD, "rows_bwd_warp_params": BACKWARD,
+    "rows_bwd_warp": BACKWARD, "rows_bwd_block": BACKWARD,
     "rows_bwd_block_params": BACKWARD, "rows_bwd_smem": BACKWARD, "rows_bwd_warp_row_params": BACKWARD,
     "rows_bwd_block_row_params": BACKWARD, "rows_grad_partial": BACKWARD,
     "rows_grad_finalize": BACKWARD,

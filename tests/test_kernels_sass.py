@@ -54,7 +54,7 @@ NVCC, CUOBJDUMP = _find("nvcc"), _find("cuobjdump")
 if NVCC is None or CUOBJDUMP is None:
     pytest.skip("nvcc or cuobjdump not found", allow_module_level=True)
 
-ROW_KERNELS = ("rows_fwd_warp", "rows_fwd_block", "rows_fwd_multi", "rows_bwd_warp", "rows_bwd_block", "rows_bwd_warp_params",
+ROW_KERNELS = ("rows_fwd_warp", "rows_fwd_block", "rows_fwd_multi", "rows_bwd_warp", "rows_bwd_block", "rows_bwd_multi",
                "rows_bwd_block_params", "rows_bwd_warp_row_params", "rows_bwd_block_row_params")
 SMEM_ROWS = ("rows_fwd_smem", "rows_bwd_smem")  # rows held in shared memory (no ITEMS)
 VEC = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
@@ -153,6 +153,20 @@ def test_multi_row_forward_loads_weight_and_bias_once(rows_sass):
     loads = len(re.findall(r"\bLDG\.E\.128\b", code[name]))
     per_a = VEC[dtype] * (8 if dtype == "float64" else 4) // 16  # A vectors per V weights
     assert 3 <= loads <= 2 + 2 * (1 + per_a), (name, loads)
+
+
+def test_multi_row_backward_loads_the_weight_once(rows_sass):
+    """rows_bwd_multi keeps its weight and its dweight/dbias sums in registers for all its
+    rows: per row one 16-byte vector each of x and dy and one STG.E.128 of dx, the weight's
+    vectors once (1 + sizeof(A) / sizeof(T) for both parameter types), no local memory."""
+    dtype, code = rows_sass
+    name = _compile.name_expression("rows_bwd_multi", dtype, _compile.MULTI_ITEMS[dtype])
+    text = code[name]
+    loads = len(re.findall(r"\bLDG\.E\.128\b", text))
+    per_a = VEC[dtype] * (8 if dtype == "float64" else 4) // 16  # A vectors per V weights
+    assert 3 <= loads <= 2 + 1 + per_a, (name, loads)
+    assert len(re.findall(r"\bSTG\.E\.128\b", text)) >= 1, name
+    assert not re.search(r"\b(LDL|STL)\b", text), name
 
 
 def test_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):

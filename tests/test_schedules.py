@@ -45,9 +45,9 @@ def _strides(shape):
 
 
 def test_transformer_rows_are_one_kernel_each_way():
-    """768 elements: forward, teams of 128 threads (one 16-byte vector each), two rows per
-    block of 256 at a time (rows_fwd_multi); backward, a block of 128 threads per row
-    (ITEMS=8), dweight/dbias summed in its shared memory."""
+    """768 elements: teams of 128 threads (one 16-byte vector each), two rows per block of 256
+    at a time both ways (rows_fwd_multi, rows_bwd_multi); backward on a persistent grid whose
+    blocks each keep dweight/dbias partials in registers, one partial row per block."""
     plan = _plan("layer_norm", (64, 768))
     for present in ({"w", "b"}, {"w", "b"} | STATS):  # inference, and with statistics
         schedule = _forward(plan, present)
@@ -58,10 +58,20 @@ def test_transformer_rows_are_one_kernel_each_way():
     assert not {slot.index for _, slot in inference.steps[0].slots} & {mean_slot, rstd_slot}
     assert {mean_slot, rstd_slot} <= {slot.index for _, slot in training.steps[0].slots}
     backward = _backward(plan, {"w", "rstd", "mean", "dw", "db"})
-    assert backward.names == ("rows_bwd_block_params", "param_grad_finish")
-    short = _plan("layer_norm", (64, 256))  # warps, the sums in registers
+    assert backward.names == ("rows_bwd_multi", "param_grad_finish")
+    # 32 groups of 2 rows on 132 SMs: a block each, no more (one partial row per block)
+    assert backward.steps[0].grid == (32,) and backward.steps[0].items == 8
+    short = _plan("layer_norm", (64, 256))
     assert _forward(short, {"w", "b"}).names == ("rows_fwd_multi",)
-    assert _backward(short, {"w", "rstd", "mean", "dw", "db"}).names == ("rows_bwd_warp_params", "param_grad_finish")
+    assert _backward(short, {"w", "rstd", "mean", "dw", "db"}).names == ("rows_bwd_multi", "param_grad_finish")
+    assert _backward(short, {"rstd", "mean"}).names == ("rows_bwd_multi",)  # dx alone: no partials
+    # M = 32768 rows of 768: 16384 groups on a persistent grid of 3 blocks per SM (16-bit)
+    many = _plan("layer_norm", (32768, 768))
+    assert _backward(many, {"w", "rstd", "mean", "dw", "db"}).steps[0].grid == (3 * 132,)
+    assert _backward(many, {"w", "rstd", "mean", "dw", "db"}, dtype="float32").steps[0].grid == (4 * 132,)
+    # past the multi kernel's block (2048 16-bit elements): a block a row, sums in shared memory
+    wide = _plan("layer_norm", (64, 4096))
+    assert _backward(wide, {"w", "rstd", "mean", "dw", "db"}).names == ("rows_bwd_block_params", "param_grad_finish")
 
 
 def test_convnext_channels_first_is_one_tile_kernel():

@@ -26,13 +26,13 @@ CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", 
 # 512 elements (past 256 with the dweight/dbias sums in registers) go to the block kernels.
 WARP_ITEMS = (1, 2, 4, 8, 16)
 BLOCK_ITEMS = (8, 16)
-# rows_fwd_multi (several short rows per block, teams sized to the row): one 16-byte vector
+# rows_fwd_multi/rows_bwd_multi (several short rows per block, teams sized to the row): one 16-byte vector
 # per thread, ITEMS = 16 / sizeof(T) (float64 spills past 2 under its 64-register bound).
 MULTI_ITEMS = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
 KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block", "rows_fwd_multi",
-                "rows_fwd_smem", "rows_bwd_smem",
-                "rows_bwd_warp_params", "rows_bwd_block_params", "rows_bwd_warp_row_params",
+                "rows_bwd_multi", "rows_fwd_smem", "rows_bwd_smem",
+                "rows_bwd_block_params", "rows_bwd_warp_row_params",
                 "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial", "cols_apply_fwd", "cols_grad_finalize",
                 "cols_param_grad_rows"),
@@ -43,13 +43,15 @@ KERNELS = {
 }
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
           "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS, "rows_fwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
-          "rows_bwd_warp_params": WARP_ITEMS[:4], "rows_bwd_block_params": BLOCK_ITEMS,
+          "rows_bwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
+          "rows_bwd_block_params": BLOCK_ITEMS,
           "rows_bwd_warp_row_params": WARP_ITEMS, "rows_bwd_block_row_params": BLOCK_ITEMS}
 # The float32 block backward at ITEMS=16 would spill under its 64-register bound: float32
 # rows of 8193-16384 elements take the split path backward.
 _ITEMS_MAX = {(k, "float32"): 8 for k in ("rows_bwd_block", "rows_bwd_block_params", "rows_bwd_block_row_params")}
 # Kernels built for one ITEMS per dtype.
-_ITEMS_ONLY = {("rows_fwd_multi", dtype): (items,) for dtype, items in MULTI_ITEMS.items()}
+_ITEMS_ONLY = {(kernel, dtype): (items,) for dtype, items in MULTI_ITEMS.items()
+               for kernel in ("rows_fwd_multi", "rows_bwd_multi")}
 # Threads of a block-per-row kernel (rows.cu's launch bounds: ROW_BLOCK_MAX, BwdBlockMax).
 BLOCK_THREADS_MAX = 1024
 _BLOCK_THREADS_MAX = {(k, "float64"): 256 for k in ("rows_bwd_block", "rows_bwd_block_params",

@@ -214,14 +214,13 @@ def _grid_1d(n, per_block, cap=None):
     return min(blocks, cap or 64 * _target_blocks(), _MAX_X)
 
 
-def _row_kernel(prefix, rows, count, dtype, warp=None):
+def _row_kernel(prefix, rows, count, dtype):
     """(kernel, grid, block, ITEMS) of the register-resident row kernels for ``count``, or
-    None when the row is longer than they hold in ``dtype``: the warp kernel (``warp``, else
-    ``{prefix}_warp``, whose ITEMS decide how long a row it takes) with the smallest ITEMS
-    that holds the row, else the block kernel with the smallest ITEMS and a power of two of
-    threads holding it (powers of two keep the SM's warps whole: 64 registers x any of them
-    is 32 warps, 50%)."""
-    for items in items_of(warp or f"{prefix}_warp", dtype):
+    None when the row is longer than they hold in ``dtype``: the warp kernel with the
+    smallest ITEMS that holds the row, else the block kernel with the smallest ITEMS and a
+    power of two of threads holding it (powers of two keep the SM's warps whole: 64
+    registers x any of them is 32 warps, 50%)."""
+    for items in items_of(f"{prefix}_warp", dtype):
         if 32 * items >= count:
             return f"{prefix}_warp", (_grid_1d(rows, _ROWS_BLOCK // 32),), (_ROWS_BLOCK,), items
     kernel = f"{prefix}_block"
@@ -235,12 +234,15 @@ def _row_kernel(prefix, rows, count, dtype, warp=None):
 _MULTI_BLOCK = 256  # rows_fwd_multi's block (rows.cu: MULTI_BLOCK)
 
 
-def _multi_rows(layout, dtype, has_params):
-    """(kernel, grid, block, ITEMS) of rows_fwd_multi, or None: rows whose team (ITEMS = one
-    16-byte vector per thread, a power of two of threads) fits its block, plain (p = position
-    in the row) where there are parameters. A persistent grid: at most ``_target_blocks()``
-    blocks (4 per SM: 32 warps at the kernel's 64 registers), each taking groups of
-    ``256 / team`` rows in turn, its weight and bias loaded once."""
+def _multi_rows(layout, dtype, has_params, backward=False):
+    """(kernel, grid, block, ITEMS) of rows_fwd_multi (rows_bwd_multi with ``backward``), or
+    None: rows whose team (ITEMS = one 16-byte vector per thread, a power of two of threads)
+    fits its block, plain (p = position in the row) where there are parameters. A persistent
+    grid: at most the blocks resident at once (4 per SM: 32 warps at 64 registers; the 16-bit
+    backward 3: 24 warps at 80), each taking groups of ``256 / team`` rows in turn, its
+    weight and bias loaded once. The backward's blocks each write a row of dweight/dbias
+    partials: at least one block per SM, and no more than keeps ``_PARAM_ROWS_PER_TEAM`` rows
+    per team."""
     count = layout.reduced
     if not layout.rows or (has_params and (layout.p_div != 1 or layout.p_len != count)):
         return None
@@ -248,8 +250,14 @@ def _multi_rows(layout, dtype, has_params):
     team = 1 << (_ceil(count, items) - 1).bit_length()
     if team > _MULTI_BLOCK:
         return None
-    groups = _ceil(layout.outer, _MULTI_BLOCK // team)
-    return "rows_fwd_multi", (min(groups, _target_blocks()),), (_MULTI_BLOCK,), items
+    teams = _MULTI_BLOCK // team
+    groups = _ceil(layout.outer, teams)
+    if not backward:
+        return "rows_fwd_multi", (min(groups, _target_blocks()),), (_MULTI_BLOCK,), items
+    sms = _target_blocks() // _BLOCKS_PER_SM
+    resident = (3 if _VECTOR[dtype] == 8 else 4) * sms  # rows.cu: MultiBwdBlocks
+    blocks = min(groups, resident, max(sms, _ceil(groups, _PARAM_ROWS_PER_TEAM)))
+    return "rows_bwd_multi", (blocks,), (_MULTI_BLOCK,), items
 
 
 def _smem_row(layout, dtype, copies=1):
@@ -477,9 +485,9 @@ def _tile_param_mode(layout):
 def _row_params(layout, dtype, kernel, grid, block, items):
     """``(kernel, grid, dynamic smem bytes, nchunk, extra args)`` of the row backward that also
     sums dweight/dbias into ``nchunk`` partial rows of ``p_len``, or None where none applies:
-    per position and block for plain rows (p = position in the row; sums in registers for
-    warp teams, in shared memory for a block, which must fit the device), per row where p is
-    the row's own (p = row % p_len: NCHW instance norm)."""
+    per position and block for plain rows past rows_bwd_multi's (a block a row, the sums in
+    shared memory, which must fit the device), per row where p is the row's own (p = row %
+    p_len: NCHW instance norm)."""
     if layout.p_div == layout.reduced:  # part[row] = part[(row // p_len) * p_len + p]
         fused = f"{kernel}_row_params"
         if items not in items_of(fused, dtype):
@@ -488,13 +496,11 @@ def _row_params(layout, dtype, kernel, grid, block, items):
     fused = f"{kernel}_params"
     if layout.p_div != 1 or layout.p_len != layout.reduced or items not in items_of(fused, dtype):
         return None
-    warps = kernel.endswith("_warp")
-    smem = 0 if warps else 2 * layout.reduced * np.dtype(acc_dtype(dtype)).itemsize
+    smem = 2 * items * block[0] * np.dtype(acc_dtype(dtype)).itemsize  # a slot per (item, thread)
     if smem > _smem_limit() - _ROW_STATIC_SMEM:
         return None
-    teams = block[0] // 32 if warps else 1
     target = _target_blocks()
-    wanted = max(target // _BLOCKS_PER_SM, _ceil(layout.outer, teams * _PARAM_ROWS_PER_TEAM))
+    wanted = max(target // _BLOCKS_PER_SM, _ceil(layout.outer, _PARAM_ROWS_PER_TEAM))
     blocks = min(grid[0], target, wanted)
     return fused, (blocks,), smem, blocks, ()
 
@@ -507,10 +513,16 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
     acc = acc_dtype(dtype)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
     pdiv, plen = i64(layout.p_div), i64(layout.p_len)
-    # plain rows whose warp kernel keeps dweight/dbias sums in registers: shorter ones only
-    plain_sums = param_grads is not None and layout.p_div == 1 and layout.p_len == reduced
-    row = (_row_kernel("rows_bwd", outer, reduced, dtype, "rows_bwd_warp_params" if plain_sums else None)
-           if layout.rows else None)
+    multi = _multi_rows(layout, dtype, w is not None or param_grads is not None, backward=True)
+    if multi is not None:  # dweight/dbias partials per block: (part, blocks)
+        kernel, grid, block, items = multi
+        part = None if param_grads is None else _workspace((2, grid[0] * reduced), dtype=acc)
+        _step(kernel, dtype, grid, block,
+              (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(None if part is None else part[0]),
+               _ptr(part[1] if param_grads else None), i64(outer), i64(reduced), center, pin),
+              items=items)
+        return None if part is None else (part, grid[0])
+    row = _row_kernel("rows_bwd", outer, reduced, dtype) if layout.rows else None
     if row is not None:
         kernel, grid, block, items = row
         fused = None if param_grads is None else _row_params(layout, dtype, kernel, grid, block, items)
