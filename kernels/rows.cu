@@ -1,16 +1,17 @@
 // Rows family (inner == 1): every normalized slice is `count` contiguous elements.
 //
 // Short rows (count <= 32 * ITEMS): one warp per row; medium rows (count <= blockDim.x *
-// ITEMS): one block per row, sized to the row; short plain rows forward (rows_fwd_multi):
-// several teams per block, each thread's weight and bias loaded once for all its rows.
+// ITEMS): one block per row, sized to the row; short plain rows (rows_fwd_multi,
+// rows_bwd_multi): several teams per block, each thread's weight and bias loaded once for all
+// its rows (and the backward's dweight/dbias sums kept in its registers).
 // Either way a "team" of threads holds the row
 // in registers (ITEMS values per thread) and takes exact two-pass statistics of
 // d = v - shift from them: x is read once, y written once. Long rows: rows_*_partial reduce
 // chunks of a row per block; the chunks are merged by finish.cu (rows_stats_finalize /
 // rows_grad_finalize) and applied by rows_apply_fwd / apply_bwd.
-// The backward's *_params variants also add up dweight/dbias partial sums on the way (per
-// position of plain rows, p = position in the row; per row where p is the row's channel), so
-// dy and x are not read again for them.
+// rows_bwd_multi and the backward's *_params variants also add up dweight/dbias partial sums on
+// the way (per position of plain rows, p = position in the row; per row where p is the row's
+// channel), so dy and x are not read again for them.
 // Launch configurations: README.md.
 #include "common.cuh"
 
