@@ -29,8 +29,9 @@ conditioned, and ``shift`` is added back to the returned mean), and is checked a
 still fails takes the exact executors.  Checking after the kernel beats shifting before it
 at every size measured on torch CPU (a (4, 8) call: the check on Python floats 1.1 us,
 ``x - x[..., :1]`` 3.4 us; at 1000 rows three torch ops 3.8 us against a pass over x).  Under
-``torch.compile`` (no data-dependent branch) the shift is always taken, from one element of
-each slice, and the channels-last kernel is not used.
+``torch.compile`` (no data-dependent branch) the shift is always taken, the mean of a few
+leading elements of each slice, half dtypes run in float32 (:func:`_traced_forward`), and
+the channels-last kernel is not used.
 
 When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
 (``Tensor.numpy()``, zero-copy) wherever it is the faster: float32/float64 layer/RMS rows
@@ -238,11 +239,37 @@ def _shifted(plan, lay, src, shift, w, b):
     return _run(plan, lay, moved, w, b)
 
 
-def _first_elements(plan, src):
-    """One element of each normalized slice (its first), in the statistics' view shape."""
-    index = tuple(slice(0, 1) if a in plan.reduce_axes else slice(None)
-                  for a in range(len(plan.view_shape)))
-    return src.detach().reshape(plan.view_shape)[index]
+def _leading_mean(plan, t):
+    """The mean of up to 8 leading elements of each normalized slice of ``t`` (detached), in
+    the statistics' view shape: a shift within a few standard deviations of the slice's mean
+    (one element may sit sqrt(n) of them away), taken without a data-dependent branch."""
+    view_shape, last = plan.view_shape, plan.reduce_axes[-1]
+    index = tuple(slice(0, min(8, view_shape[a])) if a == last else
+                  slice(0, 1) if a in plan.reduce_axes else slice(None)
+                  for a in range(len(view_shape)))
+    return t.detach().reshape(view_shape)[index].mean(plan.reduce_axes, keepdim=True)
+
+
+def _traced_forward(plan, lay, src, weight, bias):
+    """``(y, mean, rstd)`` under ``torch.compile`` (no data-dependent branch): torch's kernel
+    on ``x - shift`` (:func:`_leading_mean`) for layer/group norm, on ``x`` for RMS norm.
+
+    float16/bfloat16 run in float32 (``x.float()``; inductor fuses the conversion into its
+    reduction): ``x - shift`` rounded to x's dtype would lose the digits of slices near zero
+    (rstd off by the dtype's rounding, 4e-3 in bfloat16, gradients 3x torch's error), and
+    inductor's decompositions of the mixed-dtype kernels (half x, float32 parameters) return
+    the statistics in x's dtype (torch 2.13), where the contract asks for float32."""
+    half = plan.dtype in _HALF
+    t = src.float() if half else src
+    w = weight.float() if half and weight is not None else weight
+    b = bias.float() if half and bias is not None else bias
+    if not plan.center:
+        y, mean, rstd = _run(plan, lay, t, w, b)
+    else:
+        shift = _leading_mean(plan, t)
+        y, mean, rstd = _shifted(plan, lay, t, shift, w, b)
+        mean = mean + shift.reshape(plan.stats_shape)
+    return (y.to(plan.dtype) if half else y), mean, rstd
 
 
 def native_forward(plan, src, weight, bias):
@@ -253,16 +280,14 @@ def native_forward(plan, src, weight, bias):
     lay = _layout(plan, src)
     if lay.kind is None:
         return None
+    if torch.compiler.is_compiling():
+        if lay.channels_last and plan.center:
+            return None
+        return _traced_forward(plan, lay, src, weight, bias)
     w, b = _float_params(plan, weight, bias, plan.param_shape)
     if not plan.center:  # RMS norm: x * rstd, no cancellation
         return _run(plan, lay, src, w, b)
     limit = _LIMITS[plan.dtype][1 if lay.channels_last else 0]
-    if torch.compiler.is_compiling():
-        if lay.channels_last:
-            return None
-        shift = _first_elements(plan, src)
-        y, mean, rstd = _shifted(plan, lay, src, shift, w, b)
-        return y, mean + shift.reshape(plan.stats_shape).to(mean.dtype), rstd
     out = _run(plan, lay, src, w, b)
     if _conditioned(out[1], out[2], limit):
         return out
