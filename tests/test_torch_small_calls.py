@@ -132,6 +132,43 @@ def test_parameter_dtypes_change_between_calls(op, shape, kw, dtype):
         assert np.max(np.abs(y.double().numpy() - y_ref)) <= bound, (wd, bd)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op,shape,kw", [c for c in CASES if c[0] != "rms_norm"],
+                         ids=[i for i, c in zip(IDS, CASES) if c[0] != "rms_norm"])
+def test_half_parameters_changed_in_place_between_stats_calls(op, shape, kw, dtype):
+    """Half x, half parameters, the statistics asked for (torch's kernels then take float32
+    copies of the parameters): parameters changed in place between calls without a version
+    bump (``p.data.copy_``, a write through a NumPy view) or with one; every result follows
+    the parameters' current values, with and without a weight or a bias."""
+    w64, b64 = _params(op, shape, kw)
+    xt = torch.from_numpy(_offsets(shape, "near", 5)).to(dtype)
+    w = torch.nn.Parameter(torch.from_numpy(w64).to(dtype))
+    b = torch.nn.Parameter(torch.from_numpy(b64).to(dtype))
+    x = xt.double().numpy()
+    rng = np.random.default_rng(11)
+    for step in range(4):
+        with torch.no_grad():
+            for args in ((w, b), (w, None), (None, b)):
+                got = _call(op, xt, *args, return_stats=True, **kw)
+                want = reference.forward(op, x, *(None if p is None else p.double().numpy() for p in args),
+                                         eps=1e-5, **kw)
+                scale = np.max(np.abs(want[0]))
+                assert np.max(np.abs(got[0].double().numpy() - want[0])) <= HALF_ULP[dtype] * scale, (step, args is None)
+                assert got[1].dtype == got[2].dtype == torch.float32
+                np.testing.assert_allclose(got[2].numpy(), want[2], rtol=1e-5)
+        new_w, new_b = rng.random(w.shape) + 0.5, rng.random(b.shape) - 0.5
+        if step == 0:
+            w.data.copy_(torch.from_numpy(new_w))
+            b.data.copy_(torch.from_numpy(new_b))
+        elif step == 1 and dtype is torch.float16:  # NumPy has float16 only
+            w.detach().numpy()[...] = new_w
+            b.detach().numpy()[...] = new_b
+        else:
+            with torch.no_grad():
+                w.copy_(torch.from_numpy(new_w))
+                b.copy_(torch.from_numpy(new_b))
+
+
 @pytest.mark.parametrize("nan_at", ["first", "middle"])
 @pytest.mark.parametrize("op,shape,kw", [("group_norm", (3, 30, 7, 9), {"num_groups": 5}),
                                           ("layer_norm", (4, 8), {}),
