@@ -451,6 +451,7 @@ def forward_runner(plan, x, stats):
     # half inputs with their statistics asked for: float32 parameters make torch's kernels
     # return float32 statistics (RMS norm's always are)
     float_params = half and stats and center
+    plain = center and not stats  # y alone from a centred kernel: check, nothing to publish
     limit = _LIMITS[dtype][1 if lay.channels_last else 0]
     public = _publisher(plan, lay)
     within = _checker(plan, lay, limit)
@@ -486,12 +487,13 @@ def forward_runner(plan, x, stats):
             return y, None, None, None
         return y, None, public(mean) + shift.reshape(stats_shape), public(rstd)
 
-    def finish(x, weight, bias, w, b, y, mean, rstd):
+    def finish(x, weight, bias, w, b, y, mean, rstd, checked=False):
         """The statistics of a kernel run: published, or the shifted rerun where they show
-        an ill-conditioned slice (then the exact executors where even that fails)."""
+        an ill-conditioned slice (then the exact executors where even that fails);
+        ``checked``: the caller found them ill-conditioned already."""
         if not center:
             return y, None, None, (public(rstd) if stats else None)
-        if within(mean, rstd):
+        if not checked and within(mean, rstd):
             return (y, None, public(mean), public(rstd)) if stats else (y, None, None, None)
         if reruns is not None:
             reruns[0] += 1
@@ -542,7 +544,12 @@ def forward_runner(plan, x, stats):
                 out = shift_first(x, weight, bias)
                 if out is not None:
                     return out
-            return finish(x, weight, bias, weight, bias, *kernel(x, weight, bias))
+            y, mean, rstd = kernel(x, weight, bias)
+            if plain:  # the common call, finish's first branch inline
+                if within(mean, rstd):
+                    return y, None, None, None
+                return finish(x, weight, bias, weight, bias, y, mean, rstd, True)
+            return finish(x, weight, bias, weight, bias, y, mean, rstd)
 
     return run
 
@@ -551,38 +558,42 @@ def _checker(plan, lay, limit):
     """``within(mean, rstd) -> bool``: :func:`_conditioned` in the cheapest form for this
     signature's statistics as :func:`_kernel` gives them (decided once): up to
     ``_LIST_CHECK`` statistics a Python loop over ``tolist()`` without flattening where
-    the kernel's statistics are (rows, 1) or (N, groups)."""
+    the kernel's statistics are (rows, 1), (B, T, 1) or (N, groups)."""
     if lay.kind == "rows":
         k = len(plan.reduce_axes)
         count = math.prod(plan.shape) // plan.count
         rows_by_one = len(plan.shape) - k == 1 and k == 1
+        rows_3d = len(plan.shape) == 3 and k == 1  # (B, T, D): statistics (B, T, 1)
     else:
         count = lay.n * lay.groups
-        rows_by_one = False
+        rows_by_one = rows_3d = False
     if count > _LIST_CHECK:
         return lambda mean, rstd: _conditioned(mean, rstd, limit)
+    # the two common forms loop here, one Python frame per check (NaN slices pass)
     if rows_by_one:
-        return lambda mean, rstd: _rows_within(mean.tolist(), rstd.tolist(), limit)
+        def within(mean, rstd):
+            for (m,), (r,) in zip(mean.tolist(), rstd.tolist()):
+                if abs(m * r) > limit:
+                    return False
+            return True
+        return within
+    if rows_3d:
+        def within(mean, rstd):
+            for ms, rs in zip(mean.tolist(), rstd.tolist()):
+                for (m,), (r,) in zip(ms, rs):
+                    if abs(m * r) > limit:
+                        return False
+            return True
+        return within
     if lay.kind == "groups":  # native_group_norm's statistics: (N, groups)
-        return lambda mean, rstd: _grid_within(mean.tolist(), rstd.tolist(), limit)
+        def within(mean, rstd):
+            for ms, rs in zip(mean.tolist(), rstd.tolist()):
+                for m, r in zip(ms, rs):
+                    if abs(m * r) > limit:
+                        return False
+            return True
+        return within
     return lambda mean, rstd: _lists_within(mean.tolist(), rstd.tolist(), limit)
-
-
-def _rows_within(means, rstds, limit):
-    """:func:`_lists_within` for statistics of shape (rows, 1) (NaN slices pass)."""
-    for (m,), (r,) in zip(means, rstds):
-        if abs(m * r) > limit:
-            return False
-    return True
-
-
-def _grid_within(means, rstds, limit):
-    """:func:`_lists_within` for 2-d statistics (NaN slices pass)."""
-    for ms, rs in zip(means, rstds):
-        for m, r in zip(ms, rs):
-            if abs(m * r) > limit:
-                return False
-    return True
 
 
 def _kernel(plan, lay):
