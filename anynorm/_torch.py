@@ -73,8 +73,8 @@ SHORT_RUN = 1024
 # ulps are not the concern; its reruns are rare).  The channels-last kernel takes
 # E[x^2] - E[x]^2, which loses r^2 ulps (5e-7 at 0.25, 1.3e-6 at 1 for 64 elements); it
 # also sums in float32 without pairwise blocking, so large groups lose digits at any r
-# (8e-7 of max|y| at 4096 elements, 3.6e-6 at 65536: its own error, not the limit's).  Half dtypes round their
-# output to 8 or 11 bits, so float32 arithmetic may lose more there.
+# (8e-7 of max|y| at 4096 elements, 3.6e-6 at 65536: its own error, not the limit's).
+# Half dtypes round their output to 8 or 11 bits, so float32 arithmetic may lose more there.
 _LIMITS = {torch.float32: (8.0, 0.5), torch.float64: (2.0, 0.5),
            torch.bfloat16: (256.0, 16.0), torch.float16: (64.0, 8.0)}
 
@@ -569,7 +569,7 @@ def _checker(plan, lay, limit):
         rows_by_one = rows_3d = False
     if count > _LIST_CHECK:
         return lambda mean, rstd: _conditioned(mean, rstd, limit)
-    # the two common forms loop here, one Python frame per check (NaN slices pass)
+    # the common forms loop here, one Python frame per check (NaN slices pass)
     if rows_by_one:
         def within(mean, rstd):
             for (m,), (r,) in zip(mean.tolist(), rstd.tolist()):
