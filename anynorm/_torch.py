@@ -29,8 +29,9 @@ conditioned, and ``shift`` is added back to the returned mean), and is checked a
 still fails takes the exact executors.  Checking after the kernel beats shifting before it
 at every size measured on torch CPU (a (4, 8) call: the check on Python floats 1.1 us,
 ``x - x[..., :1]`` 3.4 us; at 1000 rows three torch ops 3.8 us against a pass over x).  Under
-``torch.compile`` (no data-dependent branch) the shift is always taken, from one element of
-each slice, and the channels-last kernel is not used.
+``torch.compile`` (no data-dependent branch) the shift is always taken, the mean of a few
+leading elements of each slice, half dtypes run in float32 (:func:`_traced_forward`), and
+the channels-last kernel is not used.
 
 When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
 (``Tensor.numpy()``, zero-copy) wherever it is the faster: float32/float64 layer/RMS rows
@@ -57,11 +58,24 @@ _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np
 _HALF = (torch.float16, torch.bfloat16)
 NATIVE_MAX_ROW = 2048
 SHORT_RUN = 1024
-# Largest max |mean| * rstd at which a kernel's output stays within an ulp or so of the
-# exact one (measured: float32 rows at ratio 2 err 7e-7, ratio 8 1.5e-6; the channels-last
-# group-norm kernel 5e-7 at 0.25, 1.3e-6 at 1): (row kernels, channels-last kernel).  Half
-# dtypes round their output to 8 or 11 bits, so float32 arithmetic may lose more there.
-_LIMITS = {torch.float32: (2.0, 0.5), torch.float64: (2.0, 0.5),
+# Largest max |mean| * rstd (the ratio r) at which a kernel's output stays at float32 rounding
+# (~1e-6 of max|y|): (row kernels, channels-last group-norm kernel).  Row kernels
+# (native_layer_norm; native_group_norm on contiguous NCHW gives the same figures), measured
+# on torch 2.13 CPU, float32 slices of 64 ... 65536 elements, std 0.1-3, both signs, 3 seeds,
+# against float64 (max |y - y64| / max |y64|; rstd relative):
+#     r       1       2       4       6       8      12      16
+#     y     1.6e-7  2.1e-7  2.6e-7  3.2e-7  3.7e-7  5.6e-7  9.9e-7   (worst at 64 elements)
+#     rstd  1.6e-7  1.3e-7  1.9e-7  2.7e-7  3.1e-7  3.8e-7  5.8e-7
+# and the backward (F.layer_norm with a weight, dx and dweight relative to their max) flat to
+# r = 8 (dx <= 4.3e-7, dweight <= 7.2e-7; 6.2e-7 / 9.9e-7 at 16).  So 8 for float32 rows:
+# within 3.1 float32 eps of max|y| (r <= 2 gave 1.8 eps, 16 gives 8.3), and data with r in
+# (2, 8] (sigmoid outputs: ~2.5) no longer pays a second kernel run.  float64 keeps 2 (its
+# ulps are not the concern; its reruns are rare).  The channels-last kernel takes
+# E[x^2] - E[x]^2, which loses r^2 ulps (5e-7 at 0.25, 1.3e-6 at 1 for 64 elements); it
+# also sums in float32 without pairwise blocking, so large groups lose digits at any r
+# (8e-7 of max|y| at 4096 elements, 3.6e-6 at 65536: its own error, not the limit's).
+# Half dtypes round their output to 8 or 11 bits, so float32 arithmetic may lose more there.
+_LIMITS = {torch.float32: (8.0, 0.5), torch.float64: (2.0, 0.5),
            torch.bfloat16: (256.0, 16.0), torch.float16: (64.0, 8.0)}
 
 
@@ -90,9 +104,18 @@ def _float_params(plan, weight, bias, shape):
         weight = _ONES.get(shape)
         if weight is None:
             weight = _ONES[shape] = torch.ones(shape, dtype=torch.float32)
-    else:
-        weight = weight.to(torch.float32)
-    return weight, (None if bias is None else bias.to(torch.float32))
+    elif weight.dtype is not torch.float32:
+        weight = _to_float(weight)
+    if bias is not None and bias.dtype is not torch.float32:
+        bias = _to_float(bias)
+    return weight, bias
+
+
+def _to_float(t, _float=torch.Tensor.float):
+    """``t`` as float32: ``Tensor.float`` (differentiable; measured, one thread, an (8,)
+    bfloat16 tensor: 1.6 us against 2.4 us for ``t.to(torch.float32)``, whose overload
+    parsing costs the difference)."""
+    return _float(t)
 
 
 class _Layout:
@@ -238,11 +261,37 @@ def _shifted(plan, lay, src, shift, w, b):
     return _run(plan, lay, moved, w, b)
 
 
-def _first_elements(plan, src):
-    """One element of each normalized slice (its first), in the statistics' view shape."""
-    index = tuple(slice(0, 1) if a in plan.reduce_axes else slice(None)
-                  for a in range(len(plan.view_shape)))
-    return src.detach().reshape(plan.view_shape)[index]
+def _leading_mean(plan, t):
+    """The mean of up to 8 leading elements of each normalized slice of ``t`` (detached), in
+    the statistics' view shape: a shift within a few standard deviations of the slice's mean
+    (one element may sit sqrt(n) of them away), taken without a data-dependent branch."""
+    view_shape, last = plan.view_shape, plan.reduce_axes[-1]
+    index = tuple(slice(0, min(8, view_shape[a])) if a == last else
+                  slice(0, 1) if a in plan.reduce_axes else slice(None)
+                  for a in range(len(view_shape)))
+    return t.detach().reshape(view_shape)[index].mean(plan.reduce_axes, keepdim=True)
+
+
+def _traced_forward(plan, lay, src, weight, bias):
+    """``(y, mean, rstd)`` under ``torch.compile`` (no data-dependent branch): torch's kernel
+    on ``x - shift`` (:func:`_leading_mean`) for layer/group norm, on ``x`` for RMS norm.
+
+    float16/bfloat16 run in float32 (``x.float()``; inductor fuses the conversion into its
+    reduction): ``x - shift`` rounded to x's dtype would lose the digits of slices near zero
+    (rstd off by the dtype's rounding, 4e-3 in bfloat16, gradients 3x torch's error), and
+    inductor's decompositions of the mixed-dtype kernels (half x, float32 parameters) return
+    the statistics in x's dtype (torch 2.13), where the contract asks for float32."""
+    half = plan.dtype in _HALF
+    t = src.float() if half else src
+    w = weight.float() if half and weight is not None else weight
+    b = bias.float() if half and bias is not None else bias
+    if not plan.center:
+        y, mean, rstd = _run(plan, lay, t, w, b)
+    else:
+        shift = _leading_mean(plan, t)
+        y, mean, rstd = _shifted(plan, lay, t, shift, w, b)
+        mean = mean + shift.reshape(plan.stats_shape)
+    return (y.to(plan.dtype) if half else y), mean, rstd
 
 
 def native_forward(plan, src, weight, bias):
@@ -253,16 +302,14 @@ def native_forward(plan, src, weight, bias):
     lay = _layout(plan, src)
     if lay.kind is None:
         return None
+    if torch.compiler.is_compiling():
+        if lay.channels_last and plan.center:
+            return None
+        return _traced_forward(plan, lay, src, weight, bias)
     w, b = _float_params(plan, weight, bias, plan.param_shape)
     if not plan.center:  # RMS norm: x * rstd, no cancellation
         return _run(plan, lay, src, w, b)
     limit = _LIMITS[plan.dtype][1 if lay.channels_last else 0]
-    if torch.compiler.is_compiling():
-        if lay.channels_last:
-            return None
-        shift = _first_elements(plan, src)
-        y, mean, rstd = _shifted(plan, lay, src, shift, w, b)
-        return y, mean + shift.reshape(plan.stats_shape).to(mean.dtype), rstd
     out = _run(plan, lay, src, w, b)
     if _conditioned(out[1], out[2], limit):
         return out
@@ -404,6 +451,7 @@ def forward_runner(plan, x, stats):
     # half inputs with their statistics asked for: float32 parameters make torch's kernels
     # return float32 statistics (RMS norm's always are)
     float_params = half and stats and center
+    plain = center and not stats  # y alone from a centred kernel: check, nothing to publish
     limit = _LIMITS[dtype][1 if lay.channels_last else 0]
     public = _publisher(plan, lay)
     within = _checker(plan, lay, limit)
@@ -439,12 +487,13 @@ def forward_runner(plan, x, stats):
             return y, None, None, None
         return y, None, public(mean) + shift.reshape(stats_shape), public(rstd)
 
-    def finish(x, weight, bias, w, b, y, mean, rstd):
+    def finish(x, weight, bias, w, b, y, mean, rstd, checked=False):
         """The statistics of a kernel run: published, or the shifted rerun where they show
-        an ill-conditioned slice (then the exact executors where even that fails)."""
+        an ill-conditioned slice (then the exact executors where even that fails);
+        ``checked``: the caller found them ill-conditioned already."""
         if not center:
             return y, None, None, (public(rstd) if stats else None)
-        if within(mean, rstd):
+        if not checked and within(mean, rstd):
             return (y, None, public(mean), public(rstd)) if stats else (y, None, None, None)
         if reruns is not None:
             reruns[0] += 1
@@ -468,8 +517,24 @@ def forward_runner(plan, x, stats):
         return finish(x, weight, bias, w, b, *kernel(x, w, b))
 
     if float_params:
+        # Parameters of x's dtype are converted on every call (``_to_float``, 1.6 us each):
+        # a converted copy kept between calls would go stale where a parameter changes
+        # in place without a version bump (``p.data.copy_(...)``, a NumPy view of its memory),
+        # and torch's kernels take no half parameters with float32 statistics (torch 2.13:
+        # both parameters float32, or the statistics come back in x's dtype).
+        ones = _float_params(plan, None, None, plan.param_shape)[0]
+
         def run(x, weight, bias, residual):
-            return converted(x, weight, bias)
+            if weight is None:
+                if bias is not None and bias.dtype is not dtype:
+                    return converted(x, weight, bias)
+                w = ones
+            elif weight.dtype is dtype and (bias is None or bias.dtype is dtype):
+                w = _to_float(weight)
+            else:
+                return converted(x, weight, bias)
+            b = None if bias is None else _to_float(bias)
+            return finish(x, weight, bias, w, b, *kernel(x, w, b))
     else:
         def run(x, weight, bias, residual):
             if ((weight is not None and weight.dtype is not dtype)
@@ -479,7 +544,12 @@ def forward_runner(plan, x, stats):
                 out = shift_first(x, weight, bias)
                 if out is not None:
                     return out
-            return finish(x, weight, bias, weight, bias, *kernel(x, weight, bias))
+            y, mean, rstd = kernel(x, weight, bias)
+            if plain:  # the common call, finish's first branch inline
+                if within(mean, rstd):
+                    return y, None, None, None
+                return finish(x, weight, bias, weight, bias, y, mean, rstd, True)
+            return finish(x, weight, bias, weight, bias, y, mean, rstd)
 
     return run
 
@@ -488,38 +558,42 @@ def _checker(plan, lay, limit):
     """``within(mean, rstd) -> bool``: :func:`_conditioned` in the cheapest form for this
     signature's statistics as :func:`_kernel` gives them (decided once): up to
     ``_LIST_CHECK`` statistics a Python loop over ``tolist()`` without flattening where
-    the kernel's statistics are (rows, 1) or (N, groups)."""
+    the kernel's statistics are (rows, 1), (B, T, 1) or (N, groups)."""
     if lay.kind == "rows":
         k = len(plan.reduce_axes)
         count = math.prod(plan.shape) // plan.count
         rows_by_one = len(plan.shape) - k == 1 and k == 1
+        rows_3d = len(plan.shape) == 3 and k == 1  # (B, T, D): statistics (B, T, 1)
     else:
         count = lay.n * lay.groups
-        rows_by_one = False
+        rows_by_one = rows_3d = False
     if count > _LIST_CHECK:
         return lambda mean, rstd: _conditioned(mean, rstd, limit)
+    # the common forms loop here, one Python frame per check (NaN slices pass)
     if rows_by_one:
-        return lambda mean, rstd: _rows_within(mean.tolist(), rstd.tolist(), limit)
+        def within(mean, rstd):
+            for (m,), (r,) in zip(mean.tolist(), rstd.tolist()):
+                if abs(m * r) > limit:
+                    return False
+            return True
+        return within
+    if rows_3d:
+        def within(mean, rstd):
+            for ms, rs in zip(mean.tolist(), rstd.tolist()):
+                for (m,), (r,) in zip(ms, rs):
+                    if abs(m * r) > limit:
+                        return False
+            return True
+        return within
     if lay.kind == "groups":  # native_group_norm's statistics: (N, groups)
-        return lambda mean, rstd: _grid_within(mean.tolist(), rstd.tolist(), limit)
+        def within(mean, rstd):
+            for ms, rs in zip(mean.tolist(), rstd.tolist()):
+                for m, r in zip(ms, rs):
+                    if abs(m * r) > limit:
+                        return False
+            return True
+        return within
     return lambda mean, rstd: _lists_within(mean.tolist(), rstd.tolist(), limit)
-
-
-def _rows_within(means, rstds, limit):
-    """:func:`_lists_within` for statistics of shape (rows, 1) (NaN slices pass)."""
-    for (m,), (r,) in zip(means, rstds):
-        if abs(m * r) > limit:
-            return False
-    return True
-
-
-def _grid_within(means, rstds, limit):
-    """:func:`_lists_within` for 2-d statistics (NaN slices pass)."""
-    for ms, rs in zip(means, rstds):
-        for m, r in zip(ms, rs):
-            if abs(m * r) > limit:
-                return False
-    return True
 
 
 def _kernel(plan, lay):

@@ -132,6 +132,43 @@ def test_parameter_dtypes_change_between_calls(op, shape, kw, dtype):
         assert np.max(np.abs(y.double().numpy() - y_ref)) <= bound, (wd, bd)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op,shape,kw", [c for c in CASES if c[0] != "rms_norm"],
+                         ids=[i for i, c in zip(IDS, CASES) if c[0] != "rms_norm"])
+def test_half_parameters_changed_in_place_between_stats_calls(op, shape, kw, dtype):
+    """Half x, half parameters, the statistics asked for (torch's kernels then take float32
+    copies of the parameters): parameters changed in place between calls without a version
+    bump (``p.data.copy_``, a write through a NumPy view) or with one; every result follows
+    the parameters' current values, with and without a weight or a bias."""
+    w64, b64 = _params(op, shape, kw)
+    xt = torch.from_numpy(_offsets(shape, "near", 5)).to(dtype)
+    w = torch.nn.Parameter(torch.from_numpy(w64).to(dtype))
+    b = torch.nn.Parameter(torch.from_numpy(b64).to(dtype))
+    x = xt.double().numpy()
+    rng = np.random.default_rng(11)
+    for step in range(4):
+        with torch.no_grad():
+            for args in ((w, b), (w, None), (None, b)):
+                got = _call(op, xt, *args, return_stats=True, **kw)
+                want = reference.forward(op, x, *(None if p is None else p.double().numpy() for p in args),
+                                         eps=1e-5, **kw)
+                scale = np.max(np.abs(want[0]))
+                assert np.max(np.abs(got[0].double().numpy() - want[0])) <= HALF_ULP[dtype] * scale, (step, args is None)
+                assert got[1].dtype == got[2].dtype == torch.float32
+                np.testing.assert_allclose(got[2].numpy(), want[2], rtol=1e-5)
+        new_w, new_b = rng.random(w.shape) + 0.5, rng.random(b.shape) - 0.5
+        if step == 0:
+            w.data.copy_(torch.from_numpy(new_w))
+            b.data.copy_(torch.from_numpy(new_b))
+        elif step == 1 and dtype is torch.float16:  # NumPy has float16 only
+            w.detach().numpy()[...] = new_w
+            b.detach().numpy()[...] = new_b
+        else:
+            with torch.no_grad():
+                w.copy_(torch.from_numpy(new_w))
+                b.copy_(torch.from_numpy(new_b))
+
+
 @pytest.mark.parametrize("nan_at", ["first", "middle"])
 @pytest.mark.parametrize("op,shape,kw", [("group_norm", (3, 30, 7, 9), {"num_groups": 5}),
                                           ("layer_norm", (4, 8), {}),
@@ -217,3 +254,46 @@ def test_signature_that_meets_far_data_shifts_first_and_stays_exact(op, shape, k
             np.testing.assert_allclose(out[2].detach().double().numpy()[good], rstd_ref[good], rtol=64 * F32_EPS)
     # the first two far calls reran; from then on the signature shifted first
     assert len(reruns) == 2, reruns
+
+
+@pytest.mark.parametrize("op,shape,kw", [("layer_norm", (16, 64), {}), ("layer_norm", (8, 2048), {}),
+                                          ("group_norm", (4, 16, 8, 8), {"num_groups": 4})],
+                         ids=["ln 16x64", "ln 8x2048", "gn 4x16x8x8"])
+def test_float32_limit_serves_moderate_ratios_and_reruns_beyond(op, shape, kw, monkeypatch):
+    """float32 slices with |mean| * rstd up to the row-kernel limit (8) take torch's kernel
+    once, within 4 float32 eps of max|y| (the measurement where ``_LIMITS`` is defined); a
+    ratio of 12 reruns on the shifted data."""
+    from anynorm import _torch
+
+    assert _torch._LIMITS[torch.float32][0] == 8.0
+    reruns = []
+    real = _torch._shift_and_rerun
+
+    def counting(*args):
+        reruns.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(_torch, "_shift_and_rerun", counting)
+    anynorm._calls.clear()
+    for ratio, want_rerun in ((3.0, False), (7.0, False), (12.0, True)):
+        rng = np.random.default_rng(int(ratio))
+        base = rng.standard_normal(shape)
+        axes = tuple(range(1, len(shape)))
+        if op == "layer_norm":
+            axes = (len(shape) - 1,)
+        groups = kw.get("num_groups")
+        if groups:  # standardize each group
+            b = base.reshape(shape[0], groups, -1)
+            b = (b - b.mean(-1, keepdims=True)) / b.std(-1, keepdims=True)
+            base = b.reshape(shape)
+        else:
+            base = (base - base.mean(axes, keepdims=True)) / base.std(axes, keepdims=True)
+        x64 = 0.5 * base + 0.5 * ratio * (1 - 2 * (np.arange(shape[0]) % 2)).reshape((-1,) + (1,) * (len(shape) - 1))
+        xt = torch.from_numpy(x64).float()
+        reruns.clear()
+        y, mean, rstd = _call(op, xt, return_stats=True, **kw)
+        y_ref, _, rstd_ref = reference.forward(op, xt.double().numpy(), eps=1e-5, **kw)
+        assert bool(reruns) == want_rerun, ratio
+        scale = np.max(np.abs(y_ref))
+        assert np.max(np.abs(y.double().numpy() - y_ref)) <= 4 * F32_EPS * scale, ratio
+        np.testing.assert_allclose(rstd.double().numpy(), rstd_ref, rtol=4 * F32_EPS)
