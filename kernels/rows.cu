@@ -10,7 +10,8 @@
 // rows_grad_finalize) and applied by rows_apply_fwd / apply_bwd.
 // The backward's *_params variants also add up dweight/dbias partial sums on the way (per
 // position of plain rows, p = position in the row; per row where p is the row's channel), so
-// dy and x are not read again for them.
+// dy and x are not read again for them; rows_bwd_smem does so per (row, parameter segment)
+// for NCHW group/instance norm rows it holds in shared memory.
 // Launch configurations: README.md.
 #include "common.cuh"
 
@@ -631,8 +632,9 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
 // count % p_div == 0) also give their dweight/dbias partials while the row is in shared memory:
 // part_w[row * per_row + s] = sum over segment s of dy * xhat, part_b[...] = sum of dy
 // (per_row = count / p_div; the layout of segment_grad_finalize's, so param_grad_finish adds
-// them over the batch as it does those). That pass replaces the sum(g), sum(g * xhat) pass: g's
-// weight is one per segment, so sum(g) = sum_s w_s * sum_s(dy), likewise g * xhat. Scheme:
+// them over the batch as it does those), xhat as for dx with mu's own rounding taken out of
+// the sums (below). That pass replaces the sum(g), sum(g * xhat) pass: g's weight is one per
+// segment, so sum(g) = sum_s w_s * sum_s(dy), likewise g * xhat. Scheme:
 // warps take whole segments rather than the block reducing each segment in turn (a barrier
 // pair per segment, up to hundreds a row): warp u sums piece u % ways of segment u / ways (lanes
 // striding the segment by `ways` warps), ways = nwarps / per_row warps a segment where the row has
@@ -687,7 +689,8 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
                 s += to_acc(a) - shift;
             }
         }
-        const A mu = center ? BlockTeam::allsum(s, smem) / n : A(0);
+        s = center ? BlockTeam::allsum(s, smem) : A(0);  // sum(d)
+        const A mu = s / n;
         A sg = A(0), sgx = A(0);
         // per segment: sum(dy), sum(dy * xhat); the weighted ones into sg, sgx. Sizes made
         // here, not kept live through the row's passes (the dx pass has no registers to spare)
@@ -695,6 +698,11 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
         const int ways = per_row && per_row < nwarps ? nwarps / per_row : 1;  // warps a segment
         if (part_w) {
             const int lane = tid & 31;
+            // mu's rounding, sum(d) / n - mu (exact by the fma): dweight's sums are about
+            // sum(d) / n. Near an offset mu is rounded to A at the size of the row's offset from
+            // x[0], and that times rstd * sum(dy) would stay in each (float32 instance norm at
+            // 1e6: 4.4e-4 of a dweight of 110, 1.8e-4 with it); dx's sums stay about mu, as its pass
+            const A lo_r = fma(-n, mu, s) / n * r;
             for (int u = tid >> 5; u < per_row * ways; u += nwarps) {
                 const int sgm = u / ways, first = sgm * seg, end = first + seg;
                 A sd = A(0), sdx = A(0);
@@ -722,10 +730,10 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
                     sg += wk * sd;
                     sgx += wk * sdx;
                     if (ways == 1) {
-                        part_w[row * per_row + sgm] = sdx;
+                        part_w[row * per_row + sgm] = sdx - lo_r * sd;
                         if (part_b) part_b[row * per_row + sgm] = sd;
                     } else {
-                        seg_sums[u] = sdx;
+                        seg_sums[u] = sdx - lo_r * sd;
                         seg_sums[32 + u] = sd;
                     }
                 }

@@ -296,7 +296,7 @@ def _tile_static_smem(dtype) -> int:
 
 MAX_STATIC_SMEM = _tile_static_smem("float64")
 _ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params, rows_fwd_smem: block sums and IndexMap
-_ROW_BWD_STATIC_SMEM = 128 * 8 + 128  # rows_bwd_smem: block sums, segment sums, IndexMap
+_ROW_BWD_STATIC_SMEM = 128 * 8 + 128  # rows_bwd_smem: block sums, segment pieces (64 A each), IndexMap
 
 
 def _tile_budgets(dtype) -> tuple:
