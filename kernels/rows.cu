@@ -11,7 +11,8 @@
 // rows_grad_finalize) and applied by rows_apply_fwd / apply_bwd.
 // rows_bwd_multi and the backward's *_params variants also add up dweight/dbias partial sums on
 // the way (per position of plain rows, p = position in the row; per row where p is the row's
-// channel), so dy and x are not read again for them.
+// channel), so dy and x are not read again for them; rows_bwd_smem does so per (row, parameter
+// segment) for NCHW group/instance norm rows it holds in shared memory.
 // Launch configurations: README.md.
 #include "common.cuh"
 
@@ -563,19 +564,37 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
 // count * sizeof(T), each rounded up to 16 bytes), then as backward_row: mean(d) of
 // d = x - x[0] again (xhat about the exact mean), sum(g) and sum(g * xhat) with g = dy * w,
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)). 3 transfers of x's size where the split
-// path (rows_grad_partial -> rows_grad_finalize -> apply_bwd) moves 5; dweight/dbias are
-// left to param_grad_cols/rows. Every pass runs on the elements its thread loaded (16-byte
-// vectors where the row, dy, dx and the parameter pattern allow, else element by element).
+// path (rows_grad_partial -> rows_grad_finalize -> apply_bwd) moves 5. Every pass runs on the
+// elements its thread loaded (16-byte vectors where the row, dy, dx and the parameter pattern
+// allow, else element by element).
+// With part_w (nullable; part_b nullable too), rows of whole parameter segments (NCHW group
+// norm: C/G segments of p_div = HW; instance norm: one, p_div = count; the caller checks
+// count % p_div == 0) also give their dweight/dbias partials while the row is in shared memory:
+// part_w[row * per_row + s] = sum over segment s of dy * xhat, part_b[...] = sum of dy
+// (per_row = count / p_div; the layout of segment_grad_finalize's, so param_grad_finish adds
+// them over the batch as it does those), xhat as for dx with mu's own rounding taken out of
+// the sums (below). That pass replaces the sum(g), sum(g * xhat) pass: g's weight is one per
+// segment, so sum(g) = sum_s w_s * sum_s(dy), likewise g * xhat. Scheme:
+// warps take whole segments rather than the block reducing each segment in turn (a barrier
+// pair per segment, up to hundreds a row): warp u sums piece u % ways of segment u / ways (lanes
+// striding the segment by `ways` warps), ways = nwarps / per_row warps a segment where the row has
+// fewer segments than warps (instance norm: the whole block on its one segment; Stable
+// Diffusion's 10 segments on 32 warps: 3 each), else ways = 1 and each warp takes segments
+// nwarps apart and writes them out itself. Pieces meet in static smem (seg_sums, at most one
+// a warp), read after the block sum's barrier and added in piece order: no extra barrier, no
+// atomics, a fixed order (deterministic).
 // Launch: as rows_fwd_smem, dynamic smem 2 * round16(count * sizeof(T)).
 template <typename T>
 __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-        long long rows, long long count, long long p_div, long long p_len, int center, int param_in_t) {
+        acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
+        long long p_div, long long p_len, int center, int param_in_t) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const Param<T> w = {w_arg, param_in_t & 1};
     __shared__ A smem[64];
+    __shared__ A seg_sums[64];  // per piece u of a segment: [u] sum(dy * xhat), [32 + u] sum(dy)
     const int len = (int)count, tid = threadIdx.x, threads = blockDim.x;
     T* const xs = dynamic_shared<T>();
     T* const gs = xs + ((len + V - 1) / V) * V;  // dy, from the next 16-byte boundary
@@ -588,8 +607,9 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
         const T* xr = x + base;
         const T* dyr = dy + base;
         T* dxr = dx + base;
+        // segment sums walk segments in vectors: whole vectors a segment then
         const bool vec = (len % V == 0) && aligned16(xr) && aligned16(dyr) && aligned16(dxr) &&
-                         (plain ? param_vec_ok(w) : p_div % V == 0);
+                         (plain && !part_w ? param_vec_ok(w) : p_div % V == 0);
         const A shift = center ? row_shift(xr, (const T*)0) : A(0);
         const A r = rstd[row];
         A s = A(0);
@@ -609,9 +629,56 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
                 s += to_acc(a) - shift;
             }
         }
-        const A mu = center ? BlockTeam::allsum(s, smem) / n : A(0);
+        s = center ? BlockTeam::allsum(s, smem) : A(0);  // sum(d)
+        const A mu = s / n;
         A sg = A(0), sgx = A(0);
-        if (vec) {
+        // per segment: sum(dy), sum(dy * xhat); the weighted ones into sg, sgx. Sizes made
+        // here, not kept live through the row's passes (the dx pass has no registers to spare)
+        const int seg = (int)p_div, per_row = part_w ? len / seg : 0, nwarps = threads >> 5;
+        const int ways = per_row && per_row < nwarps ? nwarps / per_row : 1;  // warps a segment
+        if (part_w) {
+            const int lane = tid & 31;
+            // mu's rounding, sum(d) / n - mu (exact by the fma): dweight's sums are about
+            // sum(d) / n. Near an offset mu is rounded to A at the size of the row's offset from
+            // x[0], and that times rstd * sum(dy) would stay in each (float32 instance norm at
+            // 1e6: 4.4e-4 of a dweight of 110, 1.8e-4 with it); dx's sums stay about mu, as its pass
+            const A lo_r = fma(-n, mu, s) / n * r;
+            for (int u = tid >> 5; u < per_row * ways; u += nwarps) {
+                const int sgm = u / ways, first = sgm * seg, end = first + seg;
+                A sd = A(0), sdx = A(0);
+                if (vec) {
+                    for (int j = first + ((u - sgm * ways) * 32 + lane) * V; j < end; j += ways * 32 * V) {
+                        const Vec16<T> a = load16(xs + j), d = load16(gs + j);
+                        ANYNORM_UNROLL
+                        for (int q = 0; q < V; ++q) {
+                            const A dv = to_acc(d.v[q]);
+                            sd += dv;
+                            sdx += dv * (((to_acc(a.v[q]) - shift) - mu) * r);
+                        }
+                    }
+                } else {
+                    for (int j = first + (u - sgm * ways) * 32 + lane; j < end; j += ways * 32) {
+                        const A dv = to_acc(gs[j]);
+                        sd += dv;
+                        sdx += dv * (((to_acc(xs[j]) - shift) - mu) * r);
+                    }
+                }
+                sd = warp_sum(sd);
+                sdx = warp_sum(sdx);
+                if (lane == 0) {
+                    const A wk = weight_at(w, param_at(map, base + first));
+                    sg += wk * sd;
+                    sgx += wk * sdx;
+                    if (ways == 1) {
+                        part_w[row * per_row + sgm] = sdx - lo_r * sd;
+                        if (part_b) part_b[row * per_row + sgm] = sd;
+                    } else {
+                        seg_sums[u] = sdx - lo_r * sd;
+                        seg_sums[32 + u] = sd;
+                    }
+                }
+            }
+        } else if (vec) {
             for (int j = tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = load16(xs + j), d = load16(gs + j);
                 A wv[V];
@@ -636,7 +703,16 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
                 sgx += g * (((to_acc(xs[j]) - shift) - mu) * r);
             }
         }
-        BlockTeam::allsum2(sg, sgx, smem);
+        BlockTeam::allsum2(sg, sgx, smem);  // its barrier: seg_sums are written
+        if (ways > 1 && tid < per_row) {  // a segment's pieces, in order
+            A sdx = seg_sums[tid * ways], sd = seg_sums[32 + tid * ways];
+            for (int q = 1; q < ways; ++q) {
+                sdx += seg_sums[tid * ways + q];
+                sd += seg_sums[32 + tid * ways + q];
+            }
+            part_w[row * per_row + tid] = sdx;
+            if (part_b) part_b[row * per_row + tid] = sd;
+        }
         const A mg = center ? sg / n : A(0);
         const A mgx = sgx / n;
         if (vec && plain) {

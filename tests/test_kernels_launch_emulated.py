@@ -673,13 +673,64 @@ def test_launch_rows_in_shared_memory(emulated, monkeypatch, case, dtype):
     names = _record_launches(monkeypatch)
     _check(op, shape, kw, dtype, order, stats=False)
     assert "rows_fwd_smem" in names and not {"rows_stats_partial", "rows_apply_fwd"} & names, names
-    if op in ("group_norm", "instance_norm"):  # with weights the segments path: without
+    if dtype != "float64":  # float64 rows past 13.6K need 2 arrays past 227 KiB: the split path
+        assert "rows_bwd_smem" in names and not {"rows_grad_partial", "apply_bwd"} & names, names
+    if op in ("group_norm", "instance_norm"):  # with weights (their partials by rows_bwd_smem) and without
         names.clear()
         _check(op, shape, kw, dtype, order, with_params=False)
-    if dtype != "float64":  # float64 rows past 13.6K need 2 arrays past 227 KiB: the split path
+    if dtype != "float64":
         assert "rows_bwd_smem" in names and not {"rows_grad_partial", "apply_bwd"} & names, names
     if op in ("layer_norm", "rms_norm"):
         _check(op, shape, kw, dtype, order, residual=True, params_in_x=True, bound=True)
+
+
+# NCHW rows of parameter segments held in shared memory with dy: rows_bwd_smem also writes
+# the dweight/dbias partials per (row, segment), param_grad_finish adds them over the batch
+SMEM_SEGMENT_CASES = [
+    ("group_norm", (2, 6, 91, 71), {"channel_axis": 1, "num_groups": 2}),  # 3 odd segments of 6461: several warps each, element by element
+    ("group_norm", (2, 4, 96, 96), {"channel_axis": 1, "num_groups": 2}),  # 2 segments of 9216: 16-byte vectors
+    ("group_norm", (1, 80, 16, 32), {"channel_axis": 1, "num_groups": 2}),  # 40 segments of 512: warps take several
+    ("group_norm", (1, 128, 257, 1), {"channel_axis": 1, "num_groups": 2}),  # 64 odd segments of 257
+    ("instance_norm", (2, 3, 129, 131), {"channel_axis": 1}),  # one odd segment a row: the whole block on it
+    ("instance_norm", (2, 2, 128, 136), {"channel_axis": 1}),  # one segment of whole vectors
+]
+_SEGMENT_PATH = {"rows_grad_partial", "segment_grad_finalize", "apply_bwd", "param_grad_rows", "param_grad_cols"}
+
+
+def _check_without_bias(op, shape, kw, dtype):
+    """dx and dweight with no dbias asked for (part_b null), statistics recomputed."""
+    rng = np.random.default_rng(zlib.crc32(repr((op, shape, dtype, "no bias", SEED)).encode()))
+    order = tuple(range(len(shape)))
+    x = _rounded(rng.standard_normal(shape) * 3 + 1, dtype)
+    dy = _rounded(rng.standard_normal(shape) + 0.5, dtype)
+    pshape = make_plan(op, x, **kw).param_shape
+    w = _rounded(rng.standard_normal(pshape) * 0.5 + 1, "float32")
+    plan = make_plan(op, x, w, **kw)
+    dxd, dwd = emu.empty(x.size, dtype), emu.empty(w.size, "float32")
+    _launcher.backward(plan, dtype, _device(dy, order, dtype, 0), _device(x, order, dtype, 0),
+                       emu.to_device(w.reshape(-1), "float32"), None, None, dxd, dwd, None)
+    rdx, rdw, _ = _reference.backward(plan, dy, x, w)
+    _assert_scaled(_host(dxd, shape, order), rdx, 1.5 * TOL[dtype], "dx")
+    _assert_scaled(dwd.get_float().reshape(pshape), rdw, 5e-5, "dweight")
+
+
+@pytest.mark.parametrize("case", SMEM_SEGMENT_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_launch_segment_rows_in_shared_memory_with_param_grads(emulated, monkeypatch, case, dtype):
+    """NCHW group and instance norm rows past the register kernels, held in shared memory with
+    dy: dx and the dweight/dbias partials in one kernel (rows_bwd_smem), then param_grad_finish
+    (3 transfers of x's size); with dbias, without it, and with parameters (and their
+    gradients) in x's dtype; against the float64 reference."""
+    monkeypatch.setattr(_schedule, "_smem_row", _SMEM_ROW)
+    op, shape, kw = case
+    names = _record_launches(monkeypatch)
+    _check(op, shape, kw, dtype)
+    assert {"rows_bwd_smem", "param_grad_finish"} <= names and not _SEGMENT_PATH & names, names
+    names.clear()
+    _check_without_bias(op, shape, kw, dtype)
+    assert {"rows_bwd_smem", "param_grad_finish"} <= names and not _SEGMENT_PATH & names, names
+    if dtype != "float32":
+        _check(op, shape, kw, dtype, params_in_x=True, bound=True)
 
 
 def test_shared_memory_rows_need_a_row_per_sm_and_room(emulated, monkeypatch):

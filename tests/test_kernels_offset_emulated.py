@@ -138,8 +138,10 @@ def test_offset_rows_backward_half_of_torchs_error(emulated, monkeypatch, case, 
 
 
 # NCHW rows past 16384 elements made of per-channel segments: rows_grad_partial per segment
-# -> segment_grad_finalize (dx's means and the dweight/dbias partials) -> apply_bwd
+# -> segment_grad_finalize (dx's means and the dweight/dbias partials) -> apply_bwd, or where
+# the row and dy fit a block's shared memory rows_bwd_smem (dx and the partials)
 SEGMENT_CASES = [("group_norm", (2, 6, 90, 70), {"channel_axis": 1, "num_groups": 2}),
+                 ("group_norm", (2, 6, 91, 71), {"channel_axis": 1, "num_groups": 2}),  # odd HW
                  ("instance_norm", (2, 2, 130, 131), {"channel_axis": 1})]
 
 
@@ -153,12 +155,17 @@ def _torch_param_backward(op, x, w, b, dy, kw):
     return t.grad.numpy().astype(np.float64), tw.grad.numpy().astype(np.float64)
 
 
+@pytest.mark.parametrize("path", ["segment_grad_finalize", "rows_bwd_smem"])
 @pytest.mark.parametrize("offset", [1e4, 1e6])
 @pytest.mark.parametrize("case", SEGMENT_CASES, ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}" for c in SEGMENT_CASES])
-def test_offset_segments_backward_half_of_torchs_error(emulated, monkeypatch, case, offset):  # noqa: F811
-    """dx and dweight of the segmented split backward about the exact mean: the saved mean's
-    rounding, mean(x - mean) over the slice's segments, is taken out (segment_grad_finalize)."""
+def test_offset_segments_backward_half_of_torchs_error(emulated, monkeypatch, case, offset, path):  # noqa: F811
+    """dx and dweight of the segmented backward about the exact mean: the split path takes the
+    saved mean's rounding, mean(x - mean) over the slice's segments, out (segment_grad_finalize);
+    rows_bwd_smem (the row in shared memory) takes mean(d) of d = x - x[0] again and sums the
+    segments' dweight/dbias partials with that xhat."""
     op, shape, kw = case
+    if path == "rows_bwd_smem":
+        monkeypatch.setattr(_schedule, "_smem_row", L._SMEM_ROW)
     names = L._record_launches(monkeypatch)
     x = _data(shape, offset)
     rng = np.random.default_rng(13)
@@ -171,14 +178,14 @@ def test_offset_segments_backward_half_of_torchs_error(emulated, monkeypatch, ca
     order = tuple(range(x.ndim))
     _launcher.backward(make_plan(op, x, w, **kw), "float32", L._device(dy, order, "float32", 0),
                        L._device(x, order, "float32", 0), L.emu.to_device(w, "float32"), md, sd, dxd, dwd, dbd)
-    assert "segment_grad_finalize" in names, names
+    assert path in names and ({"segment_grad_finalize", "rows_bwd_smem"} - {path}).isdisjoint(names), names
     x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), w.astype(np.float64)
     rdx, rdw, rdb = _reference.backward(make_plan(op, x64, w64, **kw), dy64, x64, w64)
     tdx, tdw = _torch_param_backward(op, x, w, b, dy, kw)
     ours_dx = float(np.abs(dxd.get_float().reshape(shape) - rdx).max())
     ours_dw = float(np.abs(dwd.get_float() - rdw).max())
     theirs_dx, theirs_dw = float(np.abs(tdx - rdx).max()), float(np.abs(tdw - rdw).max())
-    print(f"{op}{shape} at {offset:g}: dx {ours_dx:.3g} (torch {theirs_dx:.3g}), "
+    print(f"{path}: {op}{shape} at {offset:g}: dx {ours_dx:.3g} (torch {theirs_dx:.3g}), "
           f"dweight {ours_dw:.3g} (torch {theirs_dw:.3g})")
     assert ours_dx <= max(0.5 * theirs_dx, FLOOR), (ours_dx, theirs_dx)
     # dweight sums ~1e4 float32 terms per channel: a few ulps of their magnitudes' sum

@@ -93,6 +93,39 @@ def test_long_rows_split_with_workspaces_in_scratch():
             assert slot.index != scratch or slot.offset < inference.scratch_bytes
 
 
+def test_group_norm_rows_in_shared_memory_sum_their_parameter_gradients():
+    """NCHW rows of parameter segments that fit shared memory with dy (Stable Diffusion's
+    64x64 GroupNorm(32, 320) in bfloat16: rows of 10 segments of 4096, 160 KiB with dy):
+    rows_bwd_smem writes dx and the per-(row, segment) dweight/dbias partials in the layout of
+    the segments path, param_grad_finish adds them over the batch (3 transfers of x's size
+    where the segments path moves 5). Without dbias its partial is null; without dweight
+    the kernel sums nothing. Where the rows do not fit (float32: 320 KiB) or are too few to
+    fill the SMs, the segments path as before."""
+    sd = _plan("group_norm", (8, 320, 64, 64), num_groups=32)
+    full = _backward(sd, {"w", "mean", "rstd", "dw", "db"})
+    assert full.names == ("rows_bwd_smem", "param_grad_finish"), full.names
+    smem, finish = full.steps
+    assert (smem.grid, smem.block, smem.smem) == ((132,), (1024,), 2 * 40960 * 2)
+    slotted = {position for position, _ in smem.slots}
+    assert {6, 7} <= slotted  # part_w, part_b: in the scratch buffer
+    parts = {position: slot for position, slot in smem.slots if position in (6, 7)}
+    assert parts[6].count == parts[7].count == 8 * 320 and parts[6].offset != parts[7].offset
+    assert [int(a) for a in finish.template[4:6]] == [320, 8]  # p_len, nchunk = batch
+    assert {position: slot.offset for position, slot in finish.slots}[0] == parts[6].offset
+    no_bias = _backward(sd, {"w", "mean", "rstd", "dw"})
+    assert no_bias.names == ("rows_bwd_smem", "param_grad_finish")
+    assert 7 not in {p for p, _ in no_bias.steps[0].slots} and no_bias.steps[0].template[7] is None
+    dx_only = _backward(sd, {"w", "mean", "rstd"})
+    assert dx_only.names == ("rows_bwd_smem",) and dx_only.scratch_bytes == 0
+    assert not {6, 7} & {p for p, _ in dx_only.steps[0].slots} and dx_only.steps[0].template[6:8] == [None, None]
+    instance = _plan("instance_norm", (2, 160, 160, 160))  # one segment a row, 320 rows of 25600
+    assert _backward(instance, {"w", "mean", "rstd", "dw", "db"}).names == ("rows_bwd_smem", "param_grad_finish")
+    segments = ("rows_grad_partial", "segment_grad_finalize", "apply_bwd", "param_grad_finish")
+    assert _backward(sd, {"w", "mean", "rstd", "dw", "db"}, "float32").names == segments
+    few = _plan("group_norm", (2, 320, 64, 64), num_groups=32)  # 64 rows for 132 SMs
+    assert _backward(few, {"w", "mean", "rstd", "dw", "db"}).names == segments
+
+
 def test_the_device_decides_grids_and_kernels():
     """Rows too long for shared memory everywhere: the same split kernels, other grids; rows
     an H100 holds in shared memory and a 48 KiB device does not: other kernels."""

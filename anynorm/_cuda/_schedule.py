@@ -270,11 +270,12 @@ def _smem_row(layout, dtype, copies=1):
     512 per SM), each taking rows in turn."""
     itemsize = 16 // _VECTOR[dtype]
     smem = copies * _ceil(layout.reduced * itemsize, 16) * 16
+    static = _ROW_STATIC_SMEM if copies == 1 else _ROW_BWD_STATIC_SMEM
     limit = _smem_limit()
     sms = max(1, _target_blocks() // _BLOCKS_PER_SM)
-    if smem > limit - _ROW_STATIC_SMEM or layout.outer < sms:
+    if smem > limit - static or layout.outer < sms:
         return None
-    fit = (limit + _SMEM_RESERVED) // (smem + _ROW_STATIC_SMEM + _SMEM_RESERVED)
+    fit = (limit + _SMEM_RESERVED) // (smem + static + _SMEM_RESERVED)
     per_sm, threads = (2, _SMEM_ROW_THREADS // 2) if fit >= 2 else (1, _SMEM_ROW_THREADS)
     return (min(layout.outer, per_sm * sms),), (threads,), smem
 
@@ -303,6 +304,7 @@ def _tile_static_smem(dtype) -> int:
 
 MAX_STATIC_SMEM = _tile_static_smem("float64")
 _ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params, rows_fwd_smem: block sums and IndexMap
+_ROW_BWD_STATIC_SMEM = 128 * 8 + 128  # rows_bwd_smem: block sums, segment pieces (64 A each), IndexMap
 
 
 def _tile_budgets(dtype) -> tuple:
@@ -553,16 +555,24 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
         return None if part is None else (part, nchunk)
     if not layout.rows:
         return _split_columns_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads, param_in_t)
-    if param_grads is not None and _segmented(layout):
+    segments = param_grads is not None and _segmented(layout)
+    smem_row = _smem_row(layout, dtype, 2)
+    if smem_row is not None:
+        # rows of parameter segments with dweight/dbias: the kernel also sums them per (row,
+        # segment), as _dx_by_segments's part (3 transfers where that path moves 5); other
+        # rows' dweight/dbias then from param_grad_cols/rows
+        grid, block, smem = smem_row
+        part, part_w, part_b = None, None, None
+        if segments:  # part[k][row * per_row + s], rows = batch * p_len / per_row
+            part = _workspace((2, outer * (reduced // layout.p_div)), dtype=acc)
+            part_w, part_b = part[0], (part[1] if param_grads else None)
+        _step("rows_bwd_smem", dtype, grid, block,
+              (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(part_w), _ptr(part_b), i64(outer),
+               i64(reduced), pdiv, plen, center, pin), smem=smem)
+        return None if part is None else (part, layout.a_len)
+    if segments:
         return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads,
                                param_in_t)
-    smem_row = _smem_row(layout, dtype, 2)
-    if smem_row is not None:  # dweight/dbias then from param_grad_cols/rows
-        grid, block, smem = smem_row
-        _step("rows_bwd_smem", dtype, grid, block,
-              (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, i64(outer), i64(reduced), pdiv, plen, center,
-               pin), smem=smem)
-        return None
     return _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t)
 
 
