@@ -93,6 +93,61 @@ template <typename T> __device__ __forceinline__ T* dynamic_shared() {
 }
 #endif
 
+// ---- thread-block clusters (sm_90) -------------------------------------------------------
+
+// A kernel whose blocks run in clusters of `c` along x (compiled in: CuPy launches it as any
+// kernel, grid.x a multiple of c). Compiled for an older architecture it is an ordinary
+// kernel, and the launcher never picks it there (_schedule: DeviceInfo.cluster_max).
+#if defined(ANYNORM_CUDA_EMU) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900)
+#define ANYNORM_CLUSTER(c)
+#else
+#define ANYNORM_CLUSTER(c) __cluster_dims__(c, 1, 1)
+#endif
+
+// The block's rank in its cluster; the cluster's barrier (all threads of all its blocks, with
+// release/acquire of shared and global memory); a value of another block's shared memory at
+// the address `p` has in this block's (distributed shared memory).
+#ifdef ANYNORM_CUDA_EMU
+__device__ __forceinline__ int cluster_rank() { return (int)emu_cluster_rank(); }
+__device__ __forceinline__ void cluster_sync() { emu_cluster_sync(); }
+template <typename A> __device__ __forceinline__ A cluster_load(const A* p, int rank) {
+    return emu_cluster_load(p, rank);
+}
+#elif __CUDA_ARCH__ >= 900
+__device__ __forceinline__ int cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_address(const void* p, int rank) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+    return remote;
+}
+template <typename A> __device__ __forceinline__ A cluster_load(const A* p, int rank);
+template <> __device__ __forceinline__ float cluster_load<float>(const float* p, int rank) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_address(p, rank)) : "memory");
+    return v;
+}
+template <> __device__ __forceinline__ double cluster_load<double>(const double* p, int rank) {
+    double v;
+    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(cluster_address(p, rank)) : "memory");
+    return v;
+}
+#else
+__device__ __forceinline__ int cluster_rank() { return 0; }
+__device__ __forceinline__ void cluster_sync() { __trap(); }
+template <typename A> __device__ __forceinline__ A cluster_load(const A* p, int) {
+    __trap();
+    return *p;
+}
+#endif
+
 // ---- Welford / Chan -------------------------------------------------------------------
 
 // Running (count, mean, sum of squared deviations); var = m2 / n. Never E[x^2] - E[x]^2.

@@ -452,6 +452,49 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
                                          center, acc_t<T>(eps), smem);
 }
 
+// The part of a row each of the C blocks of a cluster holds: ceil(count / C) rounded up to
+// whole 16-byte vectors (every part starts aligned as the row).
+template <typename T> __device__ __forceinline__ int cluster_segment(int count, int c) {
+    const int V = VecLen<T>::value;
+    return ((count + c - 1) / c + V - 1) / V * V;
+}
+
+// Sum over the threads that hold a row: the block (C == 1), or the C blocks of a cluster, each
+// block's sum through a slot in its shared memory (every block adds the C values in rank order:
+// the same bits everywhere). Every thread of every block calls it, counting its calls in
+// `phase`: calls alternate between two slots (`slots[0]`, `slots[1]`; pairs for
+// span_allsum2), so a block writes a slot again only past the next call's cluster barrier,
+// which every block reaches after reading that slot.
+template <int C, typename A> __device__ __forceinline__ A span_allsum(A v, A* smem, A* slots, int& phase) {
+    v = BlockTeam::allsum(v, smem);
+    if (C == 1) return v;
+    A* const slot = slots + (phase++ & 1);
+    if (threadIdx.x == 0) *slot = v;
+    cluster_sync();
+    A t = A(0);
+    ANYNORM_UNROLL
+    for (int r = 0; r < C; ++r) t += cluster_load(slot, r);
+    return t;
+}
+
+template <int C, typename A>
+__device__ __forceinline__ void span_allsum2(A& a, A& b, A* smem, A* slots, int& phase) {
+    BlockTeam::allsum2(a, b, smem);
+    if (C == 1) return;
+    A* const slot = slots + 2 * (phase++ & 1);
+    if (threadIdx.x == 0) {
+        slot[0] = a;
+        slot[1] = b;
+    }
+    cluster_sync();
+    a = b = A(0);
+    ANYNORM_UNROLL
+    for (int r = 0; r < C; ++r) {
+        a += cluster_load(slot, r);
+        b += cluster_load(slot + 1, r);
+    }
+}
+
 // Long rows held in shared memory: rows past the register kernels (16384) that fit a block's
 // opt-in shared memory (an H100: 113K 16-bit or 56K float32 elements). The row (h = x + res,
 // rounded to T as the register kernels do) is read once into dynamic shared memory, in
@@ -460,26 +503,32 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
 // (rows_stats_partial -> rows_stats_finalize -> rows_apply_fwd) reads it twice. The statistics
 // passes read back the elements each thread wrote; the y pass of parameter segments that are
 // not whole vectors reads others', so a barrier opens every row.
+// C > 1: the row spread over a cluster's blocks (rows_fwd_cluster).
 // Launch: block (ROW_BLOCK_MAX), grid min(rows, blocks resident), dynamic shared memory
 // count * sizeof(T) rounded up to 16 bytes; grid-stride over rows.
-template <typename T>
-__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
+template <typename T, int C>
+__device__ __forceinline__ void forward_rows_held(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
         const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
         acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
-        long long p_len, int center, double eps, int param_in_t) {
+        long long p_len, int center, double eps, int param_in_t, T* __restrict__ v,
+        acc_t<T>* smem, acc_t<T>* slots) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const Param<T> w = {w_arg, param_in_t & 1};
     const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
-    __shared__ A smem[64];
-    T* const v = dynamic_shared<T>();
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     // parameters by position in the row (or none): w and b read in vectors with the row
     const bool plain = (p_div == 1 && p_len == count) || (!w_arg && !b_arg);
-    const int len = (int)count, tid = threadIdx.x, threads = blockDim.x;
+    const int tid = threadIdx.x, threads = blockDim.x;
+    // this block's part of every row: [lo, len), v[j - lo] (a whole row where C == 1)
+    const int rank = C == 1 ? 0 : cluster_rank();
+    const int seg = C == 1 ? (int)count : cluster_segment<T>((int)count, C);
+    const int lo = rank * seg, len = min((int)count, lo + seg);
+    v -= lo;
+    int phase = 0;  // span_allsum's calls
     const A n = A(count);
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (long long row = blockIdx.x / C; row < rows; row += gridDim.x / C) {
         // the previous row's y pass may read elements other threads load now (its scalar
         // path, for segments of parameters that are not whole vectors)
         __syncthreads();
@@ -488,28 +537,28 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
         const T* rr = res ? res + base : (const T*)0;
         T* hr = res ? h + base : (T*)0;
         T* yr = y ? y + base : (T*)0;
-        const bool vec = (len % V == 0) && aligned16(xr) && (rr == 0 || (aligned16(rr) && aligned16(hr))) &&
+        const bool vec = (count % V == 0) && aligned16(xr) && (rr == 0 || (aligned16(rr) && aligned16(hr))) &&
                          (yr == 0 || aligned16(yr));
         const A shift = center ? row_shift(xr, rr) : A(0);
         A s = A(0);
         if (vec) {
-            for (int j = tid * V; j < len; j += threads * V) {
+            for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = input_vec16(xr, rr, hr, j);
                 store16(v + j, a);
                 ANYNORM_UNROLL
                 for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
             }
         } else {
-            for (int j = tid; j < len; j += threads) {
+            for (int j = lo + tid; j < len; j += threads) {
                 const T a = input_value(xr, rr, hr, j);
                 v[j] = a;
                 s += to_acc(a) - shift;
             }
         }
-        const A mu = center ? BlockTeam::allsum(s, smem) / n : A(0);
+        const A mu = center ? span_allsum<C>(s, smem, slots, phase) / n : A(0);
         A ss = A(0);
         if (vec) {
-            for (int j = tid * V; j < len; j += threads * V) {
+            for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = load16(v + j);
                 ANYNORM_UNROLL
                 for (int k = 0; k < V; ++k) {
@@ -518,19 +567,19 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
                 }
             }
         } else {
-            for (int j = tid; j < len; j += threads) {
+            for (int j = lo + tid; j < len; j += threads) {
                 const A d = (to_acc(v[j]) - shift) - mu;
                 ss += d * d;
             }
         }
-        const A r = inv_sqrt(BlockTeam::allsum(ss, smem) / n + A(eps));
-        if (tid == 0) {  // statistics are optional: inference without autograd writes y only
+        const A r = inv_sqrt(span_allsum<C>(ss, smem, slots, phase) / n + A(eps));
+        if (tid == 0 && rank == 0) {  // statistics are optional: inference without autograd writes y only
             if (rstd) rstd[row] = r;
             if (mean) mean[row] = shift + mu;
         }
         if (yr == 0) continue;
         if (vec && plain && param_vec_ok(w) && param_vec_ok(b)) {  // w, b in 16-byte vectors too
-            for (int j = tid * V; j < len; j += threads * V) {
+            for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = load16(v + j);
                 A wv[V], bv[V];
                 param_vec(w, j, wv, A(1));
@@ -541,7 +590,7 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
                 store16(yr + j, o);
             }
         } else if (vec && !plain && p_div % V == 0) {  // segments of whole vectors: one p a vector
-            for (int j = tid * V; j < len; j += threads * V) {
+            for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = load16(v + j);
                 const long long p = param_at(map, base + j);
                 const A wk = weight_at(w, p) * r, bk = bias_at(b, p);
@@ -551,12 +600,46 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
                 store16(yr + j, o);
             }
         } else {
-            for (int j = tid; j < len; j += threads) {
+            for (int j = lo + tid; j < len; j += threads) {
                 const long long p = plain ? (long long)j : param_at(map, base + j);
                 yr[j] = from_acc<T>(((to_acc(v[j]) - shift) - mu) * r * weight_at(w, p) + bias_at(b, p));
             }
         }
     }
+    // no block leaves while another may still read its slots
+    if (C > 1) cluster_sync();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
+        const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
+        const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
+        acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
+        long long p_len, int center, double eps, int param_in_t) {
+    __shared__ acc_t<T> smem[64];
+    forward_rows_held<T, 1>(x, res, h, y, w_arg, b_arg, mean, rstd, rows, count, p_div, p_len, center, eps,
+                            param_in_t, dynamic_shared<T>(), smem, (acc_t<T>*)0);
+}
+
+// Rows longer than one block's shared memory holds (sm_90): held by a cluster of C blocks
+// (C = ITEMS in {2, 4}), block `rank` elements [rank * seg, (rank + 1) * seg) of each row
+// (cluster_segment), the statistics added up across the cluster through distributed shared
+// memory (span_allsum): x still read once. Launch: block as rows_fwd_smem, grid a multiple
+// of C (C blocks a row, grid-stride over rows by clusters); dynamic smem round16(seg *
+// sizeof(T)) + 68 A (the block sums and 4 cluster slots: all of a cluster kernel's shared
+// memory is dynamic).
+template <typename T, int C>
+__global__ void ANYNORM_CLUSTER(C) __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_cluster(
+        const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
+        const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
+        acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
+        long long p_len, int center, double eps, int param_in_t) {
+    typedef acc_t<T> A;
+    T* const v = dynamic_shared<T>();
+    const int held = (cluster_segment<T>((int)count, C) * (int)sizeof(T) + 15) / 16 * 16;
+    A* const smem = reinterpret_cast<A*>(reinterpret_cast<unsigned char*>(v) + held);
+    forward_rows_held<T, C>(x, res, h, y, w_arg, b_arg, mean, rstd, rows, count, p_div, p_len, center, eps,
+                            param_in_t, v, smem, smem + 64);
 }
 
 // The backward of rows held in shared memory (rows_fwd_smem's rows, and float32 rows past the

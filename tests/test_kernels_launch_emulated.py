@@ -108,8 +108,9 @@ def _launch_on_emulator(monkeypatch):
     tests patch the schedule's decisions)."""
     monkeypatch.setattr(_launcher, "get_kernel",
                         lambda k, dtype, items=None: _module(dtype).get_function(
-                            _compile.name_expression(k, dtype, items)).as_cupy())
-    monkeypatch.setattr(_launcher, "device_info", lambda device: _schedule.DeviceInfo(132, SMEM_LIMIT))
+                            _compile.name_expression(k, dtype, items)).as_cupy(
+                                items if k in CLUSTER_KERNELS else 1))
+    monkeypatch.setattr(_launcher, "device_info", lambda device: _schedule.DeviceInfo(132, SMEM_LIMIT, 4))
     monkeypatch.setattr(_launcher, "_current_device", lambda: 0)
     monkeypatch.setattr(_launcher, "_device_context", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_launcher, "_current_stream", lambda: None)
@@ -122,9 +123,12 @@ def _launch_on_emulator(monkeypatch):
     # long rows take the split path here (its cases below); test_launch_rows_in_shared_memory
     # puts rows_fwd_smem back
     monkeypatch.setattr(_schedule, "_smem_row", lambda layout, dtype, copies=1: None)
+    monkeypatch.setattr(_schedule, "_cluster_row", lambda layout, dtype: None)  # as _smem_row
 
 
 _SMEM_ROW = _schedule._smem_row
+_CLUSTER_ROW = _schedule._cluster_row
+CLUSTER_KERNELS = ("rows_fwd_cluster",)  # their ITEMS is the cluster size (blocks along x)
 
 
 @pytest.fixture
@@ -749,3 +753,55 @@ def test_shared_memory_rows_need_a_row_per_sm_and_room(emulated, monkeypatch):
     assert rule(512, 65536, "float32") is None  # 256 KiB
     assert rule(64, 65536, "bfloat16") is None  # fewer rows than SMs: the split path
     assert rule(132, 16392, "float64") == ((132,), (1024,), 131136)  # 128 KiB: one an SM
+
+
+def use_clusters(monkeypatch, smem_limit=24 * 1024):
+    """Rows past one block's shared memory (a ``smem_limit`` small enough for short rows to
+    be long) split over thread-block clusters: rows_fwd_cluster back in the schedule."""
+    monkeypatch.setattr(_schedule, "_cluster_row", _CLUSTER_ROW)
+    monkeypatch.setattr(_schedule, "_smem_row", _SMEM_ROW)
+    monkeypatch.setattr(_schedule, "_smem_limit", lambda: smem_limit)
+
+
+# (op, shape, kwargs): rows of 20000 float32 (80 KB: 4 blocks of 20 KB; 16-bit: 2 of 20 KB),
+# odd rows (the scalar path; the last block's part shorter), NCHW group norm rows of parameter
+# segments, one row (fewer rows than clusters), several rows a cluster (grid-stride)
+CLUSTER_CASES = [
+    ("layer_norm", (3, 20000), {}),
+    ("layer_norm", (1, 20001), {}),
+    ("rms_norm", (5, 20000), {"axis": -1, "eps": 1e-6}),
+    ("group_norm", (2, 6, 90, 70), {"channel_axis": 1, "num_groups": 2}),
+    ("group_norm", (2, 6, 91, 71), {"channel_axis": 1, "num_groups": 2}),
+]
+
+
+@pytest.mark.parametrize("case", CLUSTER_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launch_rows_across_a_cluster(emulated, monkeypatch, case, dtype):
+    """rows_fwd_cluster: each of C blocks holds a part of the row, statistics added up through
+    distributed shared memory; with and without statistics, residual, parameters in x's dtype."""
+    use_clusters(monkeypatch)
+    op, shape, kw = case
+    names = _record_launches(monkeypatch)
+    _check(op, shape, kw, dtype, stats=False)
+    assert "rows_fwd_cluster" in names and not {"rows_stats_partial", "rows_apply_fwd", "rows_fwd_smem"} & names
+    if op != "group_norm":
+        _check(op, shape, kw, dtype, residual=True, params_in_x=True, bound=True)
+
+
+@pytest.mark.parametrize("schedule", ["1", "5"])
+@pytest.mark.parametrize("dtype, c", [("float32", 4), ("float16", 2), ("float64", 4)])
+def test_launch_rows_across_a_cluster_any_order(emulated, monkeypatch, dtype, c, schedule):
+    """Threads of the cluster's blocks run in reverse and random orders (a missing cluster
+    barrier would read a slot before its block wrote it); 2 and 4 blocks a cluster."""
+    monkeypatch.setenv("ANYNORM_EMU_SCHEDULE", schedule)
+    use_clusters(monkeypatch, 48 * 1024 if dtype == "float64" else 24 * 1024)
+    names = _record_launches(monkeypatch)
+    shape = (4, 20000)
+    plan = make_plan("layer_norm", np.zeros(shape))
+    schedule_ = _schedule.schedule_forward(plan, dtype, _layout.plan_layout(plan, (shape[1], 1)), set(),
+                                           device=_schedule.DeviceInfo(132, _schedule._smem_limit(), 4))
+    assert schedule_.names == ("rows_fwd_cluster",) and schedule_.steps[0].items == c
+    _check("layer_norm", shape, {}, dtype)
+    assert "rows_fwd_cluster" in names, names
+

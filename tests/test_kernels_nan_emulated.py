@@ -30,6 +30,8 @@ CASES = [
     ("rms_norm", (2, 17000), {"axis": -1}, "rows_stats_partial", None),
     ("layer_norm", (2, 17000), {}, "rows_fwd_smem", None),
     ("rms_norm", (2, 17000), {"axis": -1}, "rows_fwd_smem", None),
+    ("layer_norm", (2, 17000), {}, "rows_fwd_cluster", None),
+    ("rms_norm", (2, 17000), {"axis": -1}, "rows_fwd_cluster", None),
     ("instance_norm", (3, 4, 5), {"channel_axis": 1}, "rows_fwd_multi", None),  # no parameters
     ("group_norm", (3, 4, 5), {"channel_axis": 1, "num_groups": 2}, "rows_fwd_multi", None),
     ("rms_norm", (3, 4, 5), {"axis": (0, 2)}, "cols_fwd_tile", L.TILE_BUDGET),
@@ -79,6 +81,8 @@ def test_nan_poisons_its_slice_only(emulated, monkeypatch, case, bad):  # noqa: 
         monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (budget,))
     if path == "rows_fwd_smem":
         monkeypatch.setattr(_schedule, "_smem_row", L._SMEM_ROW)
+    if path == "rows_fwd_cluster":
+        L.use_clusters(monkeypatch)
     names = L._record_launches(monkeypatch)
     x = _poisoned(shape, bad)
     _, _, _, _, y = L.forward_float32(op, x, kw)

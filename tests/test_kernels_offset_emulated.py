@@ -38,6 +38,8 @@ CASES = [
     ("layer_norm", (5, 40000), {}, "rows_stats_partial", "rows_grad_finalize"),  # 2+ chunks a row
     ("layer_norm", (3, 20000), {}, "rows_fwd_smem", "rows_bwd_smem"),  # the row in shared memory
     ("layer_norm", (3, 20001), {}, "rows_fwd_smem", "rows_bwd_smem"),  # element by element
+    ("layer_norm", (3, 20000), {}, "rows_fwd_cluster", "rows_grad_finalize"),  # 4 blocks of a cluster
+    ("layer_norm", (3, 20001), {}, "rows_fwd_cluster", "rows_grad_finalize"),
 ]
 # Where torch is itself at float32 rounding (RMS norm has no cancellation), a few ulps of y.
 FLOOR = 1e-6
@@ -78,6 +80,8 @@ def test_offset_rows_forward_half_of_torchs_error(emulated, monkeypatch, case, o
     op, shape, kw, path, _ = case
     if path == "rows_fwd_smem":
         monkeypatch.setattr(_schedule, "_smem_row", L._SMEM_ROW)
+    if path == "rows_fwd_cluster":
+        L.use_clusters(monkeypatch)
     names = L._record_launches(monkeypatch)
     ours, theirs = forward_errors(op, shape, kw, offset)
     assert path in names, names

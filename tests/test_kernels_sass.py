@@ -57,13 +57,15 @@ if NVCC is None or CUOBJDUMP is None:
 ROW_KERNELS = ("rows_fwd_warp", "rows_fwd_block", "rows_fwd_multi", "rows_bwd_warp", "rows_bwd_block", "rows_bwd_multi",
                "rows_bwd_block_params", "rows_bwd_warp_row_params", "rows_bwd_block_row_params")
 SMEM_ROWS = ("rows_fwd_smem", "rows_bwd_smem")  # rows held in shared memory (no ITEMS)
+CLUSTER_ROWS = ("rows_fwd_cluster",)  # rows held across a cluster's blocks (ITEMS: the cluster size)
 VEC = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
 
 
 def sass(dtype, arch="90"):
     """{name expression: SASS text} of every row-kernel instantiation for ``dtype`` (and of
     the shared-memory row kernels)."""
-    names = [name for _, _, name in _instantiations(dtype)] + [_compile.name_expression(k, dtype) for k in SMEM_ROWS]
+    names = ([name for _, _, name in _instantiations(dtype)] + [_compile.name_expression(k, dtype) for k in SMEM_ROWS]
+             + [_compile.name_expression(k, dtype, c) for k in CLUSTER_ROWS for c in _compile.items_of(k, dtype)])
     kernels = Path(__file__).resolve().parent.parent / "kernels"
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.cu"
@@ -178,6 +180,21 @@ def test_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
     # x, residual, weight, bias (a float32 weight of a 16-bit row: two vectors per V items)
     assert counts["LDG.E.128"] >= 4 and counts["STG.E.128"] >= 2, counts  # y and h
     assert counts["STS.128"] >= 1 and counts["LDS.128"] >= 2, counts
+
+
+def test_rows_held_across_a_cluster_move_in_16_byte_vectors(rows_sass):
+    """rows_fwd_cluster: as rows_fwd_smem (x in 16-byte vectors, through shared memory, y out),
+    and the cluster's barrier (UCGABAR_ARV/WAIT: barrier.cluster arrive and wait) around the
+    statistics read from the other blocks; no local memory."""
+    dtype, code = rows_sass
+    for c in _compile.items_of("rows_fwd_cluster", dtype):
+        text = code[_compile.name_expression("rows_fwd_cluster", dtype, c)]
+        counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text))
+                  for op in ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128", "UCGABAR_ARV", "UCGABAR_WAIT")}
+        assert counts["LDG.E.128"] >= 4 and counts["STG.E.128"] >= 2, (c, counts)
+        assert counts["STS.128"] >= 1 and counts["LDS.128"] >= 2, (c, counts)
+        assert counts["UCGABAR_ARV"] >= 2 and counts["UCGABAR_WAIT"] >= 2, (c, counts)
+        assert not re.search(r"\b(LDL|STL)\b", text), c
 
 
 def test_backward_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):

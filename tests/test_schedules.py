@@ -14,7 +14,7 @@ import numpy as np
 from anynorm._cuda import _layout, _schedule  # noqa: E402  (pure: no CuPy needed)
 from anynorm._plan import make_plan  # noqa: E402
 
-H100 = _schedule.DeviceInfo(sm_count=132, smem_optin=227 * 1024)
+H100 = _schedule.DeviceInfo(sm_count=132, smem_optin=227 * 1024, cluster_max=4)
 SMALL = _schedule.DeviceInfo(sm_count=16, smem_optin=48 * 1024)
 STATS = {"mean", "rstd"}
 
@@ -93,6 +93,25 @@ def test_long_rows_split_with_workspaces_in_scratch():
             assert slot.index != scratch or slot.offset < inference.scratch_bytes
 
 
+def test_rows_past_one_block_span_a_cluster():
+    """Rows past one block's shared memory, or too few to give rows_fwd_smem an SM each,
+    split over a thread-block cluster whose blocks each hold a part (x read once): bfloat16
+    rows of 262144 (512 KiB) on clusters of 4 (128 KiB a block), float32 rows of 65536 on
+    clusters of 2, 64 bfloat16 rows of 40960 on clusters of 4 (2 blocks of 512 an SM); the
+    split path before sm_90 and past 4 blocks' shared memory."""
+    long = _plan("layer_norm", (128, 262144))
+    step, = _forward(long, {"w", "b"}).steps
+    assert (step.name, step.items, step.grid, step.block, step.smem) == (
+        "rows_fwd_cluster", 4, (132,), (1024,), 262144 // 4 * 2 + 68 * 4)
+    step, = _forward(_plan("layer_norm", (512, 65536)), {"w", "b"}, "float32").steps
+    assert (step.name, step.items, step.grid, step.smem) == ("rows_fwd_cluster", 2, (132,), 65536 // 2 * 4 + 68 * 4)
+    step, = _forward(_plan("layer_norm", (64, 40960)), {"w", "b"}).steps
+    assert (step.name, step.items, step.grid, step.block) == ("rows_fwd_cluster", 4, (256,), (512,))
+    split = ("rows_stats_partial", "rows_stats_finalize", "rows_apply_fwd")
+    assert _forward(long, {"w", "b"} | STATS, device=_schedule.DeviceInfo(132, 227 * 1024)).names == split
+    assert _forward(_plan("layer_norm", (128, 1 << 20)), {"w", "b"} | STATS).names == split
+
+
 def test_group_norm_rows_in_shared_memory_sum_their_parameter_gradients():
     """NCHW rows of parameter segments that fit shared memory with dy (Stable Diffusion's
     64x64 GroupNorm(32, 320) in bfloat16: rows of 10 segments of 4096, 160 KiB with dy):
@@ -128,11 +147,15 @@ def test_group_norm_rows_in_shared_memory_sum_their_parameter_gradients():
 
 def test_the_device_decides_grids_and_kernels():
     """Rows too long for shared memory everywhere: the same split kernels, other grids; rows
-    an H100 holds in shared memory and a 48 KiB device does not: other kernels."""
-    plan = _plan("group_norm", (8, 320, 128, 128), num_groups=32)  # rows of 163840
+    an H100 holds in shared memory (one block's, or a cluster's) and a 48 KiB device does
+    not: other kernels."""
+    plan = _plan("group_norm", (8, 320, 256, 256), num_groups=32)  # rows of 655360: 1.25 MiB
     big, small = _forward(plan, {"w", "b"}, device=H100), _forward(plan, {"w", "b"}, device=SMALL)
     assert big.names == small.names
     assert [s.grid for s in big.steps] != [s.grid for s in small.steps]
+    sd128 = _plan("group_norm", (8, 320, 128, 128), num_groups=32)  # rows of 163840: 320 KiB
+    assert _forward(sd128, {"w", "b"}, device=H100).names == ("rows_fwd_cluster",)
+    assert _forward(sd128, {"w", "b"}, device=SMALL).names[0] == "rows_stats_partial"
     sd = _plan("group_norm", (8, 320, 64, 64), num_groups=32)  # rows of 40960: 80 KiB in bfloat16
     assert _forward(sd, {"w", "b"}, device=H100).names == ("rows_fwd_smem",)
     assert _forward(sd, {"w", "b"}, device=SMALL).names[0] == "rows_stats_partial"
@@ -191,7 +214,8 @@ def test_long_rows_that_fit_shared_memory_read_x_once():
     """Rows past the register kernels that fit a block's shared memory on an H100: one kernel
     forward (rows_fwd_smem), the backward's dx in one (rows_bwd_smem) and dweight/dbias
     after it; Stable Diffusion's 64x64 GroupNorm(32, 320) rows (40960) forward likewise;
-    rows too long (float32 65536: 256 KiB) or too few to fill the SMs take the split path."""
+    rows too long (float32 65536: 256 KiB) or too few to fill the SMs take a cluster of blocks
+    (test_rows_past_one_block_span_a_cluster), or the split path where clusters do not exist."""
     plan = _plan("layer_norm", (1024, 32768))
     assert _forward(plan, {"w", "b"}).names == ("rows_fwd_smem",)
     assert _backward(plan, {"w", "mean", "rstd", "dw", "db"}).names == (
@@ -201,5 +225,7 @@ def test_long_rows_that_fit_shared_memory_read_x_once():
     sd = _plan("group_norm", (8, 320, 64, 64), num_groups=32)
     step = _forward(sd, {"w", "b"}).steps
     assert [(s.name, s.block, s.smem) for s in step] == [("rows_fwd_smem", (512,), 40960 * 2)]
-    assert _forward(_plan("layer_norm", (512, 65536)), {"w"}, "float32").names[0] == "rows_stats_partial"
-    assert _forward(_plan("layer_norm", (64, 32768)), {"w"}).names[0] == "rows_stats_partial"
+    no_clusters = _schedule.DeviceInfo(132, 227 * 1024)  # an A100-like device: none
+    assert _forward(_plan("layer_norm", (512, 65536)), {"w"}, "float32", no_clusters).names[0] == "rows_stats_partial"
+    assert _forward(_plan("layer_norm", (64, 32768)), {"w"}, device=no_clusters).names[0] == "rows_stats_partial"
+    assert _forward(_plan("layer_norm", (64, 32768)), {"w"}).names == ("rows_fwd_cluster",)

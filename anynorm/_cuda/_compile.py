@@ -14,7 +14,7 @@ import threading
 
 from ._sources import SOURCE_FILES, read_source
 
-__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "BLOCK_ITEMS", "MULTI_ITEMS", "items_of", "block_threads_max",
+__all__ = ["CTYPES", "KERNELS", "WARP_ITEMS", "BLOCK_ITEMS", "MULTI_ITEMS", "CLUSTER_SIZES", "items_of", "block_threads_max",
            "name_expression", "name_expressions", "instantiations", "get_kernel", "nvrtc_options", "nvrtc_check"]
 
 # Kernel dtype key (the dtype's name) -> C++ element type.
@@ -29,9 +29,12 @@ BLOCK_ITEMS = (8, 16)
 # rows_fwd_multi/rows_bwd_multi (several short rows per block, teams sized to the row): one 16-byte vector
 # per thread, ITEMS = 16 / sizeof(T) (float64 spills past 2 under its 64-register bound).
 MULTI_ITEMS = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
+# Thread-block clusters (sm_90) of the row kernels that hold a row across several blocks' shared
+# memory: the cluster size is their ITEMS (portable sizes; 8 would need all of a GPC's SMs free).
+CLUSTER_SIZES = (2, 4)
 KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block", "rows_fwd_multi",
-                "rows_bwd_multi", "rows_fwd_smem", "rows_bwd_smem",
+                "rows_bwd_multi", "rows_fwd_smem", "rows_fwd_cluster", "rows_bwd_smem",
                 "rows_bwd_block_params", "rows_bwd_warp_row_params",
                 "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial", "cols_apply_fwd", "cols_grad_finalize",
@@ -44,6 +47,7 @@ KERNELS = {
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
           "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS, "rows_fwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
           "rows_bwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
+          "rows_fwd_cluster": CLUSTER_SIZES,
           "rows_bwd_block_params": BLOCK_ITEMS,
           "rows_bwd_warp_row_params": WARP_ITEMS, "rows_bwd_block_row_params": BLOCK_ITEMS}
 # The float32 block backward at ITEMS=16 would spill under its 64-register bound: float32

@@ -25,7 +25,7 @@ from cupy.lib.stride_tricks import as_strided
 
 from . import _schedule
 from ._args import NULL, address, kernel_arg
-from ._compile import get_kernel
+from ._compile import CLUSTER_SIZES, get_kernel
 from ._interop import TensorRef, as_cupy
 from ._layout import buffer_strides, plan_layout, view_strides
 from ._schedule import BACKWARD_SLOTS, FORWARD_SLOTS, DeviceInfo
@@ -42,9 +42,11 @@ __all__ = ["BoundLaunch", "bind", "device_info", "opt_in", "forward_launch", "ba
 def device_info(device_id: int) -> DeviceInfo:
     """The :class:`DeviceInfo` of CUDA device ``device_id`` (asked once)."""
     runtime = cupy.cuda.runtime
-    return DeviceInfo(int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]),
+    device = cupy.cuda.Device(device_id)
+    return DeviceInfo(int(device.attributes["MultiProcessorCount"]),
                       int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                                     device_id)))
+                                                     device_id)),
+                      max(CLUSTER_SIZES) if int(device.compute_capability) >= 90 else 1)
 
 
 def _current_device() -> int:

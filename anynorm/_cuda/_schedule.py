@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._compile import MULTI_ITEMS, block_threads_max, items_of
+from ._compile import CLUSTER_SIZES, MULTI_ITEMS, block_threads_max, items_of
 
 __all__ = ["DeviceInfo", "Slot", "Step", "Schedule", "schedule_forward", "schedule_backward", "acc_dtype",
            "param_in_t", "FORWARD_SLOTS", "BACKWARD_SLOTS", "ALIGN", "DEFAULT_SMEM"]
@@ -99,11 +99,13 @@ def _ptr(arr):
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """What the schedules depend on of a GPU: its SM count and the shared memory one block
-    may opt in to (an H100: ``DeviceInfo(132, 227 * 1024)``)."""
+    """What the schedules depend on of a GPU: its SM count, the shared memory one block may
+    opt in to and the largest thread-block cluster the row kernels may use (1: none, before
+    sm_90); an H100: ``DeviceInfo(132, 227 * 1024, 4)``."""
 
     sm_count: int
     smem_optin: int
+    cluster_max: int = 1
 
 
 # ---- the schedule being built on this thread ----------------------------------------------
@@ -283,6 +285,38 @@ def _smem_row(layout, dtype, copies=1):
 _SMEM_ROW_THREADS = 1024  # rows_fwd_smem's launch bound (rows.cu: ROW_BLOCK_MAX)
 
 
+def _cluster_row(layout, dtype):
+    """(C, grid, block, dynamic smem bytes) of rows_fwd_cluster, or None: rows that
+    rows_fwd_smem does not take (too long for one block's shared memory, or fewer rows than
+    SMs) split over a thread-block cluster of C blocks (the smallest of CLUSTER_SIZES the
+    device allows) whose parts (cluster_segment: ceil(count / C) rounded up to 16 bytes, plus
+    68 values of A for the block sums and cluster slots, all dynamic) fit one block's opt-in
+    shared memory, with at least a block per SM (C x rows >= SMs); else the split path.
+    Blocks as _smem_row's (512 threads where two fit an SM, else 1024), a persistent grid of
+    whole clusters."""
+    if not layout.rows:
+        return None
+    vector = _VECTOR[dtype]
+    itemsize, acc = 16 // vector, np.dtype(acc_dtype(dtype)).itemsize
+    limit = _smem_limit() - _CLUSTER_STATIC_SMEM
+    sms = max(1, _target_blocks() // _BLOCKS_PER_SM)
+    for c in CLUSTER_SIZES:
+        if c > _device().cluster_max:
+            break
+        seg = _ceil(_ceil(layout.reduced, c), vector) * vector
+        smem = _ceil(seg * itemsize, 16) * 16 + 68 * acc
+        if smem > limit or layout.outer * c < sms:
+            continue
+        fit = (limit + _SMEM_RESERVED) // (smem + _CLUSTER_STATIC_SMEM + _SMEM_RESERVED)
+        per_sm, threads = (2, _SMEM_ROW_THREADS // 2) if fit >= 2 else (1, _SMEM_ROW_THREADS)
+        clusters = min(layout.outer, max(1, per_sm * sms // c))
+        return c, (clusters * c,), (threads,), smem
+    return None
+
+
+_CLUSTER_STATIC_SMEM = 128  # rows_fwd_cluster: the IndexMap (everything else is dynamic)
+
+
 def _split(length, parallel, target, min_chunk, align=1):
     """(chunk, nchunk): cut ``length`` into at most 65535 chunks so that ``parallel`` blocks
     per chunk make about ``target`` blocks, chunks of at least ``min_chunk`` elements."""
@@ -406,6 +440,13 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
         _step("rows_fwd_smem", dtype, grid, block,
               (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), smem=smem)
+        return
+    cluster = _cluster_row(layout, dtype)
+    if cluster is not None:
+        c, grid, block, smem = cluster
+        _step("rows_fwd_cluster", dtype, grid, block,
+              (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
+               i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=c, smem=smem)
         return
     tile = _tile(layout, dtype, 1)
     if tile is not None:

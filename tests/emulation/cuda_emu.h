@@ -14,6 +14,12 @@
 // shuffles reading a lane outside the mask, deadlocks, bad launch configurations.
 // Static __shared__ memory persists between blocks (as on a GPU, it starts as garbage);
 // the harness poisons it with 0xFF bytes before each block (see emu_set_shared_regions).
+// Thread-block clusters (sm_90; `cluster` blocks along x, set per launch): a cluster's blocks
+// run together, their threads all fibers of one scheduler, each block with its own dynamic
+// shared memory and __syncthreads; emu_cluster_sync is the cluster's barrier and
+// emu_cluster_shared maps an address of the caller's dynamic shared memory to the same offset
+// in another block's (distributed shared memory). Static __shared__ variables are one per
+// kernel here, so cluster kernels must keep all their shared memory dynamic.
 #pragma once
 #ifndef ANYNORM_CUDA_EMU_H
 #define ANYNORM_CUDA_EMU_H
@@ -129,6 +135,7 @@ struct Fiber {
     ucontext_t ctx;
     St state = St::Ready;
     uint3 idx{0, 0, 0};
+    uint3 bid{0, 0, 0};
     WarpOp op{};
     long long barrier_result = 0;
 };
@@ -137,14 +144,17 @@ class Runtime {
   public:
     // Schedule: 0 forward, 1 reverse, >= 2 random with that seed. Also orders the blocks.
     int schedule = 0;
+    int cluster = 1;  // blocks per cluster along x (the next launch's)
     size_t max_dynamic_smem = 48 * 1024;
     std::vector<std::pair<unsigned char*, size_t>> shared_regions;  // poisoned per block
 
     template <class F> void launch(dim3 grid, dim3 block, size_t smem, F&& body);
 
-    unsigned char* dynamic_smem() { return dyn_.data(); }
-
     // Called from inside fibers.
+    unsigned char* dynamic_smem() { return dyn_.data() + (size_t)(cur_ / per_) * dyn_stride_; }
+    int cluster_rank() const { return cur_ / per_; }
+    unsigned char* cluster_shared(const void* p, int rank);
+    void sync_cluster();
     int current() const { return cur_; }
     [[noreturn]] void fail(const std::string& what);
     long long sync_block(long long pred, int how);  // how: 0 plain, 1 count, 2 and, 3 or
@@ -154,7 +164,7 @@ class Runtime {
 
   private:
     static void entry();
-    void run_block(uint3 bid);
+    void run_cluster(const uint3* bids);
     void park();
     void release(int t, long long result);
     void thread_exit(int me);
@@ -168,14 +178,17 @@ class Runtime {
     std::vector<Fiber> th_;
     std::vector<uint64_t> ready_;
     std::vector<char*> stacks_;
-    std::vector<unsigned char> dyn_;
+    std::vector<unsigned char> dyn_;  // each block's dynamic shared memory, dyn_stride_ apart
+    size_t dyn_stride_ = 0;
+    // per block of the cluster: threads exited, at __syncthreads, and that barrier's kind/value
+    std::vector<int> done_b_, at_barrier_b_, barrier_how_b_;
+    std::vector<long long> barrier_acc_b_;
+    int at_cluster_ = 0;
     ucontext_t sched_{};
     std::function<void()> body_;
     std::mt19937_64 rng_;
     std::string error_;
-    int n_ = 0, cur_ = -1, done_ = 0, at_barrier_ = 0;
-    int barrier_how_ = 0;
-    long long barrier_acc_ = 0;
+    int n_ = 0, per_ = 1, cur_ = -1, done_ = 0;  // fibers of the cluster, per block, current, exited
     bool aborting_ = false, running_ = false;
     static constexpr size_t kStack = 256 * 1024;
 };
@@ -184,7 +197,10 @@ inline Runtime rt;
 
 inline std::string Runtime::who(int t) const {
     const uint3& i = th_[t].idx;
-    return "thread (" + std::to_string(i.x) + "," + std::to_string(i.y) + "," + std::to_string(i.z) + ")";
+    std::string s = "thread (" + std::to_string(i.x) + "," + std::to_string(i.y) + "," + std::to_string(i.z) + ")";
+    if (n_ > per_) s += " of block (" + std::to_string(th_[t].bid.x) + "," + std::to_string(th_[t].bid.y) + "," +
+                        std::to_string(th_[t].bid.z) + ")";
+    return s;
 }
 
 inline void Runtime::record(const std::string& what) {
@@ -268,10 +284,17 @@ inline void Runtime::thread_exit(int me) {
     th_[me].state = St::Done;
     ready_[me >> 6] &= ~(1ull << (me & 63));  // abort_all may have marked it ready again
     ++done_;
+    ++done_b_[me / per_];
     if (aborting_) return;
-    if (at_barrier_ > 0) {
-        record(who(me) + " exited while " + std::to_string(at_barrier_) +
+    if (at_barrier_b_[me / per_] > 0) {
+        record(who(me) + " exited while " + std::to_string(at_barrier_b_[me / per_]) +
                " thread(s) wait at __syncthreads() (barrier in divergent code)");
+        abort_all();
+        return;
+    }
+    if (at_cluster_ > 0) {
+        record(who(me) + " exited while " + std::to_string(at_cluster_) +
+               " thread(s) of its cluster wait at the cluster barrier");
         abort_all();
         return;
     }
@@ -291,7 +314,7 @@ inline std::string Runtime::deadlock_report() const {
     std::string s = "deadlock: no thread can proceed (";
     int nb = 0, nw = 0;
     for (int t = 0; t < n_; ++t) {
-        if (th_[t].state == St::Barrier) ++nb;
+        if (th_[t].state == St::Barrier) ++nb;  // __syncthreads or the cluster barrier
         if (th_[t].state == St::Warp) ++nw;
     }
     s += std::to_string(nb) + " at __syncthreads, " + std::to_string(nw) + " in warp operations, " +
@@ -319,16 +342,17 @@ inline void Runtime::alloc_stacks(int n) {
     }
 }
 
-inline void Runtime::run_block(uint3 bid) {
-    blockIdx = bid;
+inline void Runtime::run_cluster(const uint3* bids) {
     for (auto& region : shared_regions) std::memset(region.first, 0xFF, region.second);
     std::fill(dyn_.begin(), dyn_.end(), (unsigned char)0xFF);
     std::fill(ready_.begin(), ready_.end(), 0ull);
     for (int t = 0; t < n_; ++t) {
         Fiber& f = th_[t];
+        const int u = t % per_;
         f.state = St::Ready;
-        f.idx = uint3{(unsigned)(t % blockDim.x), (unsigned)(t / blockDim.x % blockDim.y),
-                      (unsigned)(t / (blockDim.x * blockDim.y))};
+        f.idx = uint3{(unsigned)(u % blockDim.x), (unsigned)(u / blockDim.x % blockDim.y),
+                      (unsigned)(u / (blockDim.x * blockDim.y))};
+        f.bid = bids[t / per_];
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = stacks_[t];
         f.ctx.uc_stack.ss_size = kStack;
@@ -336,7 +360,12 @@ inline void Runtime::run_block(uint3 bid) {
         makecontext(&f.ctx, &Runtime::entry, 0);
         ready_[t >> 6] |= 1ull << (t & 63);
     }
-    done_ = at_barrier_ = 0;
+    const int nblocks = n_ / per_;
+    done_b_.assign(nblocks, 0);
+    at_barrier_b_.assign(nblocks, 0);
+    barrier_how_b_.assign(nblocks, 0);
+    barrier_acc_b_.assign(nblocks, 0);
+    done_ = at_cluster_ = 0;
     aborting_ = false;
     for (;;) {
         const int t = pick();
@@ -349,6 +378,7 @@ inline void Runtime::run_block(uint3 bid) {
         ready_[t >> 6] &= ~(1ull << (t & 63));
         cur_ = t;
         threadIdx = th_[t].idx;
+        blockIdx = th_[t].bid;
         swapcontext(&sched_, &th_[t].ctx);
     }
     cur_ = -1;
@@ -368,25 +398,35 @@ template <class F> void Runtime::launch(dim3 grid, dim3 block, size_t smem, F&& 
     if (smem > max_dynamic_smem)
         throw Failure("invalid launch: " + std::to_string(smem) + " bytes of dynamic shared memory (limit " +
                       std::to_string(max_dynamic_smem) + ")");
-    n_ = (int)nthreads;
+    const int cl = cluster;
+    if (cl < 1 || cl > 8 || grid.x % (unsigned)cl)
+        throw Failure("invalid launch: cluster of " + std::to_string(cl) + " blocks for grid.x " +
+                      std::to_string(grid.x) + " (1..8 blocks, grid.x a multiple)");
+    if (cl > 1 && nthreads % 32)
+        throw Failure("emulator: a cluster's blocks must be whole warps");
+    per_ = (int)nthreads;
+    n_ = cl * per_;
     th_.assign(n_, Fiber{});
     ready_.assign((n_ + 63) / 64, 0ull);
     alloc_stacks(n_);
-    dyn_.assign(smem ? smem : 16, 0);
+    dyn_stride_ = ((smem ? smem : 16) + 255) / 256 * 256;
+    dyn_.assign(dyn_stride_ * cl, 0);
     blockDim = block;
     gridDim = grid;
     body_ = std::forward<F>(body);
     rng_.seed((uint64_t)schedule * 0x9E3779B97F4A7C15ull + 12345);
     error_.clear();
-    std::vector<uint3> blocks;
+    std::vector<uint3> blocks;  // each cluster's first block (rank 0)
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
-            for (unsigned x = 0; x < grid.x; ++x) blocks.push_back(uint3{x, y, z});
+            for (unsigned x = 0; x < grid.x; x += (unsigned)cl) blocks.push_back(uint3{x, y, z});
     if (schedule == 1) std::reverse(blocks.begin(), blocks.end());
     if (schedule >= 2) std::shuffle(blocks.begin(), blocks.end(), rng_);
     running_ = true;
+    std::vector<uint3> members(cl);
     for (const uint3& b : blocks) {
-        run_block(b);
+        for (int r = 0; r < cl; ++r) members[r] = uint3{b.x + (unsigned)r, b.y, b.z};
+        run_cluster(members.data());
         if (!error_.empty()) {
             running_ = false;
             body_ = nullptr;
@@ -399,26 +439,51 @@ template <class F> void Runtime::launch(dim3 grid, dim3 block, size_t smem, F&& 
 }
 
 inline long long Runtime::sync_block(long long pred, int how) {
-    if (done_ > 0)
-        fail("reached __syncthreads() after " + std::to_string(done_) +
+    const int b = cur_ / per_;
+    if (done_b_[b] > 0)
+        fail("reached __syncthreads() after " + std::to_string(done_b_[b]) +
              " thread(s) of the block exited (barrier in divergent code)");
     Fiber& f = th_[cur_];
-    if (at_barrier_ == 0) {
-        barrier_how_ = how;
-        barrier_acc_ = how == 2 ? 1 : 0;
-    } else if (barrier_how_ != how) {
+    if (at_barrier_b_[b] == 0) {
+        barrier_how_b_[b] = how;
+        barrier_acc_b_[b] = how == 2 ? 1 : 0;
+    } else if (barrier_how_b_[b] != how) {
         fail("__syncthreads variants differ across the block");
     }
-    if (how == 1) barrier_acc_ += pred != 0;
-    if (how == 2) barrier_acc_ &= pred != 0;
-    if (how == 3) barrier_acc_ |= pred != 0;
+    long long& acc = barrier_acc_b_[b];
+    if (how == 1) acc += pred != 0;
+    if (how == 2) acc &= pred != 0;
+    if (how == 3) acc |= pred != 0;
     f.state = St::Barrier;
-    if (++at_barrier_ == n_) {
-        at_barrier_ = 0;
-        for (int t = 0; t < n_; ++t) release(t, barrier_acc_);
+    if (++at_barrier_b_[b] == per_) {
+        at_barrier_b_[b] = 0;
+        for (int t = b * per_; t < (b + 1) * per_; ++t) release(t, acc);
     }
     park();
     return th_[cur_].barrier_result;
+}
+
+inline void Runtime::sync_cluster() {
+    if (done_ > 0)
+        fail("reached the cluster barrier after " + std::to_string(done_) + " thread(s) of the cluster exited");
+    th_[cur_].state = St::Barrier;
+    if (++at_cluster_ == n_) {
+        at_cluster_ = 0;
+        for (int t = 0; t < n_; ++t) release(t, 0);
+    }
+    park();
+}
+
+inline unsigned char* Runtime::cluster_shared(const void* p, int rank) {
+    const unsigned char* mine = dynamic_smem();
+    const unsigned char* q = static_cast<const unsigned char*>(p);
+    if (q < mine || q >= mine + dyn_stride_)
+        fail("distributed shared memory: the address is not in the block's dynamic shared memory");
+    if (rank < 0 || rank >= n_ / per_)
+        fail("distributed shared memory: block rank " + std::to_string(rank) + " is not in the cluster");
+    if (done_b_[rank] == per_)  // on a GPU its shared memory is gone (undefined)
+        fail("distributed shared memory: block rank " + std::to_string(rank) + " has exited");
+    return dyn_.data() + (size_t)rank * dyn_stride_ + (size_t)(q - mine);
 }
 
 inline unsigned Runtime::active_mask() const {
@@ -516,6 +581,12 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
     emu::rt.warp_op(emu::WarpKind::Sync, "__syncwarp", mask, 0, 0, 0, 0);
 }
 inline unsigned __activemask() { return emu::rt.active_mask(); }
+// Thread-block clusters (the kernels' sm_90 PTX has these as inline assembly).
+inline unsigned emu_cluster_rank() { return (unsigned)emu::rt.cluster_rank(); }
+inline void emu_cluster_sync() { emu::rt.sync_cluster(); }
+template <class T> inline T emu_cluster_load(const T* p, int rank) {
+    return *reinterpret_cast<const T*>(emu::rt.cluster_shared(p, rank));
+}
 // Integer intrinsics.
 inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
     return (unsigned long long)(((unsigned __int128)a * b) >> 64);
@@ -606,12 +677,13 @@ void launch_packed(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, voi
     emu_launch(kernel, grid, block, smem, *static_cast<std::decay_t<P>*>(args[I])...);
 }
 
-// The extern "C" entry point behind every wrapper: cfg = grid xyz, block xyz.
+// The extern "C" entry point behind every wrapper: cfg = grid xyz, block xyz, cluster (x).
 template <class... P>
 int launch_c(void (*kernel)(P...), const unsigned* cfg, unsigned long long smem, int schedule, void** args,
              char* err, int errlen) {
     try {
         rt.schedule = schedule;
+        rt.cluster = (int)cfg[6];
         launch_packed(kernel, dim3(cfg[0], cfg[1], cfg[2]), dim3(cfg[3], cfg[4], cfg[5]), (size_t)smem, args,
                       std::index_sequence_for<P...>{});
         return 0;

@@ -270,11 +270,12 @@ class CupyLaunched:
     (Plain ``Kernel`` calls convert each argument to its parameter's type, for tests that
     drive kernels directly.)"""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, cluster=1):
         self.kernel = kernel
+        self.cluster = cluster  # blocks per cluster: a GPU kernel's compiled __cluster_dims__
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        return self.kernel(grid, block, args, shared_mem, cupy_widths=True)
+        return self.kernel(grid, block, args, shared_mem, cupy_widths=True, cluster=self.cluster)
 
     @property
     def max_dynamic_shared_size_bytes(self):
@@ -321,10 +322,11 @@ class Kernel:
         self._cupy = None
         self._max_smem = 48 * 1024  # a function attribute on a GPU: each kernel its own
 
-    def as_cupy(self) -> CupyLaunched:
-        """This kernel under CuPy's argument rules (one wrapper per kernel)."""
-        if self._cupy is None:
-            self._cupy = CupyLaunched(self)
+    def as_cupy(self, cluster=1) -> CupyLaunched:
+        """This kernel under CuPy's argument rules (one wrapper per kernel), its blocks in
+        clusters of ``cluster`` (what a GPU kernel compiles in with __cluster_dims__)."""
+        if self._cupy is None or self._cupy.cluster != cluster:
+            self._cupy = CupyLaunched(self, cluster)
         return self._cupy
 
     def _pack(self, args, cupy_widths=False):
@@ -382,7 +384,8 @@ class Kernel:
         kernel may then take up to ``n`` bytes."""
         self._max_smem = int(n)
 
-    def __call__(self, grid, block, args, shared_mem=0, schedule=None, timeout=60.0, cupy_widths=False):
+    def __call__(self, grid, block, args, shared_mem=0, schedule=None, timeout=60.0, cupy_widths=False,
+                 cluster=1):
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         if schedule is None:
@@ -393,8 +396,8 @@ class Kernel:
             self.module.max_dynamic_smem = self._max_smem
         argv = (ctypes.c_void_p * max(1, len(values)))(
             *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        cfg = (ctypes.c_uint * 6)(*grid, *block)
-        where = f"{self.name} grid={grid} block={block} schedule={schedule}"
+        cfg = (ctypes.c_uint * 7)(*grid, *block, cluster)
+        where = f"{self.name} grid={grid} block={block} cluster={cluster} schedule={schedule}"
         status = _run_forked(lambda err: self._run(cfg, ctypes.c_ulonglong(shared_mem), schedule, argv,
                                                    err, 4096), timeout, where)
         if status:

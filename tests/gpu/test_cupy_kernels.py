@@ -284,3 +284,28 @@ def test_more_than_2_31_elements(cp):
     with anynorm.use_backend("reference"):
         ryc = anynorm.layer_norm(xc[-2:], axis=1)
     assert_close(yc[-2:], ryc, x.dtype)
+
+
+
+# Rows the sm_90 schedule splits over a thread-block cluster (rows_fwd_cluster): past one
+# block's shared memory (262144 float16, 65536 float32) or too few for a block each (64 rows);
+# NCHW group norm rows of parameter segments.
+CLUSTER_CASES = [((128, 262144), "float16"), ((264, 65536), "float32"), ((64, 40960), "float16"),
+                 ((66, 4, 129, 129), "float32")]
+
+
+@pytest.mark.parametrize("shape, dtype", CLUSTER_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_rows_across_a_cluster(cp, monkeypatch, shape, dtype):
+    """The cluster kernel where the device has clusters (sm_90): output and statistics as the
+    reference's; the split path's kernels where it has none."""
+    from anynorm._cuda import _launcher
+
+    names, fetch = set(), _launcher.get_kernel
+    monkeypatch.setattr(_launcher, "get_kernel", lambda k, d, items=None: names.add(k) or fetch(k, d, items))
+    monkeypatch.setattr(_launcher, "_memo", lambda plan: {})
+    op, kw = ("group_norm", {"num_groups": 1}) if len(shape) == 4 else ("layer_norm", {})
+    x = _data(cp, shape, dtype)
+    w, b = _params(cp, op, shape, kw, dtype)
+    _check_forward(op, x, w, b, **kw)
+    clusters = int(cp.cuda.Device().compute_capability) >= 90
+    assert ("rows_fwd_cluster" in names) == clusters, names
