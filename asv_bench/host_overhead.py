@@ -74,7 +74,7 @@ def _stub_cuda():
     """Route CPU tensors through the CUDA executor with the GPU-only steps replaced."""
     kernel = _ConvertingKernel()
     _launcher.get_kernel = lambda *args, **kw: kernel
-    _launcher.device_info = lambda device: _schedule.DeviceInfo(132, 227 * 1024, 4)  # an H100
+    _launcher.device_info = lambda device: _schedule.DeviceInfo(132, 227 * 1024, 8)  # an H100
     _launcher._current_device = lambda: -1  # x.get_device() of a CPU tensor
     _interop.on_torch_stream = lambda device: contextlib.nullcontext()
     _interop.torch_stream = _raw_stream

@@ -622,11 +622,11 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_smem(
 }
 
 // Rows longer than one block's shared memory holds (sm_90): held by a cluster of C blocks
-// (C = ITEMS in {2, 4}), block `rank` elements [rank * seg, (rank + 1) * seg) of each row
+// (C = ITEMS in {2, 4, 8}), block `rank` elements [rank * seg, (rank + 1) * seg) of each row
 // (cluster_segment), the statistics added up across the cluster through distributed shared
 // memory (span_allsum): x still read once. Launch: block as rows_fwd_smem, grid a multiple
 // of C (C blocks a row, grid-stride over rows by clusters); dynamic smem round16(seg *
-// sizeof(T)) + 68 A (the block sums and 4 cluster slots: all of a cluster kernel's shared
+// sizeof(T)) + 72 A (the block sums and the cluster slots: all of a cluster kernel's shared
 // memory is dynamic).
 template <typename T, int C>
 __global__ void ANYNORM_CLUSTER(C) __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_cluster(
@@ -667,37 +667,41 @@ __global__ void ANYNORM_CLUSTER(C) __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_
 // a warp), read after the block sum's barrier and added in piece order: no extra barrier, no
 // atomics, a fixed order (deterministic).
 // Launch: as rows_fwd_smem, dynamic smem 2 * round16(count * sizeof(T)).
-template <typename T>
-__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
+template <typename T, int C>
+__device__ __forceinline__ void backward_rows_held(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
-        long long p_div, long long p_len, int center, int param_in_t) {
+        long long p_div, long long p_len, int center, int param_in_t, T* __restrict__ xs,
+        acc_t<T>* smem, acc_t<T>* seg_sums, acc_t<T>* slots) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const Param<T> w = {w_arg, param_in_t & 1};
-    __shared__ A smem[64];
-    __shared__ A seg_sums[64];  // per piece u of a segment: [u] sum(dy * xhat), [32 + u] sum(dy)
-    const int len = (int)count, tid = threadIdx.x, threads = blockDim.x;
-    T* const xs = dynamic_shared<T>();
-    T* const gs = xs + ((len + V - 1) / V) * V;  // dy, from the next 16-byte boundary
+    const int tid = threadIdx.x, threads = blockDim.x;
+    // this block's part of every row: [lo, len), xs[j - lo] and gs[j - lo] (C == 1: the row)
+    const int rank = C == 1 ? 0 : cluster_rank();
+    const int part = C == 1 ? (int)count : cluster_segment<T>((int)count, C);
+    const int lo = rank * part, len = min((int)count, lo + part);
+    T* const gs = xs + ((part + V - 1) / V) * V - lo;  // dy, from the next 16-byte boundary
+    xs -= lo;
+    int phase = 0;  // span_allsum's calls
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count) || !w_arg;
     const A n = A(count);
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    for (long long row = blockIdx.x / C; row < rows; row += gridDim.x / C) {
         __syncthreads();  // the previous row's last pass is done with the arrays
         const long long base = row * count;
         const T* xr = x + base;
         const T* dyr = dy + base;
         T* dxr = dx + base;
         // segment sums walk segments in vectors: whole vectors a segment then
-        const bool vec = (len % V == 0) && aligned16(xr) && aligned16(dyr) && aligned16(dxr) &&
+        const bool vec = (count % V == 0) && aligned16(xr) && aligned16(dyr) && aligned16(dxr) &&
                          (plain && !part_w ? param_vec_ok(w) : p_div % V == 0);
         const A shift = center ? row_shift(xr, (const T*)0) : A(0);
         const A r = rstd[row];
         A s = A(0);
         if (vec) {
-            for (int j = tid * V; j < len; j += threads * V) {
+            for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = load16(xr + j);
                 store16(xs + j, a);
                 store16(gs + j, load16(dyr + j));
@@ -705,21 +709,22 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
                 for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
             }
         } else {
-            for (int j = tid; j < len; j += threads) {
+            for (int j = lo + tid; j < len; j += threads) {
                 const T a = xr[j];
                 xs[j] = a;
                 gs[j] = dyr[j];
                 s += to_acc(a) - shift;
             }
         }
-        s = center ? BlockTeam::allsum(s, smem) : A(0);  // sum(d)
+        s = center ? span_allsum<C>(s, smem, slots, phase) : A(0);  // sum(d)
         const A mu = s / n;
         A sg = A(0), sgx = A(0);
         // per segment: sum(dy), sum(dy * xhat); the weighted ones into sg, sgx. Sizes made
         // here, not kept live through the row's passes (the dx pass has no registers to spare)
-        const int seg = (int)p_div, per_row = part_w ? len / seg : 0, nwarps = threads >> 5;
+        // (the sums per segment are C == 1's: a cluster's launches give no part_w)
+        const int seg = (int)p_div, per_row = C == 1 && part_w ? len / seg : 0, nwarps = threads >> 5;
         const int ways = per_row && per_row < nwarps ? nwarps / per_row : 1;  // warps a segment
-        if (part_w) {
+        if (C == 1 && part_w) {
             const int lane = tid & 31;
             // mu's rounding, sum(d) / n - mu (exact by the fma): dweight's sums are about
             // sum(d) / n. Near an offset mu is rounded to A at the size of the row's offset from
@@ -762,7 +767,7 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
                 }
             }
         } else if (vec) {
-            for (int j = tid * V; j < len; j += threads * V) {
+            for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = load16(xs + j), d = load16(gs + j);
                 A wv[V];
                 if (plain) {
@@ -780,13 +785,13 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
                 }
             }
         } else {
-            for (int j = tid; j < len; j += threads) {
+            for (int j = lo + tid; j < len; j += threads) {
                 const A g = to_acc(gs[j]) * weight_at(w, plain ? (long long)j : param_at(map, base + j));
                 sg += g;
                 sgx += g * (((to_acc(xs[j]) - shift) - mu) * r);
             }
         }
-        BlockTeam::allsum2(sg, sgx, smem);  // its barrier: seg_sums are written
+        span_allsum2<C>(sg, sgx, smem, slots + 2, phase);  // its barrier: seg_sums are written
         if (ways > 1 && tid < per_row) {  // a segment's pieces, in order
             A sdx = seg_sums[tid * ways], sd = seg_sums[32 + tid * ways];
             for (int q = 1; q < ways; ++q) {
@@ -799,7 +804,7 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
         const A mg = center ? sg / n : A(0);
         const A mgx = sgx / n;
         if (vec && plain) {
-            for (int j = tid * V; j < len; j += threads * V) {
+            for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = load16(xs + j), d = load16(gs + j);
                 A wv[V];
                 param_vec(w, j, wv, A(1));
@@ -812,7 +817,7 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
                 store16_global(dxr + j, o);
             }
         } else if (vec) {  // segments of whole vectors: one parameter a vector
-            for (int j = tid * V; j < len; j += threads * V) {
+            for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = load16(xs + j), d = load16(gs + j);
                 const A wk = weight_at(w, param_at(map, base + j));
                 Vec16<T> o;
@@ -824,13 +829,45 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
                 store16_global(dxr + j, o);
             }
         } else {
-            for (int j = tid; j < len; j += threads) {
+            for (int j = lo + tid; j < len; j += threads) {
                 const A g = to_acc(gs[j]) * weight_at(w, plain ? (long long)j : param_at(map, base + j));
                 const A xh = ((to_acc(xs[j]) - shift) - mu) * r;
                 dxr[j] = from_acc<T>(r * (g - mg - xh * mgx));
             }
         }
     }
+    // no block leaves while another may still read its slots
+    if (C > 1) cluster_sync();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_smem(
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
+        long long p_div, long long p_len, int center, int param_in_t) {
+    __shared__ acc_t<T> smem[64];
+    __shared__ acc_t<T> seg_sums[64];  // per piece u of a segment: [u] sum(dy * xhat), [32 + u] sum(dy)
+    backward_rows_held<T, 1>(dy, x, w_arg, mean, rstd, dx, part_w, part_b, rows, count, p_div, p_len, center,
+                             param_in_t, dynamic_shared<T>(), smem, seg_sums, (acc_t<T>*)0);
+}
+
+// The backward of rows_fwd_cluster's rows: as rows_bwd_smem (dx only: dweight/dbias by
+// param_grad_cols/rows), each of C blocks of a cluster holding its part of x and dy, the
+// sums (mean(d); sum(g), sum(g * xhat)) added up across the cluster (span_allsum). Launch as
+// rows_fwd_cluster; dynamic smem 2 * round16(seg * sizeof(T)) + 72 A (the parts, the block
+// sums, the cluster slots: 2 for mean(d), 2 pairs for the two sums).
+template <typename T, int C>
+__global__ void ANYNORM_CLUSTER(C) __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_cluster(
+        const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
+        const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+        long long rows, long long count, long long p_div, long long p_len, int center, int param_in_t) {
+    typedef acc_t<T> A;
+    T* const xs = dynamic_shared<T>();
+    const int held = (cluster_segment<T>((int)count, C) * (int)sizeof(T) + 15) / 16 * 16;
+    A* const smem = reinterpret_cast<A*>(reinterpret_cast<unsigned char*>(xs) + 2 * held);
+    backward_rows_held<T, C>(dy, x, w_arg, mean, rstd, dx, (A*)0, (A*)0, rows, count, p_div, p_len, center,
+                             param_in_t, xs, smem, (A*)0, smem + 64);
 }
 
 // Short rows, several per block (plain rows, p = position in the row, or no parameters):

@@ -1010,7 +1010,7 @@ def _load_launch(kernels):
 
     launch.get_kernel = get_kernel
     launch.buffer_arg = buffer_arg
-    launch.device_info = lambda device: schedule.DeviceInfo(132, 227 * 1024, 4)  # an H100's
+    launch.device_info = lambda device: schedule.DeviceInfo(132, 227 * 1024, 8)  # an H100's
     launch._current_device = lambda: 0
     launch._current_stream = lambda: None
     launch._scratch = lambda n: emu.shared_empty(n, np.uint8) if n else None

@@ -110,7 +110,7 @@ def _launch_on_emulator(monkeypatch):
                         lambda k, dtype, items=None: _module(dtype).get_function(
                             _compile.name_expression(k, dtype, items)).as_cupy(
                                 items if k in CLUSTER_KERNELS else 1))
-    monkeypatch.setattr(_launcher, "device_info", lambda device: _schedule.DeviceInfo(132, SMEM_LIMIT, 4))
+    monkeypatch.setattr(_launcher, "device_info", lambda device: _schedule.DeviceInfo(132, SMEM_LIMIT, 8))
     monkeypatch.setattr(_launcher, "_current_device", lambda: 0)
     monkeypatch.setattr(_launcher, "_device_context", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_launcher, "_current_stream", lambda: None)
@@ -123,12 +123,12 @@ def _launch_on_emulator(monkeypatch):
     # long rows take the split path here (its cases below); test_launch_rows_in_shared_memory
     # puts rows_fwd_smem back
     monkeypatch.setattr(_schedule, "_smem_row", lambda layout, dtype, copies=1: None)
-    monkeypatch.setattr(_schedule, "_cluster_row", lambda layout, dtype: None)  # as _smem_row
+    monkeypatch.setattr(_schedule, "_cluster_row", lambda layout, dtype, copies=1: None)  # as _smem_row
 
 
 _SMEM_ROW = _schedule._smem_row
 _CLUSTER_ROW = _schedule._cluster_row
-CLUSTER_KERNELS = ("rows_fwd_cluster",)  # their ITEMS is the cluster size (blocks along x)
+CLUSTER_KERNELS = ("rows_fwd_cluster", "rows_bwd_cluster")  # their ITEMS is the cluster size (blocks along x)
 
 
 @pytest.fixture
@@ -757,7 +757,8 @@ def test_shared_memory_rows_need_a_row_per_sm_and_room(emulated, monkeypatch):
 
 def use_clusters(monkeypatch, smem_limit=24 * 1024):
     """Rows past one block's shared memory (a ``smem_limit`` small enough for short rows to
-    be long) split over thread-block clusters: rows_fwd_cluster back in the schedule."""
+    be long) split over thread-block clusters: rows_fwd_cluster and rows_bwd_cluster back in
+    the schedule."""
     monkeypatch.setattr(_schedule, "_cluster_row", _CLUSTER_ROW)
     monkeypatch.setattr(_schedule, "_smem_row", _SMEM_ROW)
     monkeypatch.setattr(_schedule, "_smem_limit", lambda: smem_limit)
@@ -778,29 +779,34 @@ CLUSTER_CASES = [
 @pytest.mark.parametrize("case", CLUSTER_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_launch_rows_across_a_cluster(emulated, monkeypatch, case, dtype):
-    """rows_fwd_cluster: each of C blocks holds a part of the row, statistics added up through
-    distributed shared memory; with and without statistics, residual, parameters in x's dtype."""
-    use_clusters(monkeypatch)
+    """rows_fwd_cluster (and rows_bwd_cluster for x and dy): each of C blocks holds a part of
+    the row, the sums added up through distributed shared memory; with and without
+    statistics, residual, parameters in x's dtype. NCHW rows of parameter segments with
+    dweight keep the segments path backward (it sums them on the way)."""
+    use_clusters(monkeypatch, 24 * 1024 if dtype == "bfloat16" else 48 * 1024)  # x and dy fit 4 blocks
     op, shape, kw = case
     names = _record_launches(monkeypatch)
     _check(op, shape, kw, dtype, stats=False)
     assert "rows_fwd_cluster" in names and not {"rows_stats_partial", "rows_apply_fwd", "rows_fwd_smem"} & names
+    assert ("rows_bwd_cluster" in names) == (op != "group_norm"), names
+    assert not {"rows_grad_partial", "apply_bwd"} & names or op == "group_norm", names
     if op != "group_norm":
         _check(op, shape, kw, dtype, residual=True, params_in_x=True, bound=True)
 
 
 @pytest.mark.parametrize("schedule", ["1", "5"])
-@pytest.mark.parametrize("dtype, c", [("float32", 4), ("float16", 2), ("float64", 4)])
-def test_launch_rows_across_a_cluster_any_order(emulated, monkeypatch, dtype, c, schedule):
+@pytest.mark.parametrize("dtype, c, limit", [("float32", 4, 24), ("float16", 2, 24), ("float64", 4, 48),
+                                             ("float32", 8, 12)])
+def test_launch_rows_across_a_cluster_any_order(emulated, monkeypatch, dtype, c, limit, schedule):
     """Threads of the cluster's blocks run in reverse and random orders (a missing cluster
-    barrier would read a slot before its block wrote it); 2 and 4 blocks a cluster."""
+    barrier would read a slot before its block wrote it); 2, 4 and 8 blocks a cluster."""
     monkeypatch.setenv("ANYNORM_EMU_SCHEDULE", schedule)
-    use_clusters(monkeypatch, 48 * 1024 if dtype == "float64" else 24 * 1024)
+    use_clusters(monkeypatch, limit * 1024)
     names = _record_launches(monkeypatch)
     shape = (4, 20000)
     plan = make_plan("layer_norm", np.zeros(shape))
     schedule_ = _schedule.schedule_forward(plan, dtype, _layout.plan_layout(plan, (shape[1], 1)), set(),
-                                           device=_schedule.DeviceInfo(132, _schedule._smem_limit(), 4))
+                                           device=_schedule.DeviceInfo(132, _schedule._smem_limit(), 8))
     assert schedule_.names == ("rows_fwd_cluster",) and schedule_.steps[0].items == c
     _check("layer_norm", shape, {}, dtype)
     assert "rows_fwd_cluster" in names, names

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.slow
 FORWARD, BACKWARD = 0.5, 0.375
 TARGETS = {
     "rows_fwd_warp": FORWARD, "rows_fwd_block": FORWARD, "rows_fwd_multi": FORWARD, "rows_bwd_multi": BACKWARD, "rows_fwd_smem": FORWARD,
-    "rows_fwd_cluster": FORWARD,
+    "rows_fwd_cluster": FORWARD, "rows_bwd_cluster": BACKWARD,
     "rows_stats_partial": FORWARD,
     "rows_stats_finalize": FORWARD, "rows_apply_fwd": FORWARD,
     "rows_bwd_warp": BACKWARD, "rows_bwd_block": BACKWARD,
@@ -55,7 +55,7 @@ TARGETS = {
 }
 SM90 = {"regs": 65536, "reg_unit": 256, "warps": 64, "blocks": 32, "smem": 228 * 1024,
         "smem_reserved": 1024, "smem_unit": 128}
-H100 = _schedule.DeviceInfo(sm_count=132, smem_optin=227 * 1024, cluster_max=4)
+H100 = _schedule.DeviceInfo(sm_count=132, smem_optin=227 * 1024, cluster_max=8)
 TUNED = ("float16", "bfloat16", "float32")
 # Row lengths across every boundary of the launcher's choices (warp/block ITEMS, the split path).
 COUNTS = (1, 8, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 768, 1024, 1025, 2048, 2049, 4096, 4097,

@@ -57,7 +57,7 @@ if NVCC is None or CUOBJDUMP is None:
 ROW_KERNELS = ("rows_fwd_warp", "rows_fwd_block", "rows_fwd_multi", "rows_bwd_warp", "rows_bwd_block", "rows_bwd_multi",
                "rows_bwd_block_params", "rows_bwd_warp_row_params", "rows_bwd_block_row_params")
 SMEM_ROWS = ("rows_fwd_smem", "rows_bwd_smem")  # rows held in shared memory (no ITEMS)
-CLUSTER_ROWS = ("rows_fwd_cluster",)  # rows held across a cluster's blocks (ITEMS: the cluster size)
+CLUSTER_ROWS = ("rows_fwd_cluster", "rows_bwd_cluster")  # rows held across a cluster's blocks (ITEMS: the cluster size)
 VEC = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
 
 
@@ -183,18 +183,23 @@ def test_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
 
 
 def test_rows_held_across_a_cluster_move_in_16_byte_vectors(rows_sass):
-    """rows_fwd_cluster: as rows_fwd_smem (x in 16-byte vectors, through shared memory, y out),
-    and the cluster's barrier (UCGABAR_ARV/WAIT: barrier.cluster arrive and wait) around the
-    statistics read from the other blocks; no local memory."""
+    """rows_fwd_cluster / rows_bwd_cluster: as rows_fwd_smem / rows_bwd_smem (x, and dy, in
+    16-byte vectors, through shared memory, y or dx out), and the cluster's barrier
+    (UCGABAR_ARV/WAIT: barrier.cluster arrive and wait) around the sums read from the other
+    blocks; no local memory."""
     dtype, code = rows_sass
-    for c in _compile.items_of("rows_fwd_cluster", dtype):
-        text = code[_compile.name_expression("rows_fwd_cluster", dtype, c)]
-        counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text))
-                  for op in ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128", "UCGABAR_ARV", "UCGABAR_WAIT")}
-        assert counts["LDG.E.128"] >= 4 and counts["STG.E.128"] >= 2, (c, counts)
-        assert counts["STS.128"] >= 1 and counts["LDS.128"] >= 2, (c, counts)
-        assert counts["UCGABAR_ARV"] >= 2 and counts["UCGABAR_WAIT"] >= 2, (c, counts)
-        assert not re.search(r"\b(LDL|STL)\b", text), c
+    # (LDG.E.128, STG.E.128, STS.128, LDS.128) at least: forward x, res, w, b in and y, h out;
+    # backward x, dy, w in, dx out, x and dy through shared memory
+    least = {"rows_fwd_cluster": (4, 2, 1, 2), "rows_bwd_cluster": (3, 1, 2, 2)}
+    for kernel in CLUSTER_ROWS:
+        for c in _compile.items_of(kernel, dtype):
+            text = code[_compile.name_expression(kernel, dtype, c)]
+            counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text))
+                      for op in ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128", "UCGABAR_ARV", "UCGABAR_WAIT")}
+            assert all(counts[op] >= k for op, k in zip(("LDG.E.128", "STG.E.128", "STS.128", "LDS.128"),
+                                                         least[kernel])), (kernel, c, counts)
+            assert counts["UCGABAR_ARV"] >= 2 and counts["UCGABAR_WAIT"] >= 2, (kernel, c, counts)
+            assert not re.search(r"\b(LDL|STL)\b", text), (kernel, c)
 
 
 def test_backward_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):

@@ -14,7 +14,7 @@ import numpy as np
 from anynorm._cuda import _layout, _schedule  # noqa: E402  (pure: no CuPy needed)
 from anynorm._plan import make_plan  # noqa: E402
 
-H100 = _schedule.DeviceInfo(sm_count=132, smem_optin=227 * 1024, cluster_max=4)
+H100 = _schedule.DeviceInfo(sm_count=132, smem_optin=227 * 1024, cluster_max=8)
 SMALL = _schedule.DeviceInfo(sm_count=16, smem_optin=48 * 1024)
 STATS = {"mean", "rstd"}
 
@@ -102,13 +102,21 @@ def test_rows_past_one_block_span_a_cluster():
     long = _plan("layer_norm", (128, 262144))
     step, = _forward(long, {"w", "b"}).steps
     assert (step.name, step.items, step.grid, step.block, step.smem) == (
-        "rows_fwd_cluster", 4, (132,), (1024,), 262144 // 4 * 2 + 68 * 4)
+        "rows_fwd_cluster", 4, (132,), (1024,), 262144 // 4 * 2 + 72 * 4)
     step, = _forward(_plan("layer_norm", (512, 65536)), {"w", "b"}, "float32").steps
-    assert (step.name, step.items, step.grid, step.smem) == ("rows_fwd_cluster", 2, (132,), 65536 // 2 * 4 + 68 * 4)
+    assert (step.name, step.items, step.grid, step.smem) == ("rows_fwd_cluster", 2, (132,), 65536 // 2 * 4 + 72 * 4)
     step, = _forward(_plan("layer_norm", (64, 40960)), {"w", "b"}).steps
     assert (step.name, step.items, step.grid, step.block) == ("rows_fwd_cluster", 4, (256,), (512,))
     split = ("rows_stats_partial", "rows_stats_finalize", "rows_apply_fwd")
     assert _forward(long, {"w", "b"} | STATS, device=_schedule.DeviceInfo(132, 227 * 1024)).names == split
+    # backward: x and dy of float32 rows of 65536 on clusters of 4 (2 x 64 KiB a block), dx in
+    # one kernel (3 transfers where the split path moves 5), dweight/dbias after it
+    full = _backward(_plan("layer_norm", (512, 65536)), {"w", "mean", "rstd", "dw", "db"}, "float32")
+    assert full.names == ("rows_bwd_cluster", "param_grad_cols", "param_grad_finish")
+    assert (full.steps[0].items, full.steps[0].smem) == (4, 2 * 65536 // 4 * 4 + 72 * 4)
+    # bfloat16 rows of 262144 with dy (1 MiB): clusters of 8, 2 x 64 KiB a block
+    step, = _backward(long, {"w", "mean", "rstd"}).steps
+    assert (step.name, step.items, step.smem) == ("rows_bwd_cluster", 8, 2 * 262144 // 8 * 2 + 72 * 4)
     assert _forward(_plan("layer_norm", (128, 1 << 20)), {"w", "b"} | STATS).names == split
 
 
@@ -149,7 +157,7 @@ def test_the_device_decides_grids_and_kernels():
     """Rows too long for shared memory everywhere: the same split kernels, other grids; rows
     an H100 holds in shared memory (one block's, or a cluster's) and a 48 KiB device does
     not: other kernels."""
-    plan = _plan("group_norm", (8, 320, 256, 256), num_groups=32)  # rows of 655360: 1.25 MiB
+    plan = _plan("group_norm", (8, 320, 512, 512), num_groups=32)  # rows of 2621440: 5 MiB
     big, small = _forward(plan, {"w", "b"}, device=H100), _forward(plan, {"w", "b"}, device=SMALL)
     assert big.names == small.names
     assert [s.grid for s in big.steps] != [s.grid for s in small.steps]

@@ -30,11 +30,11 @@ BLOCK_ITEMS = (8, 16)
 # per thread, ITEMS = 16 / sizeof(T) (float64 spills past 2 under its 64-register bound).
 MULTI_ITEMS = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
 # Thread-block clusters (sm_90) of the row kernels that hold a row across several blocks' shared
-# memory: the cluster size is their ITEMS (portable sizes; 8 would need all of a GPC's SMs free).
-CLUSTER_SIZES = (2, 4)
+# memory: the cluster size is their ITEMS (the portable sizes: 8 blocks take 8 SMs of one GPC).
+CLUSTER_SIZES = (2, 4, 8)
 KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block", "rows_fwd_multi",
-                "rows_bwd_multi", "rows_fwd_smem", "rows_fwd_cluster", "rows_bwd_smem",
+                "rows_bwd_multi", "rows_fwd_smem", "rows_fwd_cluster", "rows_bwd_cluster", "rows_bwd_smem",
                 "rows_bwd_block_params", "rows_bwd_warp_row_params",
                 "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial", "cols_apply_fwd", "cols_grad_finalize",
@@ -47,7 +47,7 @@ KERNELS = {
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
           "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS, "rows_fwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
           "rows_bwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
-          "rows_fwd_cluster": CLUSTER_SIZES,
+          "rows_fwd_cluster": CLUSTER_SIZES, "rows_bwd_cluster": CLUSTER_SIZES,
           "rows_bwd_block_params": BLOCK_ITEMS,
           "rows_bwd_warp_row_params": WARP_ITEMS, "rows_bwd_block_row_params": BLOCK_ITEMS}
 # The float32 block backward at ITEMS=16 would spill under its 64-register bound: float32

@@ -101,7 +101,7 @@ def _ptr(arr):
 class DeviceInfo:
     """What the schedules depend on of a GPU: its SM count, the shared memory one block may
     opt in to and the largest thread-block cluster the row kernels may use (1: none, before
-    sm_90); an H100: ``DeviceInfo(132, 227 * 1024, 4)``."""
+    sm_90); an H100: ``DeviceInfo(132, 227 * 1024, 8)``."""
 
     sm_count: int
     smem_optin: int
@@ -285,12 +285,13 @@ def _smem_row(layout, dtype, copies=1):
 _SMEM_ROW_THREADS = 1024  # rows_fwd_smem's launch bound (rows.cu: ROW_BLOCK_MAX)
 
 
-def _cluster_row(layout, dtype):
-    """(C, grid, block, dynamic smem bytes) of rows_fwd_cluster, or None: rows that
-    rows_fwd_smem does not take (too long for one block's shared memory, or fewer rows than
-    SMs) split over a thread-block cluster of C blocks (the smallest of CLUSTER_SIZES the
-    device allows) whose parts (cluster_segment: ceil(count / C) rounded up to 16 bytes, plus
-    68 values of A for the block sums and cluster slots, all dynamic) fit one block's opt-in
+def _cluster_row(layout, dtype, copies=1):
+    """(C, grid, block, dynamic smem bytes) of rows_fwd_cluster (``copies`` 1: x) or
+    rows_bwd_cluster (2: x and dy), or None: rows that rows_fwd_smem/rows_bwd_smem do not
+    take (too long for one block's shared memory, or fewer rows than SMs) split over a
+    thread-block cluster of C blocks (the smallest of CLUSTER_SIZES the device allows) whose
+    parts (cluster_segment: ceil(count / C) rounded up to 16 bytes, ``copies`` of them, plus
+    72 values of A for the block sums and cluster slots, all dynamic) fit one block's opt-in
     shared memory, with at least a block per SM (C x rows >= SMs); else the split path.
     Blocks as _smem_row's (512 threads where two fit an SM, else 1024), a persistent grid of
     whole clusters."""
@@ -304,7 +305,7 @@ def _cluster_row(layout, dtype):
         if c > _device().cluster_max:
             break
         seg = _ceil(_ceil(layout.reduced, c), vector) * vector
-        smem = _ceil(seg * itemsize, 16) * 16 + 68 * acc
+        smem = copies * _ceil(seg * itemsize, 16) * 16 + 72 * acc
         if smem > limit or layout.outer * c < sms:
             continue
         fit = (limit + _SMEM_RESERVED) // (smem + _CLUSTER_STATIC_SMEM + _SMEM_RESERVED)
@@ -314,7 +315,7 @@ def _cluster_row(layout, dtype):
     return None
 
 
-_CLUSTER_STATIC_SMEM = 128  # rows_fwd_cluster: the IndexMap (everything else is dynamic)
+_CLUSTER_STATIC_SMEM = 128  # rows_*_cluster: the IndexMap (everything else is dynamic)
 
 
 def _split(length, parallel, target, min_chunk, align=1):
@@ -614,6 +615,13 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
     if segments:
         return _dx_by_segments(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads,
                                param_in_t)
+    cluster = _cluster_row(layout, dtype, 2)
+    if cluster is not None:  # dx (3 transfers where _split_row_dx moves 5); dweight/dbias after
+        c, grid, block, smem = cluster
+        _step("rows_bwd_cluster", dtype, grid, block,
+              (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, i64(outer), i64(reduced), pdiv, plen, center, pin),
+              items=c, smem=smem)
+        return None
     return _split_row_dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_in_t)
 
 

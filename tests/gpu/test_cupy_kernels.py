@@ -296,8 +296,9 @@ CLUSTER_CASES = [((128, 262144), "float16"), ((264, 65536), "float32"), ((64, 40
 
 @pytest.mark.parametrize("shape, dtype", CLUSTER_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
 def test_rows_across_a_cluster(cp, monkeypatch, shape, dtype):
-    """The cluster kernel where the device has clusters (sm_90): output and statistics as the
-    reference's; the split path's kernels where it has none."""
+    """The cluster kernels where the device has clusters (sm_90): output, statistics, dx and
+    dweight/dbias as the reference's; the split path's kernels where it has none (and the
+    segments path for the backward of NCHW group norm with weights)."""
     from anynorm._cuda import _launcher
 
     names, fetch = set(), _launcher.get_kernel
@@ -309,3 +310,6 @@ def test_rows_across_a_cluster(cp, monkeypatch, shape, dtype):
     _check_forward(op, x, w, b, **kw)
     clusters = int(cp.cuda.Device().compute_capability) >= 90
     assert ("rows_fwd_cluster" in names) == clusters, names
+    names.clear()
+    _check_backward(op, _data(cp, shape, dtype, seed=5, loc=0.0, scale=1.0), x, w, True, **kw)
+    assert ("rows_bwd_cluster" in names) == (clusters and op == "layer_norm"), names
