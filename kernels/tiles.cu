@@ -4,7 +4,9 @@
 // once and y written once (the split path of cols.cu + finish.cu reads x twice); the
 // backward reads dy and x once, writes dx once and sums dweight/dbias on the way (the split
 // path and params.cu read dy and x three times: seven transfers where this takes three).
-// The launcher takes this path whenever the tile fits its shared-memory budget.
+// The launcher takes this path whenever the tile fits its shared-memory budget. The forward
+// runs a block per (tile, o); the backward a persistent grid, each block taking (o, tile)
+// items in turn and keeping channels-first layer norm's dweight/dbias sums over them.
 //
 // Block of 256 threads: thread t owns tile column c = t % width and walks the rows
 // r = t / width, + lanes, ... (lanes = 256 / width; threads t >= lanes * width only join the
