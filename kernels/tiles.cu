@@ -4,7 +4,9 @@
 // once and y written once (the split path of cols.cu + finish.cu reads x twice); the
 // backward reads dy and x once, writes dx once and sums dweight/dbias on the way (the split
 // path and params.cu read dy and x three times: seven transfers where this takes three).
-// The launcher takes this path whenever the tile fits its shared-memory budget.
+// The launcher takes this path whenever the tile fits its shared-memory budget. The forward
+// runs a block per (tile, o); the backward a persistent grid, each block taking (o, tile)
+// items in turn and keeping channels-first layer norm's dweight/dbias sums over them.
 //
 // Block of 256 threads: thread t owns tile column c = t % width and walks the rows
 // r = t / width, + lanes, ... (lanes = 256 / width; threads t >= lanes * width only join the
@@ -46,12 +48,12 @@ struct TilePlace {
 };
 
 __device__ __forceinline__ TilePlace tile_place(long long reduced, long long inner, long long group,
-                                                long long width) {
+                                                long long width, long long tile) {
     TilePlace t;
     t.nrows = (int)reduced;
     t.ncols = (int)width;
     t.ngroup = (int)group;
-    t.start = (long long)blockIdx.x * width;
+    t.start = tile * width;
     t.valid_cols = inner - t.start < width ? (int)(inner - t.start) : t.ncols;
     t.lanes = TILE_THREADS / t.ncols;
     t.c = threadIdx.x % t.ncols;
@@ -340,7 +342,7 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
     typedef acc_t<T> A;
     __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
     T* tile = dynamic_shared<T>();
-    const TilePlace t = tile_place(reduced, inner, group, width);
+    const TilePlace t = tile_place(reduced, inner, group, width, blockIdx.x);
     const long long i = t.start + t.c;
     const int mode = param_mode(inner, p_div, p_len);
     A wc = A(1), bc = A(0);
@@ -457,13 +459,33 @@ __device__ __forceinline__ void write_dx(T* __restrict__ dx, T* dy_tile, const T
 // the tile gives back that rounding, c = sum(x - mean) / n (x - mean is exact near the
 // mean), and xhat = ((x - mean) - c) * rstd. Where |c| exceeds a few ulps of the mean, the
 // mean given is not this tile's and is taken as it is (c = 0).
+//
+// A persistent grid: the work is the outer * tiles items q = o * tiles + tile (tiles =
+// ceil(inner / width)), and block b takes q = b, b + gridDim.x, ... in that fixed order
+// (blocks running at once hold neighbouring tiles of one o, which share DRAM sectors).
+// Any gridDim.x >= 1 is correct; the launcher takes the blocks resident at once.
+//
 // With part_w (nullable; part_b nullable too), also the parameter gradients' partial sums
-// sum(dy * xhat) and sum(dy) of the tile, for param_grad_finish, where the parameter index
-// is the tile's column or row:
-//   param_rows == 0: p = i (p_div == 1, p_len == inner), part[o * inner + i] (chunk = o);
-//   param_rows == 1: p = r (p_div == inner, p_len == reduced),
-//                    part[(o * gridDim.x + tile) * reduced + r] (chunk = (o, tile)).
-// Launch as cols_fwd_tile; dynamic smem 2 * reduced * width * sizeof(T) (dy tile, then x tile).
+// sum(dy * xhat) and sum(dy), for param_grad_finish, where the parameter index is the tile's
+// row or column:
+//   param_rows == 1: p = r (p_div == inner, p_len == reduced: channels-first layer norm).
+//     Each item's per-row sums (one warp per row over the tile's columns) are added to the
+//     block's float32 (float64: float64) accumulators, 2 * reduced values of A in dynamic
+//     shared memory after the two tiles, in the block's fixed order of items; at the end
+//     the block writes part[blockIdx.x * reduced + r] (nchunk = gridDim.x): the partial
+//     rows scale with the blocks resident, not with the tiles (ConvNeXt's 64x384x14x14 in
+//     bfloat16: 396 partial rows instead of 832). Deterministic: fixed orders, no atomics.
+//   param_rows == 0: p = i (p_div == 1, p_len == inner: NHWC instance/group norm).
+//     part[o * inner + i] per item (nchunk = outer), as the columns' sums come out of the
+//     item. Kept so: a block whose items span several column tiles would need a partial
+//     row of all p_len = inner columns, and gridDim.x such rows are more than outer of them
+//     wherever the grid has more blocks than the batch has samples (every NHWC shape of
+//     issue 15: outer 32 against 396 blocks). The per-o rows are 2 values of A per column
+//     against reduced * 2 elements of dy and x read for it: 1/1568 of x's bytes for
+//     32x56x56x64 bfloat16, 1/196 for 32x28x28x256, 1/12 for 32x7x7x2048 (49 rows).
+// Dynamic smem 2 * reduced * width * sizeof(T) (dy tile, then x tile), + 2 * reduced *
+// sizeof(A) with part_w and param_rows (the accumulators; 2 * sizeof(T) >= sizeof(A) keeps
+// them aligned).
 template <typename T>
 __global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS_BWD(T))
 cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
@@ -476,13 +498,20 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
     __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
     T* dy_tile = dynamic_shared<T>();
     T* x_tile = dy_tile + reduced * width;
-    const TilePlace t = tile_place(reduced, inner, group, width);
-    const long long i = t.start + t.c;
+    // the block's dweight/dbias sums per row (param_rows): [r] and [reduced + r]
+    A* row_acc = reinterpret_cast<A*>(x_tile + reduced * width);
+    const bool by_row = part_w && param_rows;
+    if (by_row)
+        for (int r = threadIdx.x; r < 2 * (int)reduced; r += TILE_THREADS) row_acc[r] = A(0);
     const int mode = param_mode(inner, p_div, p_len);
-    const A wc = mode == PARAM_COL && t.valid ? weight_at(w, (i / p_div) % p_len) : A(1);
     const A n = A(reduced * group);
-    const int vdx = tile_vec_len<T>(inner, t.ncols, dx, 0);  // > 1: dx stored in vectors
-    for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
+    const long long tiles = (inner + width - 1) / width;
+    const int vdx = tile_vec_len<T>(inner, (int)width, dx, 0);  // > 1: dx stored in vectors
+    for (long long q = blockIdx.x; q < outer * tiles; q += gridDim.x) {
+        const long long o = q / tiles;
+        const TilePlace t = tile_place(reduced, inner, group, width, q - o * tiles);
+        const long long i = t.start + t.c;
+        const A wc = mode == PARAM_COL && t.valid ? weight_at(w, (i / p_div) % p_len) : A(1);
         const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
         const long long base = tile_base + t.c;
         load_tile<T, 16>(dy_tile, dy, (const T*)0, (T*)0, tile_base, inner, t);
@@ -538,10 +567,9 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
                 }
                 rw = warp_sum(rw);
                 rb = warp_sum(rb);
-                if (lane == 0) {
-                    const long long k = (o * gridDim.x + blockIdx.x) * reduced + r;
-                    part_w[k] = rw;
-                    if (part_b) part_b[k] = rb;
+                if (lane == 0) {  // row r's accumulators: always this warp's lane 0
+                    row_acc[r] += rw;
+                    row_acc[t.nrows + r] += rb;
                 }
             }
             __syncthreads();  // dx goes in place of dy next
@@ -561,5 +589,13 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
             store_tile(vdx, dx, dy_tile, tile_base, inner, t);
         }
         __syncthreads();
+    }
+    if (by_row) {  // the block's partial row, written once
+        __syncthreads();
+        const long long k0 = (long long)blockIdx.x * reduced;
+        for (int r = threadIdx.x; r < (int)reduced; r += TILE_THREADS) {
+            part_w[k0 + r] = row_acc[r];
+            if (part_b) part_b[k0 + r] = row_acc[reduced + r];
+        }
     }
 }

@@ -519,7 +519,8 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     launch = dict(schedule=schedule)
     if path == "tile":
         width = items
-        kernels("cols_bwd_tile", dtype)((_ceil(inner, width), grid or min(outer, 65535)), (BLOCK,),
+        # a persistent 1-D grid over the (o, tile) items (``grid``: fewer blocks, several items each)
+        kernels("cols_bwd_tile", dtype)((grid or outer * _ceil(inner, width),), (BLOCK,),
                                         (dyd, xd, wd, md, rd, dxd, None, None, outer, reduced, inner, group,
                                          width, case.p_div, case.p_len, 0, center, 0),
                                         shared_mem=_tile_bytes(case, dtype, width, 2), **launch)
@@ -896,6 +897,32 @@ def test_columns_backward(kernels, dtype, name, make, path):
     check_backward(kernels, make(), dtype, **path)
 
 
+def tile_param_grads_launch(kernels, case, dtype, dy, x, w, mean, rstd, width, *, blocks=None,
+                            with_bias=True, schedule=None):
+    """cols_bwd_tile with dweight/dbias partials on a persistent grid of ``blocks`` (default:
+    a block per (o, tile) item), then param_grad_finish: (dx, dweight, dbias or None), float64.
+    ``p = r`` (param_rows): one partial row per block, kept in shared memory after the tiles."""
+    A = ACC[dtype]
+    param_rows = int(case.p_div == case.inner)
+    assert param_rows or (case.p_div == 1 and case.p_len == case.inner)
+    items = case.outer * _ceil(case.inner, width)
+    blocks = blocks or items
+    nchunk = blocks if param_rows else case.outer
+    parts = [_acc_buf(nchunk * case.p_len, dtype) for _ in range(2)]
+    part_b = parts[1] if with_bias else None
+    dyd, xd = emu.to_device(dy.reshape(-1), dtype), emu.to_device(x.reshape(-1), dtype)
+    dxd = emu.empty(case.total, dtype)
+    smem = _tile_bytes(case, dtype, width, 2) + (2 * case.reduced * np.dtype(A).itemsize if param_rows else 0)
+    kernels("cols_bwd_tile", dtype)((blocks,), (BLOCK,),
+                                    (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A),
+                                     emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer,
+                                     case.reduced, case.inner, case.group, width, case.p_div, case.p_len,
+                                     param_rows, 1, 0), shared_mem=smem, schedule=schedule)
+    dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
+    kernels("param_grad_finish", dtype)((1,), FINISH_BLOCK, (parts[0], part_b, dw, db, case.p_len, nchunk, 0))
+    return dxd.get_float(), dw.get_float(), (db.get_float() if with_bias else None)
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name,make,width", _TILE_CASES, ids=[c[0] for c in _TILE_CASES])
@@ -903,33 +930,58 @@ def test_tile_param_grads(kernels, dtype, name, make, width, with_bias):
     """cols_bwd_tile's dweight/dbias partial sums (then param_grad_finish) and its dx in the
     same launch; p is the tile's row (channels-first layer norm) or column (NHWC norms)."""
     case = make()
-    param_rows = int(case.p_div == case.inner)
-    assert param_rows or (case.p_div == 1 and case.p_len == case.inner)
-    A = ACC[dtype]
     x, w, _ = _data(case, dtype, 3)
     dy = np.random.default_rng(4).standard_normal(case.shape)
     xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
     _, mean, rstd = ref_forward(case, xr, None, None, 1, 1e-5)
-    tiles = _ceil(case.inner, width)
-    nchunk = case.outer * tiles if param_rows else case.outer
-    parts = [_acc_buf(nchunk * case.p_len, dtype) for _ in range(2)]
-    part_b = parts[1] if with_bias else None
-    dyd, xd = emu.to_device(dy.reshape(-1), dtype), emu.to_device(x.reshape(-1), dtype)
-    dxd = emu.empty(case.total, dtype)
-    kernels("cols_bwd_tile", dtype)((tiles, min(case.outer, 65535)), (BLOCK,),
-                                    (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A),
-                                     emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer,
-                                     case.reduced, case.inner, case.group, width, case.p_div, case.p_len,
-                                     param_rows, 1, 0), shared_mem=_tile_bytes(case, dtype, width, 2))
-    dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
-    kernels("param_grad_finish", dtype)((1,), FINISH_BLOCK, (parts[0], part_b, dw, db, case.p_len, nchunk, 0))
+    dx, dw, db = tile_param_grads_launch(kernels, case, dtype, dy, x, w, mean, rstd, width, with_bias=with_bias)
+    check_tile_param_grads(case, dtype, dyr, xr, w, dx, dw, db)
+
+
+# (id, case, width): a persistent grid of fewer blocks than (o, tile) items; odd sizes
+_PERSISTENT_TILE_CASES = [
+    ("ln_cf_7x7", lambda: layer_norm_channels_first(3, 12, 7, 7), 8),  # p = r, HW = 49: 7 tiles of 8
+    ("ln_cf_c13", lambda: layer_norm_channels_first(2, 13, 3, 11), 8),  # p = r, C = 13, last tile 1 wide
+    ("ln_cf_c5_whole", lambda: layer_norm_channels_first(4, 5, 2, 5), 10),  # p = r, a tile per o;
+    # 4 items: with 5 blocks one takes none and writes a partial row of zeros
+    ("in_nhwc_c13", lambda: instance_norm_nhwc(3, 3, 4, 13), 4),  # p = i, C = 13: 4 tiles per o
+    ("in_nhwc_hw1", lambda: instance_norm_nhwc(3, 1, 1, 24), 8),  # p = i, HW = 1: one row
+    ("gn_nhwc_hw1", lambda: group_norm_nhwc(2, 1, 1, 40, 5), 16),  # p = i, HW = 1, group 8
+]
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("blocks", [1, 2, 5])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name,make,width", _PERSISTENT_TILE_CASES, ids=[c[0] for c in _PERSISTENT_TILE_CASES])
+def test_tile_param_grads_persistent(kernels, dtype, name, make, width, blocks, with_bias):
+    """cols_bwd_tile on a persistent grid of ``blocks``, each taking (o, tile) items
+    q = b, b + blocks, ...: dx, and dweight/dbias (p = r: one partial row per block, summed
+    over its items in shared memory; p = i: per o) against the float64 reference; and the
+    same bits under a reversed schedule of the block's threads (fixed orders, no atomics)."""
+    case = make()
+    x, w, _ = _data(case, dtype, 5)
+    dy = np.random.default_rng(6).standard_normal(case.shape)
+    xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
+    _, mean, rstd = ref_forward(case, xr, None, None, 1, 1e-5)
+    got = tile_param_grads_launch(kernels, case, dtype, dy, x, w, mean, rstd, width, blocks=blocks,
+                                  with_bias=with_bias)
+    check_tile_param_grads(case, dtype, dyr, xr, w, *got)
+    again = tile_param_grads_launch(kernels, case, dtype, dy, x, w, mean, rstd, width, blocks=blocks,
+                                    with_bias=with_bias, schedule=1)
+    for a, b in zip(got, again):
+        assert (a is None and b is None) or np.array_equal(a, b)
+
+
+def check_tile_param_grads(case, dtype, dyr, xr, w, dx, dw, db, tol=4):
+    """dx, dweight and dbias (None: not asked) against the float64 reference."""
     dx_ref, dw_ref, db_ref = ref_backward(case, dyr, xr, w, 1, 1e-5)
-    _close(dxd.get_float().reshape(case.shape), dx_ref, TOL[dtype] * 4, f"dx of {case} {dtype}",
+    _close(dx.reshape(case.shape), dx_ref, TOL[dtype] * tol, f"dx of {case} {dtype}",
            scale=max(1.0, float(np.abs(dx_ref).max())))
     n_terms = case.total // case.p_len  # as test_param_grads
-    _close(dw.get_float(), dw_ref, STAT_TOL[dtype] * 4, f"dweight of {case} {dtype}", scale=max(1.0, n_terms))
-    if with_bias:
-        _close(db.get_float(), db_ref, STAT_TOL[dtype] * 4, f"dbias of {case} {dtype}", scale=max(1.0, n_terms))
+    _close(dw, dw_ref, STAT_TOL[dtype] * tol, f"dweight of {case} {dtype}", scale=max(1.0, n_terms))
+    if db is not None:
+        _close(db, db_ref, STAT_TOL[dtype] * tol, f"dbias of {case} {dtype}", scale=max(1.0, n_terms))
 
 
 @pytest.mark.parametrize("variant", ["rms", "no_params", "stats_only", "misaligned", "grid_stride",

@@ -429,6 +429,43 @@ def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
     assert not {"cols_fwd_tile", "cols_bwd_tile"} & names
 
 
+# (op, shape, kwargs): tiles whose backward runs on fewer blocks than (o, tile) items
+_PERSISTENT_TILES = [
+    ("layer_norm", (3, 12, 7, 7), {"axis": 1}),  # p = r, HW = 49: 7 tiles of 8 (odd inner)
+    ("layer_norm", (2, 13, 5, 9), {"axis": 1}),  # p = r, C = 13 (not a multiple of 8), inner 45
+    ("rms_norm", (3, 20, 4, 6), {"axis": 1, "eps": 1e-6}),  # p = r, no bias, no centring
+    ("instance_norm", (3, 6, 7, 13), {"channel_axis": -1}),  # p = i (per-o partials), C = 13
+    ("group_norm", (2, 3, 5, 12), {"channel_axis": -1, "num_groups": 3}),  # p = i, group 4, C = 12
+    # (HW = 1 is a rows layout here; the kernel itself with one row: test_kernels_emulated)
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("op, shape, kw", _PERSISTENT_TILES,
+                         ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}" for c in _PERSISTENT_TILES])
+def test_launch_tile_backward_persistent_grid(emulated, monkeypatch, dtype, op, shape, kw):
+    """cols_bwd_tile on its persistent grid: the blocks resident at once (here a "device" of
+    one SM: 3), each taking several (o, tile) items in turn; with p = r each block adds its
+    items' dweight/dbias sums into one partial row, so param_grad_finish adds gridDim.x rows
+    (not outer x tiles). dx, dweight and dbias against the float64 reference (``_check``)."""
+    monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (2048,))  # narrow tiles: many items
+    names = _record_launches(monkeypatch)
+    _check(op, shape, kw, dtype)
+    assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names, names
+    x = np.zeros(shape, np.float32)
+    w = np.ones(make_plan(op, x, **kw).param_shape, np.float32)
+    plan = make_plan(op, x, w, None if op == "rms_norm" else w, **kw)
+    layout = _layout.plan_layout(plan, tuple(s // x.itemsize for s in x.strides), True)
+    present = {"w", "mean", "rstd", "dw"} | (set() if op == "rms_norm" else {"db"})
+    steps = {st.name: st for st in _schedule_backward(plan, dtype, layout, present, 0, 0).steps}
+    tile, finish = steps["cols_bwd_tile"], steps["param_grad_finish"]
+    width = int(tile.template[12])
+    items = layout.outer * -(-layout.inner // width)
+    assert tile.grid == (3,) and items > 3, (tile.grid, items)
+    param_rows = int(tile.template[15])
+    assert int(finish.template[5]) == (3 if param_rows else layout.outer)  # nchunk
+
+
 @pytest.mark.parametrize("dtype, shape, fused", [
     ("float32", (70, 100), "rows_bwd_multi"),  # 70 rows: teams of 32, 8 rows a block at a time
     ("bfloat16", (40, 3000), "rows_bwd_block_params"),

@@ -80,6 +80,55 @@ def test_convnext_channels_first_is_one_tile_kernel():
     assert _backward(plan, {"w", "rstd", "mean", "dw", "db"}).names == ("cols_bwd_tile", "param_grad_finish")
 
 
+def _tile_backward(plan, dtype, present=frozenset({"w", "rstd", "mean", "dw", "db"})):
+    """(grid, width, smem, items, nchunk or None) of cols_bwd_tile in the backward of ``plan``."""
+    steps = _backward(plan, set(present), dtype).steps
+    tile = steps[0]
+    assert tile.name == "cols_bwd_tile"
+    outer, inner, width = (int(tile.template[k]) for k in (8, 10, 12))
+    nchunk = int(steps[1].template[5]) if len(steps) > 1 else None
+    return tile.grid, width, tile.smem, outer * -(-inner // width), nchunk
+
+
+# ConvNeXt's channels-first layer norms (p = r), H100: (shape, dtype, tile width, (o, tile) items)
+CONVNEXT = [((64, 96, 56, 56), "bfloat16", 128, 64 * 25), ((64, 192, 28, 28), "bfloat16", 64, 64 * 13),
+            ((64, 384, 14, 14), "bfloat16", 16, 64 * 13), ((64, 768, 7, 7), "bfloat16", 8, 64 * 7),
+            ((64, 96, 56, 56), "float32", 64, 64 * 49), ((64, 768, 7, 7), "float32", 4, 64 * 13)]
+
+
+def test_convnext_tile_backward_is_a_persistent_grid():
+    """cols_bwd_tile runs the blocks resident at once (3 of 256 threads per SM by its 80
+    registers: 396 on an H100), each taking (o, tile) items in turn and keeping dweight/dbias
+    per channel in shared memory (2 x C float32 past the tiles): param_grad_finish adds 396
+    partial rows, not outer x tiles (stage 1 bfloat16: 1600 before; stage 4: 448)."""
+    for shape, dtype, width, items in CONVNEXT:
+        grid, got_width, smem, got_items, nchunk = _tile_backward(_plan("layer_norm", shape, axis=1), dtype)
+        c, itemsize = shape[1], 2 if dtype == "bfloat16" else 4
+        assert (got_width, got_items) == (width, items), (shape, dtype, got_width, got_items)
+        assert grid == (3 * 132,) and nchunk == 3 * 132, (shape, dtype, grid, nchunk)
+        assert smem == 2 * c * width * itemsize + 2 * c * 4
+    # dx alone: the same persistent grid, no accumulators
+    grid, width, smem, _, nchunk = _tile_backward(_plan("layer_norm", (64, 96, 56, 56), axis=1), "bfloat16",
+                                                  {"w", "rstd", "mean"})
+    assert grid == (396,) and nchunk is None and smem == 2 * 96 * width * 2
+    # fewer items than resident blocks: a block each
+    grid, _, _, items, nchunk = _tile_backward(_plan("layer_norm", (4, 768, 7, 7), axis=1), "bfloat16")
+    assert grid == (items,) == (nchunk,) == (28,)
+
+
+def test_nhwc_tile_backward_keeps_partials_per_sample():
+    """NHWC instance/group norm (p = i, the column): the persistent grid too, but the
+    dweight/dbias partials stay one row of C per sample (nchunk = N): a row per block would be
+    396 rows of C, more than N of them."""
+    # (op, shape, kwargs, items, grid): 32x56x56x64's 98 KiB tiles leave room for 2 blocks per SM
+    cases = [("instance_norm", (32, 56, 56, 64), {}, 32 * 8, 256),
+             ("group_norm", (32, 28, 28, 256), {"num_groups": 32}, 32 * 32, 396),
+             ("instance_norm", (32, 7, 7, 2048), {}, 32 * 19, 396)]
+    for op, shape, kw, items, blocks in cases:
+        grid, _, smem, got_items, nchunk = _tile_backward(_plan(op, shape, channel_axis=-1, **kw), "bfloat16")
+        assert (grid, got_items, nchunk) == ((blocks,), items, 32), (op, shape, grid, got_items, nchunk)
+
+
 def test_long_rows_split_with_workspaces_in_scratch():
     plan = _plan("layer_norm", (4, 100_000))
     with_stats = _forward(plan, {"w", "b"} | STATS)

@@ -123,17 +123,24 @@ def run_tile_forward(tiles, case, x, w, b):
     return yd.get_float().reshape(case.shape), md.get_float(), sd.get_float()
 
 
-def run_tile_backward(tiles, case, dy, x, w, mean, rstd):
-    tiles_x = _ceil(case.inner, case.width)
-    nchunk = case.outer * tiles_x if case.param_rows else case.outer
+def run_tile_backward(tiles, case, dy, x, w, mean, rstd, blocks=None):
+    """cols_bwd_tile on a persistent grid of ``blocks`` (default: one per (o, tile) item; fewer:
+    each block takes several tiles, and with p = r sums dweight/dbias over them in shared
+    memory), then param_grad_finish: (dx, dweight)."""
+    items = case.outer * _ceil(case.inner, case.width)
+    blocks = blocks or items
+    nchunk = blocks if case.param_rows else case.outer
     parts = [emu.empty(nchunk * case.p_len, "float32") for _ in range(2)]
     dxd = emu.empty(x.size, "float32")
-    tiles.get_function("cols_bwd_tile<float>")(
-        (tiles_x, case.outer), (BLOCK,),
+    kernel = tiles.get_function("cols_bwd_tile<float>")
+    smem = _smem(case, 2) + 8 * case.reduced * case.param_rows  # the tiles, the per-row sums
+    kernel.max_dynamic_shared_size_bytes = max(smem, 48 * 1024)  # opted in, as the launcher does
+    kernel(
+        (blocks,), (BLOCK,),
         (emu.to_device(dy.reshape(-1)), emu.to_device(x.reshape(-1)), emu.to_device(w),
          emu.to_device(mean.astype(np.float32)), emu.to_device(rstd.astype(np.float32)), dxd, parts[0],
          parts[1], case.outer, case.reduced, case.inner, case.group, case.width, case.p_div, case.p_len,
-         case.param_rows, 1, 0), shared_mem=_smem(case, 2))
+         case.param_rows, 1, 0), shared_mem=smem)
     dw, db = emu.empty(case.p_len, "float32"), emu.empty(case.p_len, "float32")
     tiles.get_function("param_grad_finish<float>")((1,), (32, 16), (parts[0], parts[1], dw, db, case.p_len,
                                                                     nchunk, 0))
@@ -198,11 +205,14 @@ def check_forward(run, case, offset):
     assert mean_err <= 2 * F32_EPS * offset, f"{case} at {offset:g}: mean error {mean_err:.3g}"
 
 
+@pytest.mark.parametrize("blocks", [None, 3], ids=["block_per_tile", "3_blocks"])
 @pytest.mark.parametrize("offset", OFFSETS)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_tile_backward_far_from_zero(tiles, case, offset):
+def test_tile_backward_far_from_zero(tiles, case, offset, blocks):
     """dx and dweight from the saved (float32) statistics: xhat = (x - mean) * rstd formed
-    with the saved mean alone is off by half an ulp of the offset times rstd."""
+    with the saved mean alone is off by half an ulp of the offset times rstd. On a grid of a
+    block per tile and on a persistent grid of 3 blocks, each taking several tiles (and with
+    p = r adding their dweight/dbias into one partial row)."""
     x, w, _, dy = _data(case, offset, seed=1)
     mean, rstd = _stats64(case, x)
     xv, g = x.astype(np.float64).reshape(case.grouped), (dy * w[case.param_index()]).astype(np.float64)
@@ -211,7 +221,7 @@ def test_tile_backward_far_from_zero(tiles, case, offset):
     dx64 = (rstd * (gv - gv.mean((1, 3), keepdims=True) - xhat * (gv * xhat).mean((1, 3), keepdims=True)))
     dw64 = np.zeros(case.p_len)
     np.add.at(dw64, case.param_index().reshape(-1), (dy.astype(np.float64) * xhat.reshape(case.shape)).reshape(-1))
-    dx, dw = run_tile_backward(tiles, case, dy, x, w, mean.reshape(-1), rstd.reshape(-1))
+    dx, dw = run_tile_backward(tiles, case, dy, x, w, mean.reshape(-1), rstd.reshape(-1), blocks)
     dx_err = float(np.abs(dx - dx64.reshape(case.shape)).max())
     dw_err = float(np.abs(dw - dw64).max())
     terms = case.outer * case.reduced * case.inner // case.p_len

@@ -364,9 +364,10 @@ def tile_params_fit(layout) -> bool:
             or (layout.p_div == layout.inner and layout.p_len == layout.reduced))
 
 
-def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
+def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target, row_extra=0):
     """Inner positions per block of tiles.cu (a multiple of ``group``), or None: the tile
-    (``copies`` arrays of ``reduced x width`` elements) must fit ``budget`` bytes with rows
+    (``copies`` arrays of ``reduced x width`` elements, and ``row_extra`` bytes per row of
+    ``reduced``: the backward's dweight/dbias accumulators) must fit ``budget`` bytes with rows
     of at least one sector (or all of ``inner``). Of the widths that fit, the widest that
     still makes ``target`` blocks, else the narrowest (small grids wait on load latency).
     Narrower than those come widths in whole 16-byte vectors (multiples of
@@ -374,7 +375,7 @@ def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
     spatial extents with many channels (ConvNeXt's 64x768x7x7 makes 256 tiles of 16
     bfloat16 columns, 448 of 8): the neighbouring tile, which reads the rest of a sector,
     runs at the same time (adjacent blockIdx.x) and finds it in L2."""
-    fit = min(budget // (copies * reduced * itemsize), _TILE_THREADS)
+    fit = min(max(0, budget - reduced * row_extra) // (copies * reduced * itemsize), _TILE_THREADS)
     sector = max(1, _SECTOR // itemsize)
     step = math.lcm(group, sector)
     step = step if step <= fit else group
@@ -390,17 +391,18 @@ def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target):
     return widths[-1] if widths else None
 
 
-def _tile(layout, dtype, copies):
+def _tile(layout, dtype, copies, row_extra=0):
     """(width, grid, dynamic smem bytes) of the tile kernels, or None when no tile fits:
     the first budget of ``_tile_budgets`` that holds one wins, a later one only with at
-    least a block per SM."""
+    least a block per SM. ``row_extra``: bytes of shared memory per row of ``reduced`` past
+    the tiles (the backward's accumulators). The grid is the forward's, a block per tile."""
     if layout.rows or not tile_params_fit(layout):
         return None
     itemsize = 16 // _VECTOR[dtype]
     target = _target_blocks()
     for tier, budget in enumerate(_tile_budgets(dtype)):
         width = tile_width(layout.outer, layout.reduced, layout.inner, layout.group, itemsize, copies,
-                           budget, target)
+                           budget, target, row_extra)
         if width is not None:
             break
     else:
@@ -409,7 +411,25 @@ def _tile(layout, dtype, copies):
     if tier and layout.outer * tiles < target // _BLOCKS_PER_SM:
         return None
     grid = (tiles, min(layout.outer, _MAX_Y))
-    return width, grid, copies * layout.reduced * width * itemsize
+    return width, grid, layout.reduced * (copies * width * itemsize + row_extra)
+
+
+# Tile backward blocks an SM holds at once: its registers (tiles.cu: TILE_MIN_BLOCKS_BWD,
+# 80 a thread) allow 3 of 256 threads (37.5%), float64's (122) 2.
+_TILE_BWD_BLOCKS = {"float64": 2}
+
+
+def _tile_bwd_grid(layout, dtype, width, smem):
+    """cols_bwd_tile's persistent grid: the blocks resident at once (registers, and the
+    shared memory of ``smem`` dynamic bytes, per SM, times the SMs), at most one per
+    (o, tile) item; each block takes items in turn, so its dweight/dbias partial row (p = r)
+    covers several tiles. Not _TILE_BLOCKS_PER_SM per SM: a 4th block would not be resident
+    and would start only when a whole persistent block ends (a second wave)."""
+    items = layout.outer * _ceil(layout.inner, width)
+    sms = max(1, _target_blocks() // _BLOCKS_PER_SM)
+    fit = (_smem_limit() + _SMEM_RESERVED) // (smem + _tile_static_smem(dtype) + _SMEM_RESERVED)
+    per_sm = max(1, min(_TILE_BWD_BLOCKS.get(dtype, 3), fit))
+    return (min(items, per_sm * sms, _MAX_X),)
 
 
 # ---- statistics --------------------------------------------------------------------------
@@ -581,13 +601,15 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, i64(outer), i64(reduced), pdiv, plen,
                  center, pin), items=items)
         return None
-    tile = _tile(layout, dtype, 2)
+    mode = None if param_grads is None or layout.rows else _tile_param_mode(layout)
+    # p = r: the block's dweight/dbias sums per row, 2 x reduced A, in shared memory
+    tile = _tile(layout, dtype, 2, 2 * np.dtype(acc).itemsize if mode == 1 else 0)
     if tile is not None:
-        width, grid, smem = tile
-        mode = None if param_grads is None else _tile_param_mode(layout)
+        width, _, smem = tile
+        grid = _tile_bwd_grid(layout, dtype, width, smem)
         part, part_w, part_b, nchunk = None, None, None, 0
-        if mode is not None:  # partial sums per o (p = i) or per (o, tile) (p = r)
-            nchunk = outer if mode == 0 else outer * grid[0]
+        if mode is not None:  # partial sums per o (p = i) or per block (p = r)
+            nchunk = outer if mode == 0 else grid[0]
             part = _workspace((2, nchunk * layout.p_len), dtype=acc)
             part_w, part_b = part[0], (part[1] if param_grads else None)
         _step("cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
