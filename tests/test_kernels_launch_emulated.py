@@ -848,3 +848,18 @@ def test_launch_rows_across_a_cluster_any_order(emulated, monkeypatch, dtype, c,
     _check("layer_norm", shape, {}, dtype)
     assert "rows_fwd_cluster" in names, names
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_launch_rows_across_several_clusters(emulated, monkeypatch, dtype):
+    """A grid of several clusters on a "device" of 8 SMs, each cluster taking rows in turn
+    (7 rows on 2 clusters of 4 blocks, float32; bfloat16: 4 clusters of 2), both ways."""
+    monkeypatch.setattr(_schedule, "_target_blocks", lambda: 8 * _schedule._BLOCKS_PER_SM)
+    use_clusters(monkeypatch, 48 * 1024)
+    plan = make_plan("layer_norm", np.zeros((7, 40000)))
+    step, = _schedule.schedule_forward(plan, dtype, _layout.plan_layout(plan, (40000, 1)), set(),
+                                       device=_schedule.DeviceInfo(8, 48 * 1024, 8)).steps
+    assert step.name == "rows_fwd_cluster" and 1 < step.grid[0] // step.items < 7, step
+    names = _record_launches(monkeypatch)
+    _check("layer_norm", (7, 40000), {}, dtype)
+    assert {"rows_fwd_cluster", "rows_bwd_cluster"} <= names, names
