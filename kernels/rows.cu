@@ -878,6 +878,38 @@ __global__ void ANYNORM_CLUSTER(C) __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_
 // bound caps ptxas at 64 registers: 4 blocks, 32 warps per SM (50%).
 #define MULTI_BLOCK 256
 
+// A thread's place in the multi-row kernels: its team of `size` threads (the smallest power of
+// two that holds a row at ITEMS values a thread), its rank there, and the row its team takes
+// in each group of `teams` rows. Every thread of the block runs every group (the team sums
+// meet at barriers); a team past the last row gets len 0 at base 0: it reads and writes
+// nothing.
+struct TeamRow {
+    long long row, base;
+    int len;
+    bool active;
+};
+
+template <int ITEMS> struct MultiTeam {
+    int size, rank, teams, team;
+    __device__ __forceinline__ explicit MultiTeam(int n) {
+        const int need = (n + ITEMS - 1) / ITEMS;
+        size = 1;
+        while (size < need) size <<= 1;
+        rank = threadIdx.x & (size - 1);
+        teams = blockDim.x / size;
+        team = threadIdx.x / size;
+    }
+    __device__ __forceinline__ long long groups(long long rows) const { return (rows + teams - 1) / teams; }
+    __device__ __forceinline__ TeamRow row_in(long long g, long long rows, int n) const {
+        TeamRow t;
+        t.row = g * teams + team;
+        t.active = t.row < rows;
+        t.len = t.active ? n : 0;
+        t.base = t.active ? t.row * n : 0;
+        return t;
+    }
+};
+
 // Sum of v over the team of `size` threads (a power of two, at most blockDim.x) that holds
 // threads [t * size, (t + 1) * size), returned to all of them. Every thread of the block must
 // call it with the same size: teams wider than a warp meet in `smem` (blockDim.x / 32 values
@@ -967,11 +999,8 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
     const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
     __shared__ A smem[MULTI_BLOCK / 32];
     const int n = (int)count;
-    const int need = (n + ITEMS - 1) / ITEMS;
-    int size = 1;
-    while (size < need) size <<= 1;
-    const int rank = threadIdx.x & (size - 1);
-    const int teams = blockDim.x / size, team = threadIdx.x / size;
+    const MultiTeam<ITEMS> mt(n);
+    const int size = mt.size, rank = mt.rank;
     // rows are count elements apart: when count is whole vectors, every row is aligned as the first
     const bool vec = (ITEMS % V == 0) && (n % V == 0) && aligned16(x) && aligned16_or_null(res) &&
                      aligned16_or_null(res ? h : 0) && aligned16_or_null(y);
@@ -980,14 +1009,11 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     team_param<T, ITEMS>(bv, b, A(0), n, rank, size, vec);
     const A fn = A(n), e = A(eps);
-    const long long groups = (rows + teams - 1) / teams;
-    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
-        // every thread of the block runs the group (the team sums meet at barriers); a team
-        // past the last row reads and writes nothing
-        const long long row = g * teams + team;
-        const bool active = row < rows;
-        const int len = active ? n : 0;
-        const long long base = active ? row * count : 0;
+    for (long long g = blockIdx.x; g < mt.groups(rows); g += gridDim.x) {
+        const TeamRow at = mt.row_in(g, rows, n);
+        const long long row = at.row, base = at.base;
+        const bool active = at.active;
+        const int len = at.len;
         const T* xr = x + base;
         const T* rr = res ? res + base : res;
         T* hr = res ? h + base : h;
@@ -1046,25 +1072,19 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     __shared__ A smem[2 * MULTI_BLOCK / 32];
     __shared__ A sums[2 * ITEMS * MULTI_BLOCK];  // [2][ITEMS][thread]: the teams' sums at the end
     const int n = (int)count;
-    const int need = (n + ITEMS - 1) / ITEMS;
-    int size = 1;
-    while (size < need) size <<= 1;
-    const int rank = threadIdx.x & (size - 1);
-    const int teams = blockDim.x / size, team = threadIdx.x / size;
+    const MultiTeam<ITEMS> mt(n);
+    const int size = mt.size, rank = mt.rank;
     const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);
     A wv[ITEMS], sw[ITEMS], sb[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) sw[k] = sb[k] = A(0);
     const A fn = A(n);
-    const long long groups = (rows + teams - 1) / teams;
-    for (long long grp = blockIdx.x; grp < groups; grp += gridDim.x) {
-        // every thread runs every group (team sums meet at barriers); a team past the last
-        // row reads and writes nothing
-        const long long row = grp * teams + team;
-        const bool active = row < rows;
-        const int len = active ? n : 0;
-        const long long base = active ? row * count : 0;
+    for (long long grp = blockIdx.x; grp < mt.groups(rows); grp += gridDim.x) {
+        const TeamRow at = mt.row_in(grp, rows, n);
+        const long long row = at.row, base = at.base;
+        const bool active = at.active;
+        const int len = at.len;
         const T* xr = x + base;
         const A shift = center && active ? row_shift(xr, (const T*)0) : A(0);
         const A r = active ? rstd[row] : A(0);
@@ -1112,7 +1132,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
         const int idx = team_item<V>(k, q, size, vec);
         if (idx < n) {
             A tw = A(0), tb = A(0);
-            for (int t = 0; t < teams; ++t) {
+            for (int t = 0; t < mt.teams; ++t) {
                 tw += sums[k * MULTI_BLOCK + t * size + q];
                 tb += sums[(ITEMS + k) * MULTI_BLOCK + t * size + q];
             }
