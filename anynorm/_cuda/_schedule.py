@@ -277,12 +277,25 @@ def _smem_row(layout, dtype, copies=1):
     sms = max(1, _target_blocks() // _BLOCKS_PER_SM)
     if smem > limit - static or layout.outer < sms:
         return None
-    fit = (limit + _SMEM_RESERVED) // (smem + static + _SMEM_RESERVED)
-    per_sm, threads = (2, _SMEM_ROW_THREADS // 2) if fit >= 2 else (1, _SMEM_ROW_THREADS)
+    per_sm, threads = _held_row_blocks(smem, static)
     return (min(layout.outer, per_sm * sms),), (threads,), smem
 
 
 _SMEM_ROW_THREADS = 1024  # rows_fwd_smem's launch bound (rows.cu: ROW_BLOCK_MAX)
+
+
+def _smem_blocks_per_sm(smem, static) -> int:
+    """Blocks of ``smem`` dynamic and ``static`` static bytes of shared memory an SM holds."""
+    return (_smem_limit() + _SMEM_RESERVED) // (smem + static + _SMEM_RESERVED)
+
+
+def _held_row_blocks(smem, static):
+    """(blocks per SM, threads) of the kernels that hold rows in shared memory: 512 threads
+    where two blocks fit an SM (one loads while the other sums), else 1024 (registers allow
+    one block of 1024 or two of 512)."""
+    if _smem_blocks_per_sm(smem, static) >= 2:
+        return 2, _SMEM_ROW_THREADS // 2
+    return 1, _SMEM_ROW_THREADS
 
 
 def _cluster_row(layout, dtype, copies=1):
@@ -308,8 +321,7 @@ def _cluster_row(layout, dtype, copies=1):
         smem = copies * _ceil(seg * itemsize, 16) * 16 + 72 * acc
         if smem > limit or layout.outer * c < sms:
             continue
-        fit = (limit + _SMEM_RESERVED) // (smem + _CLUSTER_STATIC_SMEM + _SMEM_RESERVED)
-        per_sm, threads = (2, _SMEM_ROW_THREADS // 2) if fit >= 2 else (1, _SMEM_ROW_THREADS)
+        per_sm, threads = _held_row_blocks(smem, _CLUSTER_STATIC_SMEM)
         clusters = min(layout.outer, max(1, per_sm * sms // c))
         return c, (clusters * c,), (threads,), smem
     return None
@@ -427,7 +439,7 @@ def _tile_bwd_grid(layout, dtype, width, smem):
     and would start only when a whole persistent block ends (a second wave)."""
     items = layout.outer * _ceil(layout.inner, width)
     sms = max(1, _target_blocks() // _BLOCKS_PER_SM)
-    fit = (_smem_limit() + _SMEM_RESERVED) // (smem + _tile_static_smem(dtype) + _SMEM_RESERVED)
+    fit = _smem_blocks_per_sm(smem, _tile_static_smem(dtype))
     per_sm = max(1, min(_TILE_BWD_BLOCKS.get(dtype, 3), fit))
     return (min(items, per_sm * sms, _MAX_X),)
 
