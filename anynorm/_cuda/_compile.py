@@ -23,7 +23,7 @@ CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", 
 # 32 * ITEMS elements) and of the block-per-row kernels (blocks of a power of two of threads,
 # up to BLOCK_THREADS_MAX: rows of up to 1024 * 16). ITEMS stop where ptxas would need more
 # registers than the occupancy floors allow (tests/test_kernels_occupancy.py): warp rows past
-# 512 elements (past 256 with the dweight/dbias sums in registers) go to the block kernels.
+# 512 elements go to the block kernels.
 WARP_ITEMS = (1, 2, 4, 8, 16)
 BLOCK_ITEMS = (8, 16)
 # rows_fwd_multi/rows_bwd_multi (several short rows per block, teams sized to the row): one 16-byte vector
