@@ -73,7 +73,9 @@ def _describe(obj) -> str:
 # Array types already seen, with their namespace: array_api_compat decides by type, so a
 # type it accepted once is accepted again (this keeps make_plan's cost per call small).
 _NAMESPACES = {}
-# (namespace name, dtype) -> is it real floating, and how many bits
+# namespace name -> {dtype: bits of a real floating dtype, else 0}. One dict per library:
+# torch.compile cannot hash another library's dtypes (NumPy's), and a dict holding them as
+# keys makes every lookup in it a graph break under fullgraph=True.
 _FLOAT_BITS = {}
 
 
@@ -107,12 +109,15 @@ def namespace_of(x, **others):
 
 def _float_bits(xp, dtype):
     """Bits of a real floating ``dtype`` of ``xp``, 0 for any other dtype (cached)."""
-    key = (xp.__name__, dtype)  # by name: torch.compile cannot compare modules as dict keys
+    # by name: torch.compile cannot compare modules as dict keys
+    known = _FLOAT_BITS.get(xp.__name__)
+    if known is None:
+        known = _FLOAT_BITS[xp.__name__] = {}
     try:
-        return _FLOAT_BITS[key]
+        return known[dtype]
     except KeyError:
         bits = xp.finfo(dtype).bits if xp.isdtype(dtype, "real floating") else 0
-        _FLOAT_BITS[key] = bits
+        known[dtype] = bits
         return bits
     except TypeError:  # an unhashable dtype
         return xp.finfo(dtype).bits if xp.isdtype(dtype, "real floating") else 0

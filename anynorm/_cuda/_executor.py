@@ -9,8 +9,6 @@ Importing this module needs CuPy only (no GPU); without a usable CuPy it raises 
 
 from __future__ import annotations
 
-import functools
-
 import array_api_compat
 
 try:
@@ -24,7 +22,22 @@ from ._interop import dtype_key
 __all__ = ["forward", "backward", "forward_runner", "unsupported"]
 
 
-@functools.lru_cache(maxsize=None)
+def _once(make):
+    """``make()``'s value, computed on the first call and kept. Not functools.lru_cache:
+    Dynamo warns at every lru_cache-wrapped function it traces (and traces through it), where
+    a value kept in a closure is read as a constant."""
+    kept = []
+
+    def value():
+        if not kept:
+            kept.append(make())
+        return kept[0]
+
+    value.__doc__ = make.__doc__
+    return value
+
+
+@_once
 def _runtime_problem():
     """Why CuPy cannot drive a GPU here, or None (checked once)."""
     import cupy
@@ -37,7 +50,7 @@ def _runtime_problem():
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@_once
 def _torch_ops():
     from . import _torch_ops
 
@@ -71,14 +84,14 @@ def _is_fake(x) -> bool:
     return type(x) is not _plain_tensor() and _fake_test()(x)
 
 
-@functools.lru_cache(maxsize=None)
+@_once
 def _plain_tensor():
     import torch
 
     return torch.Tensor
 
 
-@functools.lru_cache(maxsize=None)
+@_once
 def _fake_test():
     try:
         from torch._subclasses.fake_tensor import is_fake

@@ -304,7 +304,7 @@ def test_rows_across_a_cluster(cp, monkeypatch, shape, dtype):
     names, fetch = set(), _launcher.get_kernel
     monkeypatch.setattr(_launcher, "get_kernel", lambda k, d, items=None: names.add(k) or fetch(k, d, items))
     monkeypatch.setattr(_launcher, "_memo", lambda plan: {})
-    op, kw = ("group_norm", {"num_groups": 1}) if len(shape) == 4 else ("layer_norm", {})
+    op, kw = ("group_norm", {"num_groups": 1, "channel_axis": 1}) if len(shape) == 4 else ("layer_norm", {})
     x = _data(cp, shape, dtype)
     w, b = _params(cp, op, shape, kw, dtype)
     _check_forward(op, x, w, b, **kw)
