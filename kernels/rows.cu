@@ -170,31 +170,79 @@ __device__ __forceinline__ acc_t<T> row_shift(const T* __restrict__ x, const T* 
     return to_acc(res ? add_in_dtype(x[0], res[0]) : x[0]);
 }
 
-// One row of the forward: y = (v - mean) * rstd * w + b, v = x (or h = x + res, written).
+// A row a team takes: its index, first element, length (0 for a team past the last row: it
+// reads and writes nothing) and whether it is a row at all.
+struct TeamRow {
+    long long row, base;
+    int len;
+    bool active;
+};
+
+// A team row's raw input, read one row ahead: its 16-byte vectors of x (and of the residual)
+// and its first values (the shift). Each thread has only one vector of a row, so without it a
+// block waits out the DRAM latency of every row at its team sums; with it the next row's reads
+// are in flight meanwhile (4 registers a vector held raw).
+template <typename T, int ITEMS> struct RowAhead {
+    uint4 xv[ITEMS / VecLen<T>::value], rv[ITEMS / VecLen<T>::value];  // bits of Vec16<T>
+    T x0, r0;
+};
+
+template <typename T, int ITEMS>
+__device__ __forceinline__ void fetch_ahead(RowAhead<T, ITEMS>& a, const T* __restrict__ x,
+                                            const T* __restrict__ res, const TeamRow& at, int rank,
+                                            int size) {
+    const int V = VecLen<T>::value;
+    if (!at.active) return;
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS / V; ++k) {
+        const int idx = team_item<V>(k * V, rank, size, true);
+        if (idx < at.len) {
+            a.xv[k] = *reinterpret_cast<const uint4*>(x + at.base + idx);
+            if (res) a.rv[k] = *reinterpret_cast<const uint4*>(res + at.base + idx);
+        }
+    }
+    a.x0 = x[at.base];
+    if (res) a.r0 = res[at.base];
+}
+
+// v = (x, or h = x + res rounded to T and written) - shift from a row read ahead; zeros past
+// the row.
+template <typename T, int ITEMS>
+__device__ __forceinline__ void unpack_ahead(acc_t<T> (&v)[ITEMS], const RowAhead<T, ITEMS>& a,
+                                             const T* __restrict__ res, T* __restrict__ h,
+                                             const TeamRow& at, int rank, int size, acc_t<T> shift) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS / V; ++k) {
+        const int idx = team_item<V>(k * V, rank, size, true);
+        Vec16<T> xv;
+        memcpy(&xv, &a.xv[k], 16);
+        if (idx < at.len && res) {
+            Vec16<T> rv;
+            memcpy(&rv, &a.rv[k], 16);
+            ANYNORM_UNROLL
+            for (int j = 0; j < V; ++j) xv.v[j] = add_in_dtype(xv.v[j], rv.v[j]);
+            store16(h + at.base + idx, xv);
+        }
+        ANYNORM_UNROLL
+        for (int j = 0; j < V; ++j) v[k * V + j] = idx < at.len ? to_acc(xv.v[j]) - shift : A(0);
+    }
+}
+
+// The forward of a row a team holds as v = x - shift (or h - shift) in registers: two passes
+// of d = v - shift (mean(d), then sum((d - mean(d))^2)), the statistics (rank 0), and y = (v -
+// mean) * rstd * w + b at the row starting at element `base`.
 template <typename T, int ITEMS, typename Team>
-__device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __restrict__ res,
-                                            T* __restrict__ h, T* __restrict__ y,
-                                            const Param<T> w,
-                                            const Param<T> b, acc_t<T>* __restrict__ mean,
-                                            acc_t<T>* __restrict__ rstd, long long row, int count,
-                                            const IndexMap& map, bool plain, int center, acc_t<T> eps,
-                                            acc_t<T>* smem) {
+__device__ __forceinline__ void normalize_row(acc_t<T> (&v)[ITEMS], acc_t<T> shift, T* __restrict__ y,
+                                              const Param<T>& w, const Param<T>& b,
+                                              acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd,
+                                              long long row, long long base, int count,
+                                              const IndexMap& map, bool plain, bool vec, int center,
+                                              acc_t<T> eps, acc_t<T>* smem) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const int rank = Team::rank();
-    const long long base = row * count;
-    x += base;
-    if (res) {
-        res += base;
-        h += base;
-    }
-    if (y) y += base;
-    const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x) &&
-                     (res == 0 || (aligned16(res) && aligned16(h))) && (y == 0 || aligned16(y));
-    // Two passes over the registers, of d = v - shift: mean(d), then sum((d - mean(d))^2).
-    const A shift = center ? row_shift(x, res) : A(0);
-    A v[ITEMS];
-    load_row<T, ITEMS>(v, x, res, h, count, rank, Team::size(), vec, shift);
     const A n = A(count);
     A mu = A(0);
     if (center) {
@@ -239,7 +287,34 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
             }
         }
     }
-    store_row<T, ITEMS>(y, v, count, rank, Team::size(), vec);
+    store_row<T, ITEMS>(y + base, v, count, rank, Team::size(), vec);
+}
+
+// One row of the forward, read and normalized: y = (v - mean) * rstd * w + b, v = x (or h =
+// x + res, written).
+template <typename T, int ITEMS, typename Team>
+__device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __restrict__ res,
+                                            T* __restrict__ h, T* __restrict__ y,
+                                            const Param<T> w,
+                                            const Param<T> b, acc_t<T>* __restrict__ mean,
+                                            acc_t<T>* __restrict__ rstd, long long row, int count,
+                                            const IndexMap& map, bool plain, int center, acc_t<T> eps,
+                                            acc_t<T>* smem) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const long long base = row * count;
+    x += base;
+    if (res) {
+        res += base;
+        h += base;
+    }
+    const bool vec = (ITEMS % V == 0) && (count % V == 0) && aligned16(x) &&
+                     (res == 0 || (aligned16(res) && aligned16(h))) && (y == 0 || aligned16(y + base));
+    const A shift = center ? row_shift(x, res) : A(0);
+    A v[ITEMS];
+    load_row<T, ITEMS>(v, x, res, h, count, Team::rank(), Team::size(), vec, shift);
+    normalize_row<T, ITEMS, Team>(v, shift, y, w, b, mean, rstd, row, base, count, map, plain, vec, center,
+                                  eps, smem);
 }
 
 // Where the backward adds up dy * xhat and dy for dweight/dbias: `add` per item, `end_row`
@@ -435,21 +510,48 @@ __global__ void rows_bwd_warp_row_params(
 }
 
 // Medium rows: one block per row (blockDim.x threads, a power of two up to ROW_BLOCK_MAX),
-// grid-stride over rows.
+// grid-stride over rows on a persistent grid (the blocks resident). Where every row is whole
+// 16-byte vectors (at most 2 a thread: 16-bit ITEMS 8 and 16, float32 8), each block reads its
+// next row ahead (RowAhead) while it sums this one.
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
         const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
         acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
         long long p_len, int center, double eps, int param_in_t) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
     const Param<T> w = {w_arg, param_in_t & 1};
     const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
-    __shared__ acc_t<T> smem[64];
+    __shared__ A smem[64];
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
-    for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
-        forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, map, plain,
-                                         center, acc_t<T>(eps), smem);
+    const int n = (int)count;
+    const bool vec = (ITEMS % V == 0) && (n % V == 0) && aligned16(x) && aligned16_or_null(res) &&
+                     aligned16_or_null(res ? h : 0) && aligned16_or_null(y);
+    if (!vec || ITEMS / V > 2) {  // more than 2 vectors a thread held ahead would spill
+        for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
+            forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, map, plain, center,
+                                             A(eps), smem);
+        return;
+    }
+    const int rank = threadIdx.x, size = blockDim.x;
+    RowAhead<T, ITEMS> ahead;
+    TeamRow next = {(long long)blockIdx.x, (long long)blockIdx.x * n, n, (long long)blockIdx.x < rows};
+    fetch_ahead(ahead, x, res, next, rank, size);
+    while (next.active) {
+        const TeamRow at = next;
+        const RowAhead<T, ITEMS> now = ahead;
+        next.row += gridDim.x;
+        next.base = next.row * n;
+        next.active = next.row < rows;
+        fetch_ahead(ahead, x, res, next, rank, size);
+        const A shift = center ? to_acc(res ? add_in_dtype(now.x0, now.r0) : now.x0) : A(0);
+        A v[ITEMS];
+        unpack_ahead<T, ITEMS>(v, now, res, h, at, rank, size, shift);
+        normalize_row<T, ITEMS, BlockTeam>(v, shift, y, w, b, mean, rstd, at.row, at.base, n, map, plain,
+                                           true, center, A(eps), smem);
+    }
 }
 
 // The part of a row each of the C blocks of a cluster holds: ceil(count / C) rounded up to
@@ -883,12 +985,6 @@ __global__ void ANYNORM_CLUSTER(C) __launch_bounds__(ROW_BLOCK_MAX, 1) rows_bwd_
 // in each group of `teams` rows. Every thread of the block runs every group (the team sums
 // meet at barriers); a team past the last row gets len 0 at base 0: it reads and writes
 // nothing.
-struct TeamRow {
-    long long row, base;
-    int len;
-    bool active;
-};
-
 template <int ITEMS> struct MultiTeam {
     int size, rank, teams, team;
     __device__ __forceinline__ explicit MultiTeam(int n) {
@@ -984,58 +1080,6 @@ __device__ __forceinline__ void team_param(acc_t<T> (&out)[ITEMS], const Param<T
             const int idx = team_item<V>(k, rank, size, vec);
             out[k] = idx < n ? param_value(q, idx, none) : none;
         }
-    }
-}
-
-// A team row's raw input, read one row ahead: its 16-byte vectors of x (and of the residual)
-// and its first values (the shift). Each thread has only one vector of a row, so without it a
-// block waits out the DRAM latency of every row at its team sums; with it the next row's reads
-// are in flight meanwhile (4 registers a vector held raw).
-template <typename T, int ITEMS> struct RowAhead {
-    uint4 xv[ITEMS / VecLen<T>::value], rv[ITEMS / VecLen<T>::value];  // bits of Vec16<T>
-    T x0, r0;
-};
-
-template <typename T, int ITEMS>
-__device__ __forceinline__ void fetch_ahead(RowAhead<T, ITEMS>& a, const T* __restrict__ x,
-                                            const T* __restrict__ res, const TeamRow& at, int rank,
-                                            int size) {
-    const int V = VecLen<T>::value;
-    if (!at.active) return;
-    ANYNORM_UNROLL
-    for (int k = 0; k < ITEMS / V; ++k) {
-        const int idx = team_item<V>(k * V, rank, size, true);
-        if (idx < at.len) {
-            a.xv[k] = *reinterpret_cast<const uint4*>(x + at.base + idx);
-            if (res) a.rv[k] = *reinterpret_cast<const uint4*>(res + at.base + idx);
-        }
-    }
-    a.x0 = x[at.base];
-    if (res) a.r0 = res[at.base];
-}
-
-// v = (x, or h = x + res rounded to T and written) - shift from a row read ahead; zeros past
-// the row.
-template <typename T, int ITEMS>
-__device__ __forceinline__ void unpack_ahead(acc_t<T> (&v)[ITEMS], const RowAhead<T, ITEMS>& a,
-                                             const T* __restrict__ res, T* __restrict__ h,
-                                             const TeamRow& at, int rank, int size, acc_t<T> shift) {
-    typedef acc_t<T> A;
-    const int V = VecLen<T>::value;
-    ANYNORM_UNROLL
-    for (int k = 0; k < ITEMS / V; ++k) {
-        const int idx = team_item<V>(k * V, rank, size, true);
-        Vec16<T> xv;
-        memcpy(&xv, &a.xv[k], 16);
-        if (idx < at.len && res) {
-            Vec16<T> rv;
-            memcpy(&rv, &a.rv[k], 16);
-            ANYNORM_UNROLL
-            for (int j = 0; j < V; ++j) xv.v[j] = add_in_dtype(xv.v[j], rv.v[j]);
-            store16(h + at.base + idx, xv);
-        }
-        ANYNORM_UNROLL
-        for (int j = 0; j < V; ++j) v[k * V + j] = idx < at.len ? to_acc(xv.v[j]) - shift : A(0);
     }
 }
 

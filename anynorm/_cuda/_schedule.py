@@ -221,7 +221,9 @@ def _row_kernel(prefix, rows, count, dtype):
     None when the row is longer than they hold in ``dtype``: the warp kernel with the
     smallest ITEMS that holds the row, else the block kernel with the smallest ITEMS and a
     power of two of threads holding it (powers of two keep the SM's warps whole: 64
-    registers x any of them is 32 warps, 50%)."""
+    registers x any of them is 32 warps, 50%). The forward's block kernel runs on a
+    persistent grid (the blocks resident at 64 registers), each block reading its next row
+    while it sums the current one."""
     for items in items_of(f"{prefix}_warp", dtype):
         if 32 * items >= count:
             return f"{prefix}_warp", (_grid_1d(rows, _ROWS_BLOCK // 32),), (_ROWS_BLOCK,), items
@@ -229,6 +231,9 @@ def _row_kernel(prefix, rows, count, dtype):
     for items in items_of(kernel, dtype):
         threads = 1 << max(5, (_ceil(count, items) - 1).bit_length())
         if threads <= block_threads_max(kernel, dtype):
+            if prefix == "rows_fwd":
+                resident = _device().sm_count * (_SMEM_ROW_THREADS // threads)
+                return kernel, (min(rows, resident),), (threads,), items
             return kernel, (_grid_1d(rows, 1),), (threads,), items
     return None
 
