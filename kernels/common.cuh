@@ -148,6 +148,35 @@ template <typename A> __device__ __forceinline__ A cluster_load(const A* p, int)
 }
 #endif
 
+// ---- asynchronous copies into shared memory (sm_80) ----------------------------------------
+
+// cp.async of one 16-byte vector from global memory (16-byte aligned) to this thread's shared
+// memory, bypassing registers (and L1): a row can be read ahead at no register cost. Each
+// thread waits for its own copies (cp_async_wait_all) and then reads only what it copied, so no
+// barrier is needed. The emulator copies at once.
+// cp_async<B>: B = 4 or 8 bytes (through L1), 16 (cp_async16).
+#ifdef ANYNORM_CUDA_EMU
+template <int B> __device__ __forceinline__ void cp_async(void* smem, const void* gmem) { memcpy(smem, gmem, B); }
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { memcpy(smem, gmem, 16); }
+__device__ __forceinline__ void cp_async_commit() {}
+__device__ __forceinline__ void cp_async_wait_all() {}
+#else
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
+                 "l"(gmem) : "memory");
+}
+template <int B> __device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+    if (B == 16) {
+        cp_async16(smem, gmem);
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
+                     "l"(gmem), "n"(B) : "memory");
+    }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+#endif
+
 // ---- Welford / Chan -------------------------------------------------------------------
 
 // Running (count, mean, sum of squared deviations); var = m2 / n. Never E[x^2] - E[x]^2.

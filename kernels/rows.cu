@@ -643,7 +643,16 @@ __device__ __forceinline__ void forward_rows_held(
                          (yr == 0 || aligned16(yr));
         const A shift = center ? row_shift(xr, rr) : A(0);
         A s = A(0);
-        if (vec) {
+        if (vec && !rr) {  // every vector of the part in flight at once, in no register
+            for (int j = lo + tid * V; j < len; j += threads * V) cp_async16(v + j, xr + j);
+            cp_async_commit();
+            cp_async_wait_all();  // this thread's copies: it reads back only those here
+            for (int j = lo + tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(v + j);
+                ANYNORM_UNROLL
+                for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
+            }
+        } else if (vec) {
             for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = input_vec16(xr, rr, hr, j);
                 store16(v + j, a);
@@ -802,11 +811,15 @@ __device__ __forceinline__ void backward_rows_held(
         const A shift = center ? row_shift(xr, (const T*)0) : A(0);
         const A r = rstd[row];
         A s = A(0);
-        if (vec) {
+        if (vec) {  // every vector of the part in flight at once, in no register
             for (int j = lo + tid * V; j < len; j += threads * V) {
-                const Vec16<T> a = load16(xr + j);
-                store16(xs + j, a);
-                store16(gs + j, load16(dyr + j));
+                cp_async16(xs + j, xr + j);
+                cp_async16(gs + j, dyr + j);
+            }
+            cp_async_commit();
+            cp_async_wait_all();  // this thread's copies: it reads back only those here
+            for (int j = lo + tid * V; j < len; j += threads * V) {
+                const Vec16<T> a = load16(xs + j);
                 ANYNORM_UNROLL
                 for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
             }
@@ -819,6 +832,7 @@ __device__ __forceinline__ void backward_rows_held(
             }
         }
         s = center ? span_allsum<C>(s, smem, slots, phase) : A(0);  // sum(d)
+        if (!center && C == 1 && part_w) __syncthreads();  // segment sums read others' vectors
         const A mu = s / n;
         A sg = A(0), sgx = A(0);
         // per segment: sum(dy), sum(dy * xhat); the weighted ones into sg, sgx. Sizes made
@@ -1165,6 +1179,46 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
 // (64 registers, 50%).
 template <typename T> struct MultiBwdBlocks { static const int value = sizeof(T) == 2 ? 3 : 4; };
 
+// The x and dy vectors of a team row (at most one each a thread: ITEMS = V), copied ahead into
+// this thread's slots of a stage (cp.async: the copies fly while the previous row is summed,
+// in no register), with the row's rstd and first value (the shift) in registers.
+template <typename T, int ITEMS> struct StagedRow {
+    acc_t<T> r;
+    T x0;
+};
+
+template <typename T, int ITEMS>
+__device__ __forceinline__ void stage_row(uint4* stage, StagedRow<T, ITEMS>& s, const T* __restrict__ x,
+                                          const T* __restrict__ dy, const acc_t<T>* __restrict__ rstd,
+                                          const TeamRow& at, int rank, int size) {
+    const int V = VecLen<T>::value;
+    if (!at.active) return;
+    const int idx = team_item<V>(0, rank, size, true);
+    if (idx < at.len) {
+        cp_async16(stage + threadIdx.x, x + at.base + idx);
+        cp_async16(stage + MULTI_BLOCK + threadIdx.x, dy + at.base + idx);
+    }
+    cp_async_commit();
+    s.r = rstd[at.row];
+    s.x0 = x[at.base];
+}
+
+// v = (the staged vector `which` (0: x, 1: dy) as A) - shift; zeros past the row.
+template <typename T, int ITEMS>
+__device__ __forceinline__ void unstage_row(acc_t<T> (&v)[ITEMS], const uint4* stage, int which,
+                                            const TeamRow& at, int rank, int size, acc_t<T> shift) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value;
+    const bool in = team_item<V>(0, rank, size, true) < at.len;
+    Vec16<T> t;
+    if (in) {
+        const uint4 bits = stage[which * MULTI_BLOCK + threadIdx.x];
+        memcpy(&t, &bits, 16);
+    }
+    ANYNORM_UNROLL
+    for (int j = 0; j < V; ++j) v[j] = in ? to_acc(t.v[j]) - shift : A(0);
+}
+
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bwd_multi(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
@@ -1176,26 +1230,49 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     const Param<T> w = {w_arg, param_in_t & 1};
     __shared__ A smem[2 * MULTI_BLOCK / 32];
     __shared__ A sums[2 * ITEMS * MULTI_BLOCK];  // [2][ITEMS][thread]: the teams' sums at the end
+    __shared__ uint4 stages[2][2 * MULTI_BLOCK];  // [row parity][x, dy][thread]: rows read ahead
     const int n = (int)count;
     const MultiTeam<ITEMS> mt(n);
     const int size = mt.size, rank = mt.rank;
     const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);
+    // one vector of x and of dy a thread (float64, not tuned, would spill its 64 registers)
+    const bool ahead = vec && ITEMS == V && sizeof(T) < 8;
+    const long long groups = mt.groups(rows);
+    StagedRow<T, ITEMS> next;
+    if (ahead && blockIdx.x < groups) stage_row(stages[0], next, x, dy, rstd, mt.row_in(blockIdx.x, rows, n), rank, size);
     A wv[ITEMS], sw[ITEMS], sb[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) sw[k] = sb[k] = A(0);
     const A fn = A(n);
-    for (long long grp = blockIdx.x; grp < mt.groups(rows); grp += gridDim.x) {
+    int parity = 0;
+    for (long long grp = blockIdx.x; grp < groups; grp += gridDim.x, parity ^= 1) {
         const TeamRow at = mt.row_in(grp, rows, n);
         const long long row = at.row, base = at.base;
         const bool active = at.active;
         const int len = at.len;
-        const T* xr = x + base;
-        const A shift = center && active ? row_shift(xr, (const T*)0) : A(0);
-        const A r = active ? rstd[row] : A(0);
         A xh[ITEMS], g[ITEMS];
-        load_row<T, ITEMS>(xh, xr, (const T*)0, (T*)0, len, rank, size, vec, shift);
-        load_row<T, ITEMS>(g, dy + base, (const T*)0, (T*)0, len, rank, size, vec);
+        A shift = A(0), r = A(0);
+        if (ahead) {
+            const StagedRow<T, ITEMS> now = next;
+            cp_async_wait_all();  // this row's copies (the only ones in flight)
+            if (active) {
+                r = now.r;
+                if (center) shift = to_acc(now.x0);
+            }
+            unstage_row<T, ITEMS>(xh, stages[parity], 0, at, rank, size, shift);
+            unstage_row<T, ITEMS>(g, stages[parity], 1, at, rank, size, A(0));
+            if (grp + gridDim.x < groups)
+                stage_row(stages[parity ^ 1], next, x, dy, rstd, mt.row_in(grp + gridDim.x, rows, n), rank, size);
+        } else {
+            const T* xr = x + base;
+            if (active) {
+                r = rstd[row];
+                if (center) shift = row_shift(xr, (const T*)0);
+            }
+            load_row<T, ITEMS>(xh, xr, (const T*)0, (T*)0, len, rank, size, vec, shift);
+            load_row<T, ITEMS>(g, dy + base, (const T*)0, (T*)0, len, rank, size, vec);
+        }
         // xhat about the row's exact mean, as backward_row: mean(d) of d = x - shift again
         A mu = A(0);
         if (center) {

@@ -107,15 +107,16 @@ def test_no_local_memory(rows_sass):
 
 
 def test_rows_move_in_16_byte_vectors(rows_sass):
-    """x (forward), x and dy (backward): one LDG.E.128 per V items and operand; y/dx: one
-    STG.E.128 per V items, wherever ITEMS holds whole vectors."""
+    """x (forward), x and dy (backward): one LDG.E.128 (or cp.async's LDGSTS.E.BYPASS.128 into
+    shared memory) per V items and operand; y/dx: one STG.E.128 per V items, wherever ITEMS
+    holds whole vectors."""
     dtype, code = rows_sass
     short = []
     for kernel, items, name in _instantiations(dtype):
         if items % VEC[dtype]:
             continue
         vectors = items // VEC[dtype]
-        loads = len(re.findall(r"\bLDG\.E\.128\b", code[name]))
+        loads = len(re.findall(r"\b(?:LDG\.E|LDGSTS\.E\.BYPASS)\.128\b", code[name]))
         stores = len(re.findall(r"\bSTG\.E\.128\b", code[name]))
         want_loads = vectors * (2 if kernel.startswith("rows_bwd") else 1)
         if loads < want_loads or stores < vectors:
@@ -160,27 +161,35 @@ def test_multi_row_forward_loads_weight_and_bias_once(rows_sass):
 
 def test_multi_row_backward_loads_the_weight_once(rows_sass):
     """rows_bwd_multi keeps its weight and its dweight/dbias sums in registers for all its
-    rows: per row one 16-byte vector each of x and dy and one STG.E.128 of dx, the weight's
-    vectors once (1 + sizeof(A) / sizeof(T) for both parameter types), no local memory."""
+    rows: per row one 16-byte vector each of x and dy (copied a row ahead into shared memory
+    by cp.async, LDGSTS.E.BYPASS.128: the first row's before the loop, the next in it; float64
+    loads them as it goes) and one STG.E.128 of dx, the weight's vectors once (1 + sizeof(A)
+    / sizeof(T) for both parameter types), no local memory."""
     dtype, code = rows_sass
     name = _compile.name_expression("rows_bwd_multi", dtype, _compile.MULTI_ITEMS[dtype])
     text = code[name]
     loads = len(re.findall(r"\bLDG\.E\.128\b", text))
+    copies = len(re.findall(r"\bLDGSTS\.E\.BYPASS\.128\b", text))
     per_a = VEC[dtype] * (8 if dtype == "float64" else 4) // 16  # A vectors per V weights
-    assert 3 <= loads <= 2 + 1 + per_a, (name, loads)
+    if dtype == "float64":
+        assert 3 <= loads <= 2 + 1 + per_a and copies == 0, (name, loads, copies)
+    else:
+        assert 1 + per_a <= loads <= 1 + per_a + 2 and copies == 4, (name, loads, copies)
     assert len(re.findall(r"\bSTG\.E\.128\b", text)) >= 1, name
     assert not re.search(r"\b(LDL|STL)\b", text), name
 
 
 def test_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
-    """rows_fwd_smem: x in (LDG.E.128), into shared memory and back (STS.128, LDS.128: the
-    statistics pass and the y pass), y out (STG.E.128), w and b in vectors too."""
+    """rows_fwd_smem: x into shared memory by cp.async (LDGSTS.E.BYPASS.128; with a residual
+    LDG.E.128 and STS.128, h = x + res), back out of it (LDS.128: the statistics passes and
+    the y pass), y out (STG.E.128), w and b in vectors too."""
     dtype, code = rows_sass
     text = code[_compile.name_expression("rows_fwd_smem", dtype)]
-    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text)) for op in ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128")}
+    ops = ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128", "LDGSTS.E.BYPASS.128")
+    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text)) for op in ops}
     # x, residual, weight, bias (a float32 weight of a 16-bit row: two vectors per V items)
     assert counts["LDG.E.128"] >= 4 and counts["STG.E.128"] >= 2, counts  # y and h
-    assert counts["STS.128"] >= 1 and counts["LDS.128"] >= 2, counts
+    assert counts["LDGSTS.E.BYPASS.128"] >= 1 and counts["STS.128"] >= 1 and counts["LDS.128"] >= 2, counts
 
 
 def test_rows_held_across_a_cluster_move_in_16_byte_vectors(rows_sass):
@@ -189,25 +198,26 @@ def test_rows_held_across_a_cluster_move_in_16_byte_vectors(rows_sass):
     (UCGABAR_ARV/WAIT: barrier.cluster arrive and wait) around the sums read from the other
     blocks; no local memory."""
     dtype, code = rows_sass
-    # (LDG.E.128, STG.E.128, STS.128, LDS.128) at least: forward x, res, w, b in and y, h out;
-    # backward x, dy, w in, dx out, x and dy through shared memory
-    least = {"rows_fwd_cluster": (4, 2, 1, 2), "rows_bwd_cluster": (3, 1, 2, 2)}
+    # (LDG.E.128, STG.E.128, STS.128, LDS.128, LDGSTS.E.BYPASS.128) at least: forward x (by
+    # cp.async), res, w, b in and y, h out; backward x and dy by cp.async, w in, dx out
+    least = {"rows_fwd_cluster": (4, 2, 1, 2, 1), "rows_bwd_cluster": (1, 1, 0, 2, 2)}
+    ops = ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128", "LDGSTS.E.BYPASS.128")
     for kernel in CLUSTER_ROWS:
         for c in _compile.items_of(kernel, dtype):
             text = code[_compile.name_expression(kernel, dtype, c)]
-            counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text))
-                      for op in ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128", "UCGABAR_ARV", "UCGABAR_WAIT")}
-            assert all(counts[op] >= k for op, k in zip(("LDG.E.128", "STG.E.128", "STS.128", "LDS.128"),
-                                                         least[kernel])), (kernel, c, counts)
+            counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text)) for op in ops + ("UCGABAR_ARV", "UCGABAR_WAIT")}
+            assert all(counts[op] >= k for op, k in zip(ops, least[kernel])), (kernel, c, counts)
             assert counts["UCGABAR_ARV"] >= 2 and counts["UCGABAR_WAIT"] >= 2, (kernel, c, counts)
             assert not re.search(r"\b(LDL|STL)\b", text), (kernel, c)
 
 
 def test_backward_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
-    """rows_bwd_smem: x and dy in (LDG.E.128), into shared memory (STS.128) and back twice
-    (LDS.128), dx out (STG.E.128)."""
+    """rows_bwd_smem: x and dy into shared memory by cp.async (LDGSTS.E.BYPASS.128) and back
+    out of it (LDS.128: the statistics, segment and dx passes), w in (LDG.E.128), dx out
+    (STG.E.128)."""
     dtype, code = rows_sass
     text = code[_compile.name_expression("rows_bwd_smem", dtype)]
-    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text)) for op in ("LDG.E.128", "STG.E.128", "STS.128", "LDS.128")}
-    assert counts["LDG.E.128"] >= 3 and counts["STG.E.128"] >= 1, counts  # x, dy, w
-    assert counts["STS.128"] >= 2 and counts["LDS.128"] >= 4, counts
+    ops = ("LDG.E.128", "STG.E.128", "LDS.128", "LDGSTS.E.BYPASS.128")
+    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text)) for op in ops}
+    assert counts["LDG.E.128"] >= 1 and counts["STG.E.128"] >= 1, counts  # w; dx
+    assert counts["LDGSTS.E.BYPASS.128"] >= 2 and counts["LDS.128"] >= 4, counts
