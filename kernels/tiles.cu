@@ -19,10 +19,9 @@
 using namespace anynorm;
 
 #define TILE_THREADS 256
-// Loads one thread keeps in flight before storing them to shared memory: scalars, vectors
-// (of up to 16 bytes: 2 x 16 bytes x 256 threads, 8 KiB per block).
+// Scalar loads one thread keeps in flight before storing them to shared memory (vectors go
+// by cp.async, all of a thread's at once).
 #define TILE_BATCH 8
-#define TILE_VEC_BATCH 2
 // Blocks per SM the register allocation must allow: the forward 4 x 256 threads (50%
 // occupancy, 64 registers), the backward, which holds twice the state, 3 (37.5%, 80);
 // float64 2 (128 registers: fewer spill).
@@ -155,26 +154,25 @@ __device__ __forceinline__ void load_rows_n(T* tile, const T* __restrict__ x, co
     typedef TileVec<T, N> V;
     const int nrows = t.nrows, ncols = t.ncols, lanes = p.row_lanes;
     const long long step = (long long)lanes * inner;
+    const long long first = base + (long long)p.k * inner + p.q * N;
+    // every vector of the thread in flight at once, in no register (cp.async: 4, 8 or 16 bytes)
+    long long e = first;
     TILE_ROLLED
-    for (int r0 = p.k; r0 < nrows; r0 += lanes * TILE_VEC_BATCH) {
-        const long long e0 = base + (long long)r0 * inner + p.q * N;
-        V v[TILE_VEC_BATCH];
+    for (int r = p.k; r < nrows; r += lanes, e += step)
+        cp_async<(int)sizeof(V)>(tile + r * ncols + p.q * N, x + e);
+    cp_async_commit();
+    if (!RES) return;  // the caller waits (cp_async_wait_all) before its barrier
+    cp_async_wait_all();  // h = x + res rounded to T, in place of x (the thread's own vectors)
+    e = first;
+    TILE_ROLLED
+    for (int r = p.k; r < nrows; r += lanes, e += step) {
+        V* slot = reinterpret_cast<V*>(tile + r * ncols + p.q * N);
+        V v = *slot;
+        const V rv = *reinterpret_cast<const V*>(res + e);
         ANYNORM_UNROLL
-        for (int u = 0; u < TILE_VEC_BATCH; ++u)
-            if (r0 + u * lanes < nrows) {
-                v[u] = *reinterpret_cast<const V*>(x + e0 + u * step);
-                if (RES) {
-                    const V rv = *reinterpret_cast<const V*>(res + e0 + u * step);
-                    ANYNORM_UNROLL
-                    for (int j = 0; j < N; ++j) v[u].v[j] = add_in_dtype(v[u].v[j], rv.v[j]);
-                }
-            }
-        ANYNORM_UNROLL
-        for (int u = 0; u < TILE_VEC_BATCH; ++u)
-            if (r0 + u * lanes < nrows) {
-                *reinterpret_cast<V*>(tile + (r0 + u * lanes) * ncols + p.q * N) = v[u];
-                if (RES) *reinterpret_cast<V*>(h + e0 + u * step) = v[u];
-            }
+        for (int j = 0; j < N; ++j) v.v[j] = add_in_dtype(v.v[j], rv.v[j]);
+        *slot = v;
+        *reinterpret_cast<V*>(h + e) = v;
     }
 }
 
@@ -356,6 +354,7 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
     for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
         const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
         load_tile<T, 16>(tile, x, res, h, tile_base, inner, t);
+        cp_async_wait_all();  // load_tile's copies (if it took them)
         __syncthreads();
         const T* col = tile + t.c;  // row r of the thread's column: col[r * ncols]
         const A shift = center && t.valid ? to_acc(tile[t.stat_col]) : A(0);
@@ -516,6 +515,7 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
         const long long base = tile_base + t.c;
         load_tile<T, 16>(dy_tile, dy, (const T*)0, (T*)0, tile_base, inner, t);
         load_tile<T, 16>(x_tile, x, (const T*)0, (T*)0, tile_base, inner, t);
+        cp_async_wait_all();  // both tiles' copies (if load_tile took them)
         __syncthreads();
         A mu = A(0), rs = A(0);
         if (t.valid) {
