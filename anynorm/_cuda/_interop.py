@@ -21,20 +21,25 @@ __all__ = ["TensorRef", "ref", "as_cupy", "to_cupy", "on_torch_stream", "dtype_k
            "cupy_stream", "torch_stream", "current_device", "run_on_torch_stream", "run_on_cupy_stream"]
 
 _KEYS = ("float16", "bfloat16", "float32", "float64")
-_KEY_OF: dict = {}  # dtype object -> key, filled as dtypes are seen (str() costs per call)
+# dtype object -> key, filled as dtypes are seen (str() costs per call). NumPy's dtypes apart
+# from torch's: torch.compile (2.11) cannot hash NumPy dtypes, so a dict holding both makes
+# a lookup of a torch dtype a graph break under fullgraph=True.
+_KEY_OF_NUMPY: dict = {}
+_KEY_OF_OTHER: dict = {}
 
 
 def dtype_key(dtype) -> str | None:
     """"float16" / "bfloat16" / "float32" / "float64" for a NumPy/CuPy or torch dtype, else None."""
+    known = _KEY_OF_NUMPY if isinstance(dtype, np.dtype) else _KEY_OF_OTHER
     try:
-        return _KEY_OF[dtype]
+        return known[dtype]
     except (KeyError, TypeError):
         pass
     name = str(dtype)
     name = name[len("torch."):] if name.startswith("torch.") else name
     key = name if name in _KEYS else None
     try:
-        _KEY_OF[dtype] = key
+        known[dtype] = key
     except TypeError:  # an unhashable dtype
         pass
     return key

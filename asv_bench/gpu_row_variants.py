@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Which row kernel is fastest for a row length: the shipped schedule against forced variants.
+
+    python asv_bench/gpu_row_variants.py [--widths 512,768,1024,2048,4096] [--dtypes bfloat16,float32]
+
+For layer_norm and rms_norm over the last axis of M x N (M * N = 2^25) on CUDA torch tensors,
+forward without grad, each variant's GPU time per call (CUDA events around 40 back-to-back
+calls, the minimum of 5 rounds, the variants interleaved in each round) and its fraction of a
+device-to-device copy of the same bytes (read x, write y). Variants:
+
+- ``shipped``: the launcher's schedule as it stands;
+- ``block8`` / ``block16``: no multi-row kernel, the block-per-row kernel at ITEMS 8 / 16
+  (``_schedule``'s choice of the smallest ITEMS replaced);
+- ``warp16``: the warp-per-row kernel at ITEMS 16 (rows of up to 512 elements).
+
+A lab for choosing ``_schedule``'s rules on a GPU; the results are checked against
+torch.nn.functional before they are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+import anynorm
+from anynorm import _calls, _plan
+from anynorm._cuda import _schedule
+
+
+@contextlib.contextmanager
+def variant(name):
+    """The launcher forced to one kernel choice (no plan, and so no launch, cached from another)."""
+    saved = (_schedule._multi_rows, _schedule.items_of)
+    _calls.clear()
+    _plan.plan_for.cache_clear()
+    try:
+        if name != "shipped":
+            _schedule._multi_rows = lambda *a, **k: None
+        if name in ("block8", "block16"):
+            items = int(name[len("block"):])
+            _schedule.items_of = lambda kernel, dtype=None: (
+                () if kernel.endswith("_warp") else (items,) if kernel.endswith("_block") else saved[1](kernel, dtype))
+        if name == "warp16":
+            _schedule.items_of = lambda kernel, dtype=None: (16,) if kernel.endswith("_warp") else saved[1](kernel, dtype)
+        yield
+    finally:
+        _schedule._multi_rows, _schedule.items_of = saved
+        _calls.clear()
+        _plan.plan_for.cache_clear()
+
+
+def gpu_us(fn, calls=40):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / calls
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", default="512,768,1024,2048,4096")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    names = ("shipped", "block8", "block16", "warp16")
+    print("| op | dtype | M x N | " + " | ".join(f"{n} of copy" for n in names) + " | torch of copy |")
+    print("|---|---|---|" + "---|" * (len(names) + 1))
+    for dtype in args.dtypes.split(","):
+        dt = getattr(torch, dtype)
+        for n in map(int, args.widths.split(",")):
+            m = 2 ** 25 // n
+            x = torch.randn(m, n, device="cuda", dtype=dt) * 2 + 3
+            w = torch.rand(n, device="cuda", dtype=dt) + 0.5
+            b = torch.randn(n, device="cuda", dtype=dt)
+            out = torch.empty_like(x)
+            for op in ("layer_norm", "rms_norm"):
+                if op == "layer_norm":
+                    ref = lambda: F.layer_norm(x, (n,), w, b)  # noqa: E731
+                    ours = lambda: anynorm.layer_norm(x, w, b)  # noqa: E731
+                else:
+                    ref = lambda: F.rms_norm(x, (n,), w, 1e-6)  # noqa: E731
+                    ours = lambda: anynorm.rms_norm(x, w, eps=1e-6)  # noqa: E731
+                times = {k: [] for k in names + ("torch", "copy")}
+                usable = [k for k in names if k != "warp16" or n <= 512]
+                with torch.no_grad():
+                    want = ref().float()
+                    for k in usable:
+                        with variant(k):
+                            err = (ours().float() - want).abs().max().item()
+                            assert err < (5e-2 if dtype != "float32" else 1e-4), (k, op, n, err)
+                    for _ in range(args.rounds):
+                        for k in usable:
+                            with variant(k):
+                                ours()  # plan and bind the launch outside the timed loop
+                                times[k].append(gpu_us(ours))
+                        times["torch"].append(gpu_us(ref))
+                        times["copy"].append(gpu_us(lambda: out.copy_(x)))
+                best = {k: min(v) for k, v in times.items() if v}
+                cells = [f"{best['copy'] / best[k]:.2f}" if k in best else "-" for k in names + ("torch",)]
+                print(f"| {op} | {dtype} | {m}x{n} | " + " | ".join(cells) + " |", flush=True)
+            del x, w, b, out
+
+
+if __name__ == "__main__":
+    main()
