@@ -45,14 +45,19 @@ def _strides(shape):
 
 
 def test_transformer_rows_are_one_kernel_each_way():
-    """768 elements: teams of 128 threads (one 16-byte vector each), two rows per block of 256
-    at a time both ways (rows_fwd_multi, rows_bwd_multi); backward on a persistent grid whose
-    blocks each keep dweight/dbias partials in registers, one partial row per block."""
+    """768 elements: forward a block of 64 threads a row, two 16-byte vectors each
+    (rows_fwd_block<16>, on the blocks resident: 16 an SM); backward teams of 128 threads (one
+    vector each), two rows per block of 256 at a time (rows_bwd_multi) on a persistent grid
+    whose blocks each keep dweight/dbias partials in registers, one partial row per block."""
     plan = _plan("layer_norm", (64, 768))
     for present in ({"w", "b"}, {"w", "b"} | STATS):  # inference, and with statistics
         schedule = _forward(plan, present)
-        assert schedule.names == ("rows_fwd_multi",) and schedule.scratch_bytes == 0
-        assert schedule.steps[0].block == (256,) and schedule.steps[0].items == 8
+        assert schedule.names == ("rows_fwd_block",) and schedule.scratch_bytes == 0
+        assert schedule.steps[0].block == (64,) and schedule.steps[0].items == 16
+        assert schedule.steps[0].grid == (64,)  # a block a row: 64 rows, under 16 x 132 resident
+    assert _forward(_plan("layer_norm", (32768, 768)), {"w", "b"}).steps[0].grid == (16 * 132,)
+    f32 = _forward(_plan("layer_norm", (64, 768)), {"w", "b"}, dtype="float32").steps[0]
+    assert (f32.name, f32.block, f32.items) == ("rows_fwd_block", (128,), 8)
     inference, training = _forward(plan, {"w", "b"}), _forward(plan, {"w", "b"} | STATS)
     mean_slot, rstd_slot = _schedule.FORWARD_SLOTS.index("mean"), _schedule.FORWARD_SLOTS.index("rstd")
     assert not {slot.index for _, slot in inference.steps[0].slots} & {mean_slot, rstd_slot}
@@ -264,7 +269,7 @@ def test_schedules_need_no_cupy():
             "try:\n    import anynorm._cuda._executor\nexcept ImportError:\n    print('executor: ImportError')\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=str(pathlib.Path(__file__).resolve().parents[1]))
-    assert run.stdout.splitlines() == ["('rows_fwd_multi',) False", "executor: ImportError"], run.stdout + run.stderr
+    assert run.stdout.splitlines() == ["('rows_fwd_block',) False", "executor: ImportError"], run.stdout + run.stderr
 
 
 def test_long_rows_that_fit_shared_memory_read_x_once():

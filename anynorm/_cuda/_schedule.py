@@ -216,6 +216,29 @@ def _grid_1d(n, per_block, cap=None):
     return min(blocks, cap or 64 * _target_blocks(), _MAX_X)
 
 
+def _two_vector_rows(layout, dtype):
+    """(kernel, grid, block, ITEMS) of rows_fwd_block at two 16-byte vectors a thread (ITEMS
+    16 in 16-bit types, 8 in float32; 16 past 8192 float32 elements), or None: rows of 16-bit
+    or float32 types of at least 64 vectors (a warp's worth) that it holds. The row kernels
+    are bound by the instructions they issue, not by memory: per row a team sums twice and
+    converts and scales every element, so a thread that holds two vectors spends half as
+    many instructions per byte on the sums. Forward kernel-only time on an H200
+    (asv_bench/gpu_row_variants.py, fraction of a copy's bandwidth, bfloat16 / float32
+    layer norm): rows of 512-4096 at 0.53-0.69 / 0.82-0.93 this way, against 0.34-0.42 /
+    0.32-0.45 for rows_fwd_multi (one vector a thread, several rows a block) and 0.42-0.49
+    for the block kernel at one vector a thread; torch 0.30-0.61 / 0.45-0.74."""
+    count = layout.reduced
+    if not layout.rows or dtype not in ("float16", "bfloat16", "float32") or count < 64 * _VECTOR[dtype]:
+        return None
+    kernel = "rows_fwd_block"
+    for items in items_of(kernel, dtype):
+        threads = 1 << max(5, (_ceil(count, items) - 1).bit_length())
+        if items >= 2 * _VECTOR[dtype] and threads <= block_threads_max(kernel, dtype):
+            resident = _device().sm_count * (_SMEM_ROW_THREADS // threads)
+            return kernel, (min(layout.outer, resident),), (threads,), items
+    return None
+
+
 def _row_kernel(prefix, rows, count, dtype):
     """(kernel, grid, block, ITEMS) of the register-resident row kernels for ``count``, or
     None when the row is longer than they hold in ``dtype``: the warp kernel with the
@@ -458,7 +481,13 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
     acc = acc_dtype(dtype)
     center, eps, pin = i32(plan.center), f64(plan.eps), i32(param_in_t)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
-    multi = _multi_rows(layout, dtype, w is not None or b is not None)
+    multi = _two_vector_rows(layout, dtype) or _multi_rows(layout, dtype, w is not None or b is not None)
+    if multi is not None and multi[0] == "rows_fwd_block":
+        kernel, grid, block, items = multi
+        _step(kernel, dtype, grid, block,
+                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
+                 i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items)
+        return
     if multi is not None:
         kernel, grid, block, items = multi
         _step(kernel, dtype, grid, block,
