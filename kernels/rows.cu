@@ -608,6 +608,20 @@ __device__ __forceinline__ void span_allsum2(A& a, A& b, A* smem, A* slots, int&
 // C > 1: the row spread over a cluster's blocks (rows_fwd_cluster).
 // Launch: block (ROW_BLOCK_MAX), grid min(rows, blocks resident), dynamic shared memory
 // count * sizeof(T) rounded up to 16 bytes; grid-stride over rows.
+// This thread's sum of v[j] - shift over the 16-byte vectors it holds of a part [lo, len)
+// in shared memory (vector j = lo + V * (threadIdx.x + k * blockDim.x)).
+template <typename T>
+__device__ __forceinline__ acc_t<T> held_sum(const T* v, int lo, int len, acc_t<T> shift) {
+    const int V = VecLen<T>::value;
+    acc_t<T> s = acc_t<T>(0);
+    for (int j = lo + threadIdx.x * V; j < len; j += blockDim.x * V) {
+        const Vec16<T> a = load16(v + j);
+        ANYNORM_UNROLL
+        for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
+    }
+    return s;
+}
+
 template <typename T, int C>
 __device__ __forceinline__ void forward_rows_held(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
@@ -647,11 +661,7 @@ __device__ __forceinline__ void forward_rows_held(
             for (int j = lo + tid * V; j < len; j += threads * V) cp_async16(v + j, xr + j);
             cp_async_commit();
             cp_async_wait_all();  // this thread's copies: it reads back only those here
-            for (int j = lo + tid * V; j < len; j += threads * V) {
-                const Vec16<T> a = load16(v + j);
-                ANYNORM_UNROLL
-                for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
-            }
+            s = held_sum(v, lo, len, shift);
         } else if (vec) {
             for (int j = lo + tid * V; j < len; j += threads * V) {
                 const Vec16<T> a = input_vec16(xr, rr, hr, j);
@@ -818,11 +828,7 @@ __device__ __forceinline__ void backward_rows_held(
             }
             cp_async_commit();
             cp_async_wait_all();  // this thread's copies: it reads back only those here
-            for (int j = lo + tid * V; j < len; j += threads * V) {
-                const Vec16<T> a = load16(xs + j);
-                ANYNORM_UNROLL
-                for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
-            }
+            s = held_sum(xs, lo, len, shift);
         } else {
             for (int j = lo + tid; j < len; j += threads) {
                 const T a = xr[j];
