@@ -86,6 +86,28 @@ def test_fullgraph_on_cpu_matches_eager_and_warns_like_torch_nn():
     assert our_warnings <= native_warnings, our_warnings - native_warnings
 
 
+def test_cuda_executor_checks_trace_without_warnings():
+    """The CUDA executor's checks that torch.compile traces on CUDA tensors (which library,
+    a usable runtime, a fake tensor) trace on CPU tensors too, without CuPy calls (the runtime's
+    answer is kept from its first call) and with no warning: array_api_compat.is_torch_array's
+    lru_cache made Dynamo warn (seen on an H200 under torch 2.11)."""
+    pytest.importorskip("cupy")
+    from anynorm._cuda import _executor
+    from anynorm._plan import make_plan
+
+    _executor._runtime_problem()  # a CUDA process answers it on its first eager call
+    x = torch.randn(4, 8)
+    plan = make_plan("layer_norm", x)
+    want = _executor.unsupported(plan, x)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(lambda t: t + (1.0 if _executor.unsupported(plan, t) is None else 2.0),
+                            fullgraph=True)(x)
+    torch.testing.assert_close(got, x + (1.0 if want is None else 2.0))
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_fullgraph_gradients_on_cpu():
     torch.manual_seed(1)
     x = torch.randn(3, 8, 4, 4, requires_grad=True)

@@ -9,7 +9,7 @@ Importing this module needs CuPy only (no GPU); without a usable CuPy it raises 
 
 from __future__ import annotations
 
-import array_api_compat
+import sys
 
 try:
     import cupy  # noqa: F401
@@ -35,6 +35,20 @@ def _once(make):
 
     value.__doc__ = make.__doc__
     return value
+
+
+_TENSOR = []  # torch.Tensor, once torch is imported
+
+
+def _is_torch(x) -> bool:
+    """``x`` is a torch tensor (none exists before torch is imported). Not
+    array_api_compat.is_torch_array, whose lru_cache Dynamo warns at when it traces it."""
+    if not _TENSOR:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        _TENSOR.append(torch.Tensor)
+    return isinstance(x, _TENSOR[0])
 
 
 @_once
@@ -70,7 +84,7 @@ def unsupported(plan, x):
     if dtype_key(plan.dtype) is None:
         return (f"the CUDA kernels take float16, bfloat16, float32 and float64 inputs, "
                 f"got {plan.dtype}")
-    if array_api_compat.is_torch_array(x):
+    if _is_torch(x):
         problem = _torch_problem()
         if problem is not None:
             return problem
@@ -103,7 +117,7 @@ def _fake_test():
 def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
     """``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` returns them; with
     ``stats=False`` the statistics may be None (not written) where nothing needs them."""
-    if array_api_compat.is_torch_array(x):
+    if _is_torch(x):
         return _torch_ops().forward(plan, x, weight, bias, residual, stats)
     return _cupy_exec.forward(plan, x, weight, bias, residual, stats)
 
@@ -113,7 +127,7 @@ def forward_runner(plan, x, stats):
     which ``anynorm._calls`` keeps (its library is part of it, so the choice between torch
     and CuPy is made here once), with a ``site`` dict where the launch its first call binds
     is kept."""
-    forward = _torch_ops().forward if array_api_compat.is_torch_array(x) else _cupy_exec.forward
+    forward = _torch_ops().forward if _is_torch(x) else _cupy_exec.forward
     site = {}
 
     def run(x, weight, bias, residual):
@@ -124,6 +138,6 @@ def forward_runner(plan, x, stats):
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """``(dx, dweight, dbias)`` as :func:`anynorm._reference.backward` returns them."""
-    if array_api_compat.is_torch_array(x):
+    if _is_torch(x):
         return _torch_ops().backward(plan, dy, x, weight, mean, rstd)
     return _cupy_exec.backward(plan, dy, x, weight, mean, rstd)
