@@ -12,8 +12,9 @@ device-to-device copy of the same bytes (read x, write y; with --train 5 transfe
 size against 2.5 copies). Variants:
 
 - ``shipped``: the launcher's schedule as it stands;
-- ``block8`` / ``block16``: no multi-row kernel (either way), the block-per-row kernels at
-  ITEMS 8 / 16 where built for it (``_schedule``'s choice of ITEMS replaced);
+- ``block8`` / ``block16``: neither the multi-row kernels nor the two-vector rule, the
+  block-per-row kernels at ITEMS 8 / 16 where built for it (``_schedule``'s choice of ITEMS
+  replaced);
 - ``warp16``: the warp-per-row kernel at ITEMS 16 (rows of up to 512 elements).
 
 A lab for choosing ``_schedule``'s rules on a GPU; the results are checked against
@@ -36,12 +37,12 @@ from anynorm._cuda import _schedule
 @contextlib.contextmanager
 def variant(name):
     """The launcher forced to one kernel choice (no plan, and so no launch, cached from another)."""
-    saved = (_schedule._multi_rows, _schedule.items_of)
+    saved = (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows)
     _calls.clear()
     _plan.plan_for.cache_clear()
     try:
         if name != "shipped":
-            _schedule._multi_rows = lambda *a, **k: None
+            _schedule._multi_rows = _schedule._two_vector_rows = lambda *a, **k: None
         if name in ("block8", "block16"):
             items = int(name[len("block"):])
 
@@ -55,7 +56,7 @@ def variant(name):
             _schedule.items_of = lambda kernel, dtype=None: (16,) if kernel.endswith("_warp") else saved[1](kernel, dtype)
         yield
     finally:
-        _schedule._multi_rows, _schedule.items_of = saved
+        _schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows = saved
         _calls.clear()
         _plan.plan_for.cache_clear()
 

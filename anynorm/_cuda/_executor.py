@@ -94,15 +94,9 @@ def unsupported(plan, x):
 
 
 def _is_fake(x) -> bool:
-    """A FakeTensor under torch.compile tracing: no device needed to trace it."""
-    return type(x) is not _plain_tensor() and _fake_test()(x)
-
-
-@_once
-def _plain_tensor():
-    import torch
-
-    return torch.Tensor
+    """A FakeTensor under torch.compile tracing: no device needed to trace it (``x`` a torch
+    tensor: _is_torch has seen torch.Tensor)."""
+    return type(x) is not _TENSOR[0] and _fake_test()(x)
 
 
 @_once

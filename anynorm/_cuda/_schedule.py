@@ -230,12 +230,21 @@ def _two_vector_rows(layout, dtype):
     count = layout.reduced
     if not layout.rows or dtype not in ("float16", "bfloat16", "float32") or count < 64 * _VECTOR[dtype]:
         return None
-    kernel = "rows_fwd_block"
+    return _block_row("rows_fwd", layout.outer, count, dtype, 2 * _VECTOR[dtype])
+
+
+def _block_row(prefix, rows, count, dtype, min_items=1):
+    """(kernel, grid, block, ITEMS) of the block-per-row kernel with the smallest ITEMS of at
+    least ``min_items`` and a power of two of threads holding the row, or None. The forward
+    runs on a persistent grid (the blocks resident at 64 registers), each block reading its
+    next row while it sums the current one."""
+    kernel = f"{prefix}_block"
     for items in items_of(kernel, dtype):
         threads = 1 << max(5, (_ceil(count, items) - 1).bit_length())
-        if items >= 2 * _VECTOR[dtype] and threads <= block_threads_max(kernel, dtype):
-            resident = _device().sm_count * (_SMEM_ROW_THREADS // threads)
-            return kernel, (min(layout.outer, resident),), (threads,), items
+        if items >= min_items and threads <= block_threads_max(kernel, dtype):
+            if prefix == "rows_fwd":
+                return kernel, (min(rows, _device().sm_count * (_SMEM_ROW_THREADS // threads)),), (threads,), items
+            return kernel, (_grid_1d(rows, 1),), (threads,), items
     return None
 
 
@@ -244,21 +253,11 @@ def _row_kernel(prefix, rows, count, dtype):
     None when the row is longer than they hold in ``dtype``: the warp kernel with the
     smallest ITEMS that holds the row, else the block kernel with the smallest ITEMS and a
     power of two of threads holding it (powers of two keep the SM's warps whole: 64
-    registers x any of them is 32 warps, 50%). The forward's block kernel runs on a
-    persistent grid (the blocks resident at 64 registers), each block reading its next row
-    while it sums the current one."""
+    registers x any of them is 32 warps, 50%; :func:`_block_row`)."""
     for items in items_of(f"{prefix}_warp", dtype):
         if 32 * items >= count:
             return f"{prefix}_warp", (_grid_1d(rows, _ROWS_BLOCK // 32),), (_ROWS_BLOCK,), items
-    kernel = f"{prefix}_block"
-    for items in items_of(kernel, dtype):
-        threads = 1 << max(5, (_ceil(count, items) - 1).bit_length())
-        if threads <= block_threads_max(kernel, dtype):
-            if prefix == "rows_fwd":
-                resident = _device().sm_count * (_SMEM_ROW_THREADS // threads)
-                return kernel, (min(rows, resident),), (threads,), items
-            return kernel, (_grid_1d(rows, 1),), (threads,), items
-    return None
+    return _block_row(prefix, rows, count, dtype)
 
 
 _MULTI_BLOCK = 256  # rows_fwd_multi's block (rows.cu: MULTI_BLOCK)
@@ -481,20 +480,16 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
     acc = acc_dtype(dtype)
     center, eps, pin = i32(plan.center), f64(plan.eps), i32(param_in_t)
     outer, reduced, inner, group = layout.outer, layout.reduced, layout.inner, layout.group
-    multi = _two_vector_rows(layout, dtype) or _multi_rows(layout, dtype, w is not None or b is not None)
-    if multi is not None and multi[0] == "rows_fwd_block":
-        kernel, grid, block, items = multi
-        _step(kernel, dtype, grid, block,
-                (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
-                 i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items)
-        return
+    row = _two_vector_rows(layout, dtype)
+    multi = None if row is not None else _multi_rows(layout, dtype, w is not None or b is not None)
     if multi is not None:
         kernel, grid, block, items = multi
         _step(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), center, eps, pin), items=items)
         return
-    row = _row_kernel("rows_fwd", outer, reduced, dtype) if layout.rows else None
+    if row is None and layout.rows:
+        row = _row_kernel("rows_fwd", outer, reduced, dtype)
     if row is not None:
         kernel, grid, block, items = row
         _step(kernel, dtype, grid, block,
