@@ -179,9 +179,9 @@ struct TeamRow {
 };
 
 // A team row's raw input, read one row ahead: its 16-byte vectors of x (and of the residual)
-// and its first values (the shift). Each thread has only one vector of a row, so without it a
-// block waits out the DRAM latency of every row at its team sums; with it the next row's reads
-// are in flight meanwhile (4 registers a vector held raw).
+// and its first values (the shift). A thread holds one or two vectors of a row, so without it
+// a block waits out the DRAM latency of every row at its team sums; with it the next row's
+// reads are in flight meanwhile (4 registers a vector held raw).
 template <typename T, int ITEMS> struct RowAhead {
     uint4 xv[ITEMS / VecLen<T>::value], rv[ITEMS / VecLen<T>::value];  // bits of Vec16<T>
     T x0, r0;
@@ -597,17 +597,6 @@ __device__ __forceinline__ void span_allsum2(A& a, A& b, A* smem, A* slots, int&
     }
 }
 
-// Long rows held in shared memory: rows past the register kernels (16384) that fit a block's
-// opt-in shared memory (an H100: 113K 16-bit or 56K float32 elements). The row (h = x + res,
-// rounded to T as the register kernels do) is read once into dynamic shared memory, in
-// 16-byte vectors where aligned; the two passes of d = v - shift (mean(d), then
-// sum((d - mean(d))^2)) and y are taken from there: one read of x, where the split path
-// (rows_stats_partial -> rows_stats_finalize -> rows_apply_fwd) reads it twice. The statistics
-// passes read back the elements each thread wrote; the y pass of parameter segments that are
-// not whole vectors reads others', so a barrier opens every row.
-// C > 1: the row spread over a cluster's blocks (rows_fwd_cluster).
-// Launch: block (ROW_BLOCK_MAX), grid min(rows, blocks resident), dynamic shared memory
-// count * sizeof(T) rounded up to 16 bytes; grid-stride over rows.
 // This thread's sum of v[j] - shift over the 16-byte vectors it holds of a part [lo, len)
 // in shared memory (vector j = lo + V * (threadIdx.x + k * blockDim.x)).
 template <typename T>
@@ -622,6 +611,18 @@ __device__ __forceinline__ acc_t<T> held_sum(const T* v, int lo, int len, acc_t<
     return s;
 }
 
+// Long rows held in shared memory: rows past the register kernels (16384) that fit a block's
+// opt-in shared memory (an H100: 113K 16-bit or 56K float32 elements). The row (h = x + res,
+// rounded to T as the register kernels do) is read once into dynamic shared memory, in
+// 16-byte vectors where aligned (without a residual by cp.async, every vector of a thread in
+// flight at once); the two passes of d = v - shift (mean(d), then
+// sum((d - mean(d))^2)) and y are taken from there: one read of x, where the split path
+// (rows_stats_partial -> rows_stats_finalize -> rows_apply_fwd) reads it twice. The statistics
+// passes read back the elements each thread wrote; the y pass of parameter segments that are
+// not whole vectors reads others', so a barrier opens every row.
+// C > 1: the row spread over a cluster's blocks (rows_fwd_cluster).
+// Launch: block (ROW_BLOCK_MAX), grid min(rows, blocks resident), dynamic shared memory
+// count * sizeof(T) rounded up to 16 bytes; grid-stride over rows.
 template <typename T, int C>
 __device__ __forceinline__ void forward_rows_held(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
