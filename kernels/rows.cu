@@ -178,10 +178,10 @@ struct TeamRow {
     bool active;
 };
 
-// A team row's raw input, read one row ahead: its 16-byte vectors of x (and of the residual)
-// and its first values (the shift). A thread holds one or two vectors of a row, so without it
-// a block waits out the DRAM latency of every row at its team sums; with it the next row's
-// reads are in flight meanwhile (4 registers a vector held raw).
+// A row's raw input, read one row ahead by rows_fwd_block: its 16-byte vectors of x (and of
+// the residual) and its first values (the shift). A thread holds one or two vectors of a row,
+// so without it a block waits out the DRAM latency of every row at its sums; with it the next
+// row's reads are in flight meanwhile (4 registers a vector held raw).
 template <typename T, int ITEMS> struct RowAhead {
     uint4 xv[ITEMS / VecLen<T>::value], rv[ITEMS / VecLen<T>::value];  // bits of Vec16<T>
     T x0, r0;
@@ -1121,31 +1121,22 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
     // rows are count elements apart: when count is whole vectors, every row is aligned as the first
     const bool vec = (ITEMS % V == 0) && (n % V == 0) && aligned16(x) && aligned16_or_null(res) &&
                      aligned16_or_null(res ? h : 0) && aligned16_or_null(y);
-    const long long groups = mt.groups(rows);
-    RowAhead<T, ITEMS> ahead;
-    if (vec && blockIdx.x < groups) fetch_ahead(ahead, x, res, mt.row_in(blockIdx.x, rows, n), rank, size);
     // this thread's weights and biases, for every row it takes
     A wv[ITEMS], bv[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     team_param<T, ITEMS>(bv, b, A(0), n, rank, size, vec);
     const A fn = A(n), e = A(eps);
-    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+    for (long long g = blockIdx.x; g < mt.groups(rows); g += gridDim.x) {
         const TeamRow at = mt.row_in(g, rows, n);
         const long long row = at.row, base = at.base;
         const bool active = at.active;
         const int len = at.len;
+        const T* xr = x + base;
+        const T* rr = res ? res + base : res;
+        T* hr = res ? h + base : h;
+        const A shift = center && active ? row_shift(xr, rr) : A(0);
         A v[ITEMS];
-        A shift = A(0);
-        if (vec) {
-            const RowAhead<T, ITEMS> now = ahead;
-            if (g + gridDim.x < groups) fetch_ahead(ahead, x, res, mt.row_in(g + gridDim.x, rows, n), rank, size);
-            if (center && active) shift = to_acc(res ? add_in_dtype(now.x0, now.r0) : now.x0);
-            unpack_ahead<T, ITEMS>(v, now, res, h, at, rank, size, shift);
-        } else {
-            const T* rr = res ? res + base : res;
-            if (center && active) shift = row_shift(x + base, rr);
-            load_row<T, ITEMS>(v, x + base, rr, res ? h + base : h, len, rank, size, false, shift);
-        }
+        load_row<T, ITEMS>(v, xr, rr, hr, len, rank, size, vec, shift);
         A mu = A(0);
         if (center) {
             A s = A(0);
