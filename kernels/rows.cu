@@ -377,6 +377,12 @@ __device__ __forceinline__ bool rows_vec(int count, const T* a, const T* b, cons
     return (ITEMS % V == 0) && (count % V == 0) && aligned16(a) && aligned16(b) && aligned16(c);
 }
 
+// rows_vec for a forward launch: x, res and y (a null pointer counts as aligned), h with res.
+template <typename T, int ITEMS>
+__device__ __forceinline__ bool rows_fwd_vec(int count, const T* x, const T* res, const T* h, const T* y) {
+    return rows_vec<T, ITEMS>(count, x, res, y) && aligned16_or_null(res ? h : 0);
+}
+
 // One row of the backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w;
 // dy * xhat and dy go to `sums` (plain rows only, unless NoSums).
 template <typename T, int ITEMS, typename Team, typename Sums>
@@ -527,8 +533,7 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
     const int n = (int)count;
-    const bool vec = (ITEMS % V == 0) && (n % V == 0) && aligned16(x) && aligned16_or_null(res) &&
-                     aligned16_or_null(res ? h : 0) && aligned16_or_null(y);
+    const bool vec = rows_fwd_vec<T, ITEMS>(n, x, res, h, y);
     if (!vec || ITEMS / V > 2) {  // more than 2 vectors a thread held ahead would spill
         for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
             forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, map, plain, center,
@@ -1118,15 +1123,14 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
     const int n = (int)count;
     const MultiTeam<ITEMS> mt(n);
     const int size = mt.size, rank = mt.rank;
-    // rows are count elements apart: when count is whole vectors, every row is aligned as the first
-    const bool vec = (ITEMS % V == 0) && (n % V == 0) && aligned16(x) && aligned16_or_null(res) &&
-                     aligned16_or_null(res ? h : 0) && aligned16_or_null(y);
+    const bool vec = rows_fwd_vec<T, ITEMS>(n, x, res, h, y);
     // this thread's weights and biases, for every row it takes
     A wv[ITEMS], bv[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     team_param<T, ITEMS>(bv, b, A(0), n, rank, size, vec);
     const A fn = A(n), e = A(eps);
-    for (long long g = blockIdx.x; g < mt.groups(rows); g += gridDim.x) {
+    const long long groups = mt.groups(rows);
+    for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
         const TeamRow at = mt.row_in(g, rows, n);
         const long long row = at.row, base = at.base;
         const bool active = at.active;
@@ -1180,13 +1184,13 @@ template <typename T> struct MultiBwdBlocks { static const int value = sizeof(T)
 // The x and dy vectors of a team row (at most one each a thread: ITEMS = V), copied ahead into
 // this thread's slots of a stage (cp.async: the copies fly while the previous row is summed,
 // in no register), with the row's rstd and first value (the shift) in registers.
-template <typename T, int ITEMS> struct StagedRow {
+template <typename T> struct StagedRow {
     acc_t<T> r;
     T x0;
 };
 
-template <typename T, int ITEMS>
-__device__ __forceinline__ void stage_row(uint4* stage, StagedRow<T, ITEMS>& s, const T* __restrict__ x,
+template <typename T>
+__device__ __forceinline__ void stage_row(uint4* stage, StagedRow<T>& s, const T* __restrict__ x,
                                           const T* __restrict__ dy, const acc_t<T>* __restrict__ rstd,
                                           const TeamRow& at, int rank, int size) {
     const int V = VecLen<T>::value;
@@ -1236,7 +1240,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     // one vector of x and of dy a thread (float64, not tuned, would spill its 64 registers)
     const bool ahead = vec && ITEMS == V && sizeof(T) < 8;
     const long long groups = mt.groups(rows);
-    StagedRow<T, ITEMS> next;
+    StagedRow<T> next;
     if (ahead && blockIdx.x < groups) stage_row(stages[0], next, x, dy, rstd, mt.row_in(blockIdx.x, rows, n), rank, size);
     A wv[ITEMS], sw[ITEMS], sb[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
@@ -1252,7 +1256,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
         A xh[ITEMS], g[ITEMS];
         A shift = A(0), r = A(0);
         if (ahead) {
-            const StagedRow<T, ITEMS> now = next;
+            const StagedRow<T> now = next;
             cp_async_wait_all();  // this row's copies (the only ones in flight)
             if (active) {
                 r = now.r;
