@@ -8,7 +8,10 @@ signature (plan, layout, which buffers are present, parameter dtypes, device), k
 plan's memo.
 
 Where x's memory is not the layout's dense buffer (``Layout.copy``: non-dense views, other
-axis orders), :func:`forward` / :func:`backward` copy the inputs into dense buffers in the
+axis orders) or the residual's or dy's is not x's, the torch runner copies what is off
+into the buffer :func:`copied_forward` / :func:`copied_backward` name (x's, else the other
+input's, else the canonical order) with torch and launches their bound schedule; for CuPy
+arrays :func:`forward` / :func:`backward` copy the inputs into dense buffers in the
 layout's order, run the same kind of bound schedule on them, and copy the outputs back
 (:func:`input_buffer`, :func:`output_buffer`, :func:`store`). Arrays there are CuPy arrays
 or torch tensors as ``_interop.TensorRef`` (strides and a data pointer; they become CuPy
@@ -27,12 +30,14 @@ from . import _schedule
 from ._args import NULL, address, kernel_arg
 from ._compile import CLUSTER_SIZES, get_kernel
 from ._interop import TensorRef, as_cupy
-from ._layout import buffer_strides, plan_layout, view_strides
+from ._layout import array_strides, buffer_strides, plan_layout, shared_layout, view_strides
 from ._schedule import BACKWARD_SLOTS, FORWARD_SLOTS, DeviceInfo
 
 __all__ = ["BoundLaunch", "bind", "device_info", "opt_in", "forward_launch", "backward_launch",
            "forward_present", "backward_present", "dense_forward", "dense_backward",
-           "forward", "backward", "kernel_params", "element_strides", "is_buffer", "input_buffer",
+           "copied_forward", "copied_backward",
+           "forward", "backward", "kernel_params", "element_strides", "is_buffer", "strides_are_buffer",
+           "input_buffer",
            "output_buffer", "store"]
 
 
@@ -207,6 +212,31 @@ def dense_backward(plan, dtype, x_strides, dy_strides, present, param_in_t, grad
                         grad_in_t, device_id), build)
 
 
+def copied_forward(plan, dtype, x_strides, res_strides, present, param_in_t, device_id):
+    """For an x and residual that :func:`dense_forward` refuses: ``(bound, layout, strides)``,
+    the bound forward of the dense buffer the inputs not laid out so are to be copied into
+    (``_layout.shared_layout``: x's layout, else the residual's, else the canonical order) and
+    that buffer's element strides in x's axes; kept in ``plan.memo``."""
+    def build():
+        layout = shared_layout(plan, x_strides, res_strides)
+        return (forward_launch(plan, dtype, layout, present, param_in_t, device_id), layout,
+                array_strides(plan, layout))
+
+    return _kept(plan, ("copied-forward", x_strides, res_strides, frozenset(present), param_in_t,
+                        device_id), build)
+
+
+def copied_backward(plan, dtype, x_strides, dy_strides, present, param_in_t, grad_in_t, device_id):
+    """:func:`copied_forward` for a backward: x's layout, else dy's, else the canonical order."""
+    def build():
+        layout = shared_layout(plan, x_strides, dy_strides, plan.has_weight or "dw" in present)
+        return (backward_launch(plan, dtype, layout, present, param_in_t, grad_in_t, device_id),
+                layout, array_strides(plan, layout))
+
+    return _kept(plan, ("copied-backward", x_strides, dy_strides, frozenset(present), param_in_t,
+                        grad_in_t, device_id), build)
+
+
 def kernel_params(x_dtype, acc, as_dtype, weight, bias=None):
     """``(weight, bias, param_in_t)`` as the kernels read them: each in x's dtype where it
     holds that (``_schedule.param_in_t``), else in ``acc``; ``as_dtype(array, dtype)`` makes
@@ -248,6 +278,11 @@ def is_buffer(plan, layout, arr) -> bool:
     """True when ``arr``'s memory is laid out exactly as the kernel buffer (worked out once
     per plan, layout and strides)."""
     return _is_buffer(plan, layout, element_strides(arr))
+
+
+def strides_are_buffer(plan, layout, strides) -> bool:
+    """:func:`is_buffer` for an array of these element strides."""
+    return _is_buffer(plan, layout, strides)
 
 
 def _is_buffer(plan, layout, strides) -> bool:

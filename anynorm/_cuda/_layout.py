@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Layout", "plan_layout", "view_strides", "buffer_strides"]
+__all__ = ["Layout", "plan_layout", "view_strides", "buffer_strides", "array_strides", "shared_layout"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,16 @@ def buffer_strides(plan, layout: Layout) -> tuple:
         out[axis] = step
         step *= plan.view_shape[axis]
     return tuple(out)
+
+
+def array_strides(plan, layout: Layout) -> tuple:
+    """Element strides, in ``plan.shape`` axes, of a dense buffer laid out in ``layout.order``
+    (group norm's channel axis steps as its within-group view axis)."""
+    strides = buffer_strides(plan, layout)
+    if plan.num_groups is None:
+        return strides
+    c = plan.channel_axis
+    return strides[:c] + strides[c + 1:]
 
 
 def _memory_order(shape, strides):
@@ -180,3 +190,16 @@ def _choose_layout(plan, strides, need_params) -> Layout:
     layout = _factor(plan, canonical_order(plan), need_params)
     assert layout is not None and layout.rows, (plan, layout)
     return Layout(**{**layout.__dict__, "copy": True})
+
+
+def shared_layout(plan, strides, other_strides, need_params=None) -> Layout:
+    """The layout two arrays of one call (x and the residual, or x and dy) are read in when
+    they are not both laid out as the buffer of x's: x's own where its memory is a buffer (the
+    other is copied into it), else the other's (x is copied), else the canonical order (both
+    are). ``Layout.copy`` is then False: the layout names the buffer the copies are made in."""
+    for given in (strides, other_strides):
+        if given is not None:
+            layout = plan_layout(plan, given, need_params)
+            if not layout.copy:
+                return layout
+    return Layout(**{**plan_layout(plan, strides, need_params).__dict__, "copy": False})

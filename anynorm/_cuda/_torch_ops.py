@@ -85,40 +85,55 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     norm, both statistics None when ``stats`` is False (inference: only y is written).
     ``site``: a dict kept per call signature (``_executor.forward_runner``), where the bound
     launch found by the first call is kept (per ``stats``) when the parameters need no
-    conversion."""
+    conversion. Where x or the residual is not laid out as the kernels' buffer (a transposed
+    view, a residual in another memory order, a non-dense view) it is copied once by torch
+    into the buffer of the other (:func:`_copied`); y and h then come out in that buffer's
+    layout with a ``site`` (eager calls), and in x's without one (the custom op, whose fake
+    kernel promises x's strides)."""
     acc = _acc(x.dtype)
+    if not x.numel():
+        return _forward_outputs(x, residual, plan.stats_shape, plan.center) if stats else (
+            torch.empty_like(x), None if residual is None else torch.empty_like(x), None, None)
+    kept = None if site is None else site.get(stats)
+    if kept is not None:
+        bound, device, copies = kept
+    else:
+        given_weight, given_bias = weight, bias
+        weight, bias, param_in_t = _launcher.kernel_params(x.dtype, acc, _param, weight, bias)
+        device = x.get_device()
+        bound, copies = _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t)
+        if site is not None and weight is given_weight and bias is given_bias:
+            site[stats] = bound, device, copies
+    given_x = x
+    if copies is not None:
+        x, residual = _copied(plan, copies, x), _copied(plan, copies, residual)
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else None
     mean = rstd = None
     if stats:
         mean = x.new_empty(plan.stats_shape, dtype=acc) if plan.center else None
         rstd = x.new_empty(plan.stats_shape, dtype=acc)
-    if not x.numel():
-        return y, h, mean, rstd
-    kept = None if site is None else site.get(stats)
-    if kept is not None:
-        bound, device = kept
-    else:
-        given_weight, given_bias = weight, bias
-        weight, bias, param_in_t = _launcher.kernel_params(x.dtype, acc, _param, weight, bias)
-        device = x.get_device()
-        bound = _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t)
-        if (site is not None and bound is not None and weight is given_weight
-                and bias is given_bias):
-            site[stats] = bound, device
-    if bound is None:  # a layout that needs copies: the eager launcher
-        if rstd is None:
-            mean, rstd = _forward_outputs(x, None, plan.stats_shape, plan.center)[2:]
-        ref = _interop.ref
-        with _interop.on_torch_stream(x.device):
-            _launcher.forward(plan, _interop.dtype_key(x.dtype), ref(x), ref(weight), ref(bias),
-                              ref(residual), ref(y), ref(h), ref(mean), ref(rstd), param_in_t)
-        return y, h, mean, rstd
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
         x.data_ptr(), _data_ptr(residual), _data_ptr(h), y.data_ptr(), _data_ptr(weight),
         _data_ptr(bias), _data_ptr(mean), _data_ptr(rstd), _data_ptr(scratch)), device)
+    if site is None and copies is not None:
+        y, h = _like(given_x, y), _like(given_x, h)
     return y, h, mean, rstd
+
+
+def _copied(plan, copies, t):
+    """``t`` where its memory is laid out as the buffer ``copies = (layout, strides)``
+    names, else a copy of it that is (one torch copy kernel)."""
+    layout, strides = copies
+    if t is None or _launcher.strides_are_buffer(plan, layout, t.stride()):
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _like(ref, t):
+    """``t`` with ``ref``'s strides (``torch.empty_like``'s for a dense ``ref``)."""
+    return t if t is None or t.stride() == ref.stride() else torch.empty_like(ref).copy_(t)
 
 
 def _grad_in_t(x_dtype, acc, param_grads) -> int:
@@ -135,16 +150,17 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
     where ``param_grads`` is a (weight dtype, bias dtype) pair naming x's half dtype, in that
     dtype (written so by the kernel: no conversion after it). ``site``: the forward's
     (:func:`_forward_run`), where the bound backward is kept per strides of x and dy, which
-    gradients are written in which dtype and whether statistics came."""
+    gradients are written in which dtype and whether statistics came. x or dy not laid out
+    as the kernels' buffer is copied into the other's, as in :func:`_forward_run` (dx then
+    comes out in that layout with a ``site``, in x's without)."""
     acc = _acc(x.dtype)
-    dx = torch.empty_like(x)
     shape = plan.param_shape if param_grads else (0,)
     alloc = x.new_empty if x.numel() else x.new_zeros  # the kernels write every element
     grad_in_t = _grad_in_t(x.dtype, acc, param_grads)
     dw = alloc(shape, dtype=x.dtype if grad_in_t & 1 else acc)
     db = alloc(shape, dtype=x.dtype if grad_in_t & 2 else acc)
     if not x.numel():
-        return dx, dw, db
+        return torch.empty_like(x), dw, db
     if rstd is None:
         mean = None
     else:
@@ -156,27 +172,26 @@ def _backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
         key = x.stride(), dy.stride(), bool(param_grads), grad_in_t, rstd is None
         kept = site.get(key)
     if kept is not None:
-        bound, device = kept
+        bound, device, copies = kept
     else:
         given_weight = weight
         weight, _, param_in_t = _launcher.kernel_params(x.dtype, acc, _param, weight)
         device = x.get_device()
-        bound = _bound_backward(plan, x, dy, weight, rstd is not None, bool(param_grads), device,
-                                param_in_t, grad_in_t)
-        if key is not None and bound is not None and weight is given_weight:
-            site[key] = bound, device
-    if bound is None:
-        ref = _interop.ref
-        with _interop.on_torch_stream(x.device):
-            _launcher.backward(plan, _interop.dtype_key(x.dtype), ref(dy), ref(x), ref(weight),
-                               ref(mean), ref(rstd), ref(dx), ref(dw) if param_grads else None,
-                               ref(db) if param_grads else None, param_in_t, grad_in_t)
-        return dx, dw, db
+        bound, copies = _bound_backward(plan, x, dy, weight, rstd is not None, bool(param_grads),
+                                        device, param_in_t, grad_in_t)
+        if key is not None and weight is given_weight:
+            site[key] = bound, device, copies
+    given_x = x
+    if copies is not None:
+        x, dy = _copied(plan, copies, x), _copied(plan, copies, dy)
+    dx = torch.empty_like(x)
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
         dy.data_ptr(), x.data_ptr(), _data_ptr(weight), _data_ptr(mean), _data_ptr(rstd),
         dx.data_ptr(), dw.data_ptr() if param_grads else 0, db.data_ptr() if param_grads else 0,
         _data_ptr(scratch)), device)
+    if site is None and copies is not None:
+        dx = _like(given_x, dx)
     return dx, dw, db
 
 
@@ -192,20 +207,31 @@ def _scratch(bound, x):
 
 
 def _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t):
-    """The bound forward schedule for this signature, or None where the layout needs copies
-    (worked out once per plan and strides; ``_launcher.dense_forward``)."""
-    return _launcher.dense_forward(
-        plan, _interop.dtype_key(x.dtype), x.stride(), None if residual is None else residual.stride(),
-        _launcher.forward_present(plan, residual, weight, bias, stats), param_in_t, device)
+    """``(bound, copies)``: the bound forward schedule for this signature and None, or, where
+    x or the residual is not laid out as the kernels' buffer, the bound forward of the buffer
+    they are copied into and ``copies = (layout, strides)`` naming it (worked out once per
+    plan and strides; ``_launcher.dense_forward``, ``_launcher.copied_forward``)."""
+    args = (plan, _interop.dtype_key(x.dtype), x.stride(),
+            None if residual is None else residual.stride(),
+            _launcher.forward_present(plan, residual, weight, bias, stats), param_in_t, device)
+    bound = _launcher.dense_forward(*args)
+    if bound is not None:
+        return bound, None
+    bound, layout, strides = _launcher.copied_forward(*args)
+    return bound, (layout, strides)
 
 
 def _bound_backward(plan, x, dy, weight, has_stats, param_grads, device, param_in_t,
                     grad_in_t=0):
-    """The bound backward schedule for this signature, or None (copies needed)."""
-    return _launcher.dense_backward(
-        plan, _interop.dtype_key(x.dtype), x.stride(), dy.stride(),
-        _launcher.backward_present(plan, weight, has_stats, param_grads), param_in_t, grad_in_t,
-        device)
+    """``(bound, copies)`` of the backward, as :func:`_bound_forward` (dy for the residual)."""
+    args = (plan, _interop.dtype_key(x.dtype), x.stride(), dy.stride(),
+            _launcher.backward_present(plan, weight, has_stats, param_grads), param_in_t, grad_in_t,
+            device)
+    bound = _launcher.dense_backward(*args)
+    if bound is not None:
+        return bound, None
+    bound, layout, strides = _launcher.copied_backward(*args)
+    return bound, (layout, strides)
 
 
 # Per device type, the (forward, backward) runners that eager calls use without the

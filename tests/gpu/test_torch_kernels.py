@@ -173,6 +173,40 @@ def test_fused_residual_autograd(op, dtype):
             assert_close_normwise(a, e, dtype, name)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_transposed_inputs_copy_by_torch_into_the_other_buffer(dtype, monkeypatch):
+    """A pre-norm block on nn.MultiheadAttention(batch_first=True): its output (x) is a
+    transposed view, the residual stream dense. x is copied by torch into the residual's
+    layout (no CuPy copy path), y and h come out dense, dy transposed in the backward is
+    copied likewise; values and gradients as the reference's."""
+    from anynorm._cuda import _launcher
+
+    monkeypatch.setattr(_launcher, "forward", None)  # the CuPy copy path: not for torch
+    monkeypatch.setattr(_launcher, "backward", None)
+    x = _rand((1024, 8, 96), dtype, requires_grad=False).transpose(0, 1).requires_grad_()
+    res = _rand((8, 1024, 96), dtype, 3)
+    w, b = _rand((96,), dtype, 1, 1.0, 0.5), _rand((96,), dtype, 2, 0.0, 0.5)
+    dy = _rand((1024, 8, 96), dtype, 7, 0.0, 1.0, False).transpose(0, 1)
+
+    def run(backend):
+        with anynorm.use_backend(backend):
+            y, h = anynorm.layer_norm(x, w, b, residual=res)
+        loss = (y.float() * dy.float()).sum() + h.float().square().sum()
+        return (y, h), torch.autograd.grad(loss, (x, res, w, b))
+
+    (y, h), grads = run("kernels")
+    assert y.is_contiguous() and h.is_contiguous()
+    (ry, rh), rgrads = run("reference")
+    assert_close(y, ry, dtype, what="y")
+    assert torch.equal(h, rh)
+    for name, a, e in zip(("dx", "dresidual", "dweight", "dbias"), grads, rgrads):
+        assert_close_normwise(a, e, dtype, name)
+    with anynorm.use_backend("kernels"):
+        y = anynorm.layer_norm(x.detach()[:, :, ::2])  # non-dense: the canonical order
+    with anynorm.use_backend("reference"):
+        assert_close(y, anynorm.layer_norm(x.detach()[:, :, ::2]), dtype, what="strided")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_bias_without_weight_gets_gradient(dtype):
     x = _rand((8, 300), dtype)
