@@ -263,6 +263,29 @@ template <typename A> __device__ __forceinline__ Welford<A> block_welford(Welfor
     return s;
 }
 
+// The sum of the per-warp values sums[0 .. nwarps) (nwarps <= 32), in every thread: each
+// warp adds them up itself (lane k takes sums[k], zero past nwarps, then a butterfly), one
+// shared load and 5 shuffles a thread where a loop over the sums took nwarps loads (32 in a
+// block of 1024). Every lane ends with the same bits: a butterfly step adds the same two
+// values on both of its lanes.
+template <typename A> __device__ __forceinline__ A cross_warp_sum(const A* sums, int nwarps) {
+    if (nwarps == 1) return sums[0];
+    const int lane = threadIdx.x & 31;
+    return warp_sum(lane < nwarps ? sums[lane] : A(0));
+}
+
+// Block-wide sum, returned to every thread (1-D block, as block_welford). smem: 32 values of
+// A. Ends with a barrier so smem may be reused.
+template <typename A> __device__ __forceinline__ A block_allsum(A a, A* smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    a = warp_sum(a);
+    if (lane == 0) smem[warp] = a;
+    __syncthreads();
+    a = cross_warp_sum(smem, nwarps);
+    __syncthreads();
+    return a;
+}
+
 // Block-wide sums of two values, returned to every thread (1-D block, as block_welford).
 // smem: 2 * 32 values of A. Ends with a barrier so smem may be reused.
 template <typename A> __device__ __forceinline__ void block_allsum2(A& a, A& b, A* smem) {
@@ -274,6 +297,8 @@ template <typename A> __device__ __forceinline__ void block_allsum2(A& a, A& b, 
         smem[32 + warp] = b;
     }
     __syncthreads();
+    // a loop here, not two cross_warp_sum: the backward's block kernels hold every item of x
+    // and dy at this point, and two butterflies at once made ptxas spill at 64 registers
     a = smem[0];
     b = smem[32];
     for (int k = 1; k < nwarps; ++k) {

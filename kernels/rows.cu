@@ -55,9 +55,7 @@ struct BlockTeam {
     __device__ __forceinline__ static long long first_row() { return blockIdx.x; }
     __device__ __forceinline__ static long long row_stride() { return gridDim.x; }
     template <typename A> __device__ __forceinline__ static A allsum(A v, A* smem) {
-        A unused = A(0);
-        block_allsum2(v, unused, smem);
-        return v;
+        return block_allsum(v, smem);
     }
     template <typename A> __device__ __forceinline__ static void allsum2(A& a, A& b, A* smem) {
         block_allsum2(a, b, smem);
@@ -413,7 +411,11 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
         A s = A(0);
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; ++k) s += xh[k];
-        mu = Team::allsum(s, smem) / A(count);
+        // allsum2's loop over the warps' sums, not allsum's butterfly: with x and dy held,
+        // the butterfly made ptxas spill the 16-bit ITEMS=16 block kernels on sm_80
+        A unused = A(0);
+        Team::allsum2(s, unused, smem);
+        mu = s / A(count);
     }
     A sg = A(0), sgx = A(0);
     if (WeightVec<Sums, ITEMS>::value && vec && plain && param_vec_ok(w)) {  // w in 16-byte vectors too
@@ -1473,10 +1475,7 @@ __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict_
             sd += d;
         }
         block_allsum2(sg, sgx, smem);
-        if (ws_d) {  // uniform over the block
-            A unused = A(0);
-            block_allsum2(sd, unused, smem);
-        }
+        if (ws_d) sd = block_allsum(sd, smem);  // uniform over the block
         if (threadIdx.x == 0) {
             const long long k = row * nchunk + blockIdx.x;
             ws_g[k] = sg;
