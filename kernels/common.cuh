@@ -287,8 +287,12 @@ template <typename A> __device__ __forceinline__ A block_allsum(A a, A* smem) {
 }
 
 // Block-wide sums of two values, returned to every thread (1-D block, as block_welford).
-// smem: 2 * 32 values of A. Ends with a barrier so smem may be reused.
-template <typename A> __device__ __forceinline__ void block_allsum2(A& a, A& b, A* smem) {
+// smem: 2 * 32 values of A. Ends with a barrier so smem may be reused. Butterfly: the warps'
+// sums added up by cross_warp_sum; else by a loop over them, which takes fewer registers (the
+// backward's 16-bit block kernels at ITEMS=16 hold every item of x and dy here, and two
+// butterflies at once made ptxas spill them at 64 registers on sm_80).
+template <bool Butterfly = true, typename A>
+__device__ __forceinline__ void block_allsum2(A& a, A& b, A* smem) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     a = warp_sum(a);
     b = warp_sum(b);
@@ -297,13 +301,16 @@ template <typename A> __device__ __forceinline__ void block_allsum2(A& a, A& b, 
         smem[32 + warp] = b;
     }
     __syncthreads();
-    // a loop here, not two cross_warp_sum: the backward's block kernels hold every item of x
-    // and dy at this point, and two butterflies at once made ptxas spill at 64 registers
-    a = smem[0];
-    b = smem[32];
-    for (int k = 1; k < nwarps; ++k) {
-        a += smem[k];
-        b += smem[32 + k];
+    if (Butterfly) {
+        a = cross_warp_sum(smem, nwarps);
+        b = cross_warp_sum(smem + 32, nwarps);
+    } else {
+        a = smem[0];
+        b = smem[32];
+        for (int k = 1; k < nwarps; ++k) {
+            a += smem[k];
+            b += smem[32 + k];
+        }
     }
     __syncthreads();
 }

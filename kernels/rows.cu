@@ -43,7 +43,8 @@ struct WarpTeam {
         return (long long)gridDim.x * (blockDim.x >> 5);
     }
     template <typename A> __device__ __forceinline__ static A allsum(A v, A*) { return warp_sum(v); }
-    template <typename A> __device__ __forceinline__ static void allsum2(A& a, A& b, A*) {
+    template <bool Butterfly = true, typename A>
+    __device__ __forceinline__ static void allsum2(A& a, A& b, A*) {
         a = warp_sum(a);
         b = warp_sum(b);
     }
@@ -57,8 +58,9 @@ struct BlockTeam {
     template <typename A> __device__ __forceinline__ static A allsum(A v, A* smem) {
         return block_allsum(v, smem);
     }
-    template <typename A> __device__ __forceinline__ static void allsum2(A& a, A& b, A* smem) {
-        block_allsum2(a, b, smem);
+    template <bool Butterfly = true, typename A>
+    __device__ __forceinline__ static void allsum2(A& a, A& b, A* smem) {
+        block_allsum2<Butterfly>(a, b, smem);
     }
 };
 
@@ -381,6 +383,11 @@ __device__ __forceinline__ bool rows_fwd_vec(int count, const T* x, const T* res
     return rows_vec<T, ITEMS>(count, x, res, y) && aligned16_or_null(res ? h : 0);
 }
 
+// Whether backward_row's block sums add up the warps' sums by cross_warp_sum (block_allsum2).
+template <typename T, int ITEMS> struct BwdButterfly {
+    static const bool value = ITEMS <= 8 && sizeof(T) <= 4;
+};
+
 // One row of the backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w;
 // dy * xhat and dy go to `sums` (plain rows only, unless NoSums).
 template <typename T, int ITEMS, typename Team, typename Sums>
@@ -411,10 +418,11 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
         A s = A(0);
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; ++k) s += xh[k];
-        // allsum2's loop over the warps' sums, not allsum's butterfly: with x and dy held,
-        // the butterfly made ptxas spill the 16-bit ITEMS=16 block kernels on sm_80
+        // allsum2's loop over the warps' sums at ITEMS=16 and in float64, not the butterfly:
+        // with x and dy held, the butterfly made ptxas spill the 16-bit block kernels on sm_80
+        // (and took float64's ITEMS=8 block kernel from 37.5% to 25% occupancy)
         A unused = A(0);
-        Team::allsum2(s, unused, smem);
+        Team::template allsum2<BwdButterfly<T, ITEMS>::value>(s, unused, smem);
         mu = s / A(count);
     }
     A sg = A(0), sgx = A(0);
@@ -448,7 +456,7 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
             }
         }
     }
-    Team::allsum2(sg, sgx, smem);
+    Team::template allsum2<BwdButterfly<T, ITEMS>::value>(sg, sgx, smem);  // as the mean's above
     const A n = A(count);
     const A mg = center ? sg / n : A(0);
     const A mgx = sgx / n;
