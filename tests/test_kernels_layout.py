@@ -182,6 +182,42 @@ def test_canonical_order_is_always_rows():
         assert layout.outer * layout.reduced == math.prod(shape)
 
 
+@pytest.mark.parametrize("op, shape, kwargs, memory_order, step, kind", CASES)
+def test_copies_land_in_a_buffer_the_kernels_read_as_it_is(op, shape, kwargs, memory_order, step, kind):
+    """The torch runner's copies (``_torch_ops._copied``): x and another input (residual or
+    dy) of another memory order go to ``shared_layout`` -- x's layout where x is a buffer,
+    else the other's, else the canonical order -- and a dense array of ``array_strides`` in
+    it is that layout's buffer (no further copy), from which the kernels' index maps give the
+    reference's outputs."""
+    rng = np.random.default_rng(2)
+    x = _strided(shape, memory_order, step, rng)
+    plan0 = make_plan(op, x, **kwargs)
+    w = rng.standard_normal(plan0.param_shape)
+    plan = make_plan(op, x, w, w if op != "rms_norm" else None, **kwargs)
+    strides = [s // x.itemsize for s in x.strides]
+    dense = list(np.ones(shape).strides)
+    dense = [s // 8 for s in dense]
+    own = _layout.plan_layout(plan, strides)
+    for other in (None, dense, strides):
+        layout = _layout.shared_layout(plan, strides, other)
+        assert not layout.copy
+        if not own.copy:
+            assert layout == own  # x a buffer: x's own layout, the other input copied
+        elif other is not None and not _layout.plan_layout(plan, other).copy:
+            assert layout == _layout.plan_layout(plan, other)
+        else:
+            assert layout.rows and layout.order == _layout.plan_layout(plan, strides).order
+        elements = _layout.array_strides(plan, layout)
+        buf = np.lib.stride_tricks.as_strided(np.empty(x.size), shape, [e * 8 for e in elements])
+        buf[...] = x
+        assert _is_buffer(plan, layout, buf), (layout, elements)
+        _buffer.x = buf
+        y, mean, rstd = _model_forward(plan, layout, buf, w, w if op != "rms_norm" else None)
+        ry, _, _, rrstd = _reference.forward(plan, x, w, w if op != "rms_norm" else None)
+        np.testing.assert_allclose(y, ry, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(rstd, rrstd, rtol=1e-10)
+
+
 # ---- tile widths of the shared-memory columns kernels (tiles.cu) ------------------------------------
 
 from hypothesis import given, settings  # noqa: E402

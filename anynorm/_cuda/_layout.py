@@ -88,12 +88,14 @@ def buffer_strides(plan, layout: Layout) -> tuple:
 
 def array_strides(plan, layout: Layout) -> tuple:
     """Element strides, in ``plan.shape`` axes, of a dense buffer laid out in ``layout.order``
-    (group norm's channel axis steps as its within-group view axis)."""
+    (group norm's channel axis steps as its within-group view axis, or as the group axis
+    where a group holds one channel)."""
     strides = buffer_strides(plan, layout)
     if plan.num_groups is None:
         return strides
     c = plan.channel_axis
-    return strides[:c] + strides[c + 1:]
+    within = plan.view_shape[c + 1] > 1
+    return strides[:c] + (strides[c + 1] if within else strides[c],) + strides[c + 2:]
 
 
 def _memory_order(shape, strides):
