@@ -263,13 +263,17 @@ template <typename A> __device__ __forceinline__ Welford<A> block_welford(Welfor
     return s;
 }
 
-// The sum of the per-warp values sums[0 .. nwarps) (nwarps <= 32), in every thread: each
-// warp adds them up itself (lane k takes sums[k], zero past nwarps, then a butterfly), one
-// shared load and 5 shuffles a thread where a loop over the sums took nwarps loads (32 in a
-// block of 1024). Every lane ends with the same bits: a butterfly step adds the same two
-// values on both of its lanes.
+// The sum of the per-warp values sums[0 .. nwarps) (nwarps <= 32), in every thread. Up to 4
+// warps a loop over them; past that each warp adds them up itself (lane k takes sums[k], zero
+// past nwarps, then a butterfly): one shared load and 5 shuffles a thread where the loop took
+// nwarps loads (32 in a block of 1024). Every lane ends with the same bits: a butterfly step
+// adds the same two values on both of its lanes.
 template <typename A> __device__ __forceinline__ A cross_warp_sum(const A* sums, int nwarps) {
-    if (nwarps == 1) return sums[0];
+    if (nwarps <= 4) {
+        A v = sums[0];
+        for (int k = 1; k < nwarps; ++k) v += sums[k];
+        return v;
+    }
     const int lane = threadIdx.x & 31;
     return warp_sum(lane < nwarps ? sums[lane] : A(0));
 }
