@@ -51,6 +51,13 @@ def _forward_outputs(x, residual, stats_shape, center):
     return y, h, mean, x.new_empty(stats_shape, dtype=acc)
 
 
+def _run_outputs(plan, x, residual, stats):
+    """:func:`_forward_outputs` of a runner call: without ``stats``, y and h alone."""
+    if stats:
+        return _forward_outputs(x, residual, plan.stats_shape, plan.center)
+    return torch.empty_like(x), None if residual is None else torch.empty_like(x), None, None
+
+
 def _placeholders(x, outputs):
     """The op's outputs: an empty ``(0,)`` tensor for each None (custom ops return tensors)."""
     y, h, mean, rstd = outputs
@@ -90,16 +97,15 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     into the buffer of the other (:func:`_copied`); y and h then come out in that buffer's
     layout with a ``site`` (eager calls), and in x's without one (the custom op, whose fake
     kernel promises x's strides)."""
-    acc = _acc(x.dtype)
     if not x.numel():
-        return _forward_outputs(x, residual, plan.stats_shape, plan.center) if stats else (
-            torch.empty_like(x), None if residual is None else torch.empty_like(x), None, None)
+        return _run_outputs(plan, x, residual, stats)
     kept = None if site is None else site.get(stats)
     if kept is not None:
         bound, device, copies = kept
     else:
         given_weight, given_bias = weight, bias
-        weight, bias, param_in_t = _launcher.kernel_params(x.dtype, acc, _param, weight, bias)
+        weight, bias, param_in_t = _launcher.kernel_params(x.dtype, _acc(x.dtype), _param, weight,
+                                                           bias)
         device = x.get_device()
         bound, copies = _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t)
         if site is not None and weight is given_weight and bias is given_bias:
@@ -107,12 +113,7 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     given_x = x
     if copies is not None:
         x, residual = _copied(plan, copies, x), _copied(plan, copies, residual)
-    y = torch.empty_like(x)
-    h = torch.empty_like(x) if residual is not None else None
-    mean = rstd = None
-    if stats:
-        mean = x.new_empty(plan.stats_shape, dtype=acc) if plan.center else None
-        rstd = x.new_empty(plan.stats_shape, dtype=acc)
+    y, h, mean, rstd = _run_outputs(plan, x, residual, stats)
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
         x.data_ptr(), _data_ptr(residual), _data_ptr(h), y.data_ptr(), _data_ptr(weight),
