@@ -10,7 +10,8 @@ plan's memo.
 Where x's memory is not the layout's dense buffer (``Layout.copy``: non-dense views, other
 axis orders) or the residual's or dy's is not x's, the torch runner copies what is off
 into the buffer :func:`copied_forward` / :func:`copied_backward` name (x's, else the other
-input's, else the canonical order) with torch and launches their bound schedule; for CuPy
+input's, else the canonical order) with torch (x and a residual: their sum, the kernels then
+normalize it) and launches their bound schedule; for CuPy
 arrays :func:`forward` / :func:`backward` copy the inputs into dense buffers in the
 layout's order, run the same kind of bound schedule on them, and copy the outputs back
 (:func:`input_buffer`, :func:`output_buffer`, :func:`store`). Arrays there are CuPy arrays

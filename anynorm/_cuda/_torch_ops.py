@@ -93,10 +93,11 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
     ``site``: a dict kept per call signature (``_executor.forward_runner``), where the bound
     launch found by the first call is kept (per ``stats``) when the parameters need no
     conversion. Where x or the residual is not laid out as the kernels' buffer (a transposed
-    view, a residual in another memory order, a non-dense view) it is copied once by torch
-    into the buffer of the other (:func:`_copied`); y and h then come out in that buffer's
-    layout with a ``site`` (eager calls), and in x's without one (the custom op, whose fake
-    kernel promises x's strides)."""
+    view, a residual in another memory order, a non-dense view), torch adds them into the
+    buffer of the other (:func:`_summed`: h) and the kernels normalize h; x alone is copied
+    once (:func:`_copied`). y and h then come out in that buffer's layout with a ``site``
+    (eager calls), and in x's without one (the custom op, whose fake kernel promises x's
+    strides)."""
     if not x.numel():
         return _run_outputs(plan, x, residual, stats)
     kept = None if site is None else site.get(stats)
@@ -110,17 +111,33 @@ def _forward_run(plan, x, weight, bias, residual, stats=True, site=None):
         bound, copies = _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t)
         if site is not None and weight is given_weight and bias is given_bias:
             site[stats] = bound, device, copies
-    given_x = x
+    given_x, summed = x, None
     if copies is not None:
-        x, residual = _copied(plan, copies, x), _copied(plan, copies, residual)
+        if residual is None:
+            x = _copied(plan, copies, x)
+        else:  # the kernels then normalize h, with no residual of their own
+            x = summed = _summed(copies, x, residual)
+            residual = None
     y, h, mean, rstd = _run_outputs(plan, x, residual, stats)
     scratch = _scratch(bound, x)
     _interop.run_on_torch_stream(bound, (
         x.data_ptr(), _data_ptr(residual), _data_ptr(h), y.data_ptr(), _data_ptr(weight),
         _data_ptr(bias), _data_ptr(mean), _data_ptr(rstd), _data_ptr(scratch)), device)
+    if summed is not None:
+        h = summed
     if site is None and copies is not None:
         y, h = _like(given_x, y), _like(given_x, h)
     return y, h, mean, rstd
+
+
+def _summed(copies, x, residual):
+    """h = x + residual (rounded to x's dtype, as the kernels round it) by one torch add into
+    the buffer ``copies`` names: where x and the residual are not both laid out as the
+    buffer, one pass of 3 transfers of x's size, where a copy of one of them and the fused
+    kernel's residual (read, and h written) took 6."""
+    _, strides = copies
+    h = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+    return torch.add(x, residual, out=h)
 
 
 def _copied(plan, copies, t):
@@ -209,15 +226,18 @@ def _scratch(bound, x):
 
 def _bound_forward(plan, x, residual, weight, bias, stats, device, param_in_t):
     """``(bound, copies)``: the bound forward schedule for this signature and None, or, where
-    x or the residual is not laid out as the kernels' buffer, the bound forward of the buffer
-    they are copied into and ``copies = (layout, strides)`` naming it (worked out once per
-    plan and strides; ``_launcher.dense_forward``, ``_launcher.copied_forward``)."""
+    x or the residual is not laid out as the kernels' buffer, the bound forward (without a
+    residual where there is one: :func:`_summed`) of the buffer they go to and ``copies =
+    (layout, strides)`` naming it (worked out once per plan and strides;
+    ``_launcher.dense_forward``, ``_launcher.copied_forward``)."""
     args = (plan, _interop.dtype_key(x.dtype), x.stride(),
             None if residual is None else residual.stride(),
             _launcher.forward_present(plan, residual, weight, bias, stats), param_in_t, device)
     bound = _launcher.dense_forward(*args)
     if bound is not None:
         return bound, None
+    if residual is not None:  # h = x + residual by torch (_summed), the kernels normalize h
+        args = args[:4] + (_launcher.forward_present(plan, None, weight, bias, stats),) + args[5:]
     bound, layout, strides = _launcher.copied_forward(*args)
     return bound, (layout, strides)
 

@@ -174,11 +174,12 @@ def test_fused_residual_autograd(op, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_transposed_inputs_copy_by_torch_into_the_other_buffer(dtype, monkeypatch):
+def test_transposed_inputs_go_by_torch_into_the_other_buffer(dtype, monkeypatch):
     """A pre-norm block on nn.MultiheadAttention(batch_first=True): its output (x) is a
-    transposed view, the residual stream dense. x is copied by torch into the residual's
-    layout (no CuPy copy path), y and h come out dense, dy transposed in the backward is
-    copied likewise; values and gradients as the reference's."""
+    transposed view, the residual stream dense. torch adds x and the residual into the
+    residual's layout and the kernels normalize h (no CuPy copy path), y and h come out
+    dense, dy transposed in the backward is copied into x's layout; values and gradients as
+    the reference's."""
     from anynorm._cuda import _launcher
 
     monkeypatch.setattr(_launcher, "forward", None)  # the CuPy copy path: not for torch
