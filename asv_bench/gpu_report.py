@@ -24,8 +24,8 @@ Sections, each a markdown table (``--sections`` picks some; ``kernels`` = rows,s
    autograd backward, CuPy forward, next to a bare CuPy RawKernel launch and torch.empty_like;
    the targets with pass/miss.
 4. e2e (issue 13): a bf16-autocast training step of timm's convnext_tiny (NCHW, channels_last),
-   a pre-norm nn.TransformerEncoder, and the same pre-norm layers with anynorm's fused residual,
-   native vs anynorm.nn.LayerNorm swapped in: ms per step, ratio, target, output differences.
+   a pre-norm nn.TransformerEncoder, and the same pre-norm layers with anynorm's fused residual
+   and with explicit adds, native vs anynorm.nn.LayerNorm swapped in: ms per step, ratio, target, output differences.
 
 Each anynorm result is checked against torch (max abs error) before it is timed, and so is
 Liger's (a note where it differs). ``--quick`` runs subsets of the sweeps (QUICK_ROW_WIDTHS,
@@ -1329,18 +1329,20 @@ def transformer_models(env):
     return E2EModels(native, ours, swapped, x, loss, cfg, [])
 
 
-def fused_prenorm_models(env):
+def fused_prenorm_models(env, fused=True):
     """The same pre-norm layers as ``PreNormStack``: torch's LayerNorm and explicit residual adds,
-    against anynorm's LayerNorm with the fused residual; the same weights."""
+    against anynorm's LayerNorm with the fused residual (``fused=False``: with the same explicit
+    adds, the A/B of the fusion); the same weights."""
     cfg = dict(E2E_TINY_TRANSFORMER if env.settings.tiny else E2E_TRANSFORMER, model="PreNormStack")
     classes = model_classes()
     dims = (cfg["layers"], cfg["d_model"], cfg["nhead"], cfg["dim_feedforward"])
     native = classes.PreNormStack(*dims).to(env.device).train()
-    ours = classes.PreNormStack(*dims, norm_cls=env.anynorm_nn.LayerNorm, fused=True).to(env.device).train()
+    ours = classes.PreNormStack(*dims, norm_cls=env.anynorm_nn.LayerNorm, fused=fused).to(env.device).train()
     ours.load_state_dict(native.state_dict())
     x, loss = transformer_input(env, cfg)
-    return E2EModels(native, ours, 2 * cfg["layers"], x, loss, cfg,
-                     ["fused: norm(hidden.to(float32), residual=residual) per norm; native: residual + hidden, then norm"])
+    note = ("fused: norm(hidden.to(float32), residual=residual) per norm; native: residual + hidden, then norm"
+            if fused else "both: residual + hidden, then norm")
+    return E2EModels(native, ours, 2 * cfg["layers"], x, loss, cfg, [note])
 
 
 def e2e_cases(env):
@@ -1350,6 +1352,7 @@ def e2e_cases(env):
         ("convnext_tiny channels_last", "convnext", lambda: convnext_models(env, channels_last=True)),
         ("TransformerEncoder pre-norm", "transformer", lambda: transformer_models(env)),
         ("pre-norm blocks, fused residual", "transformer", lambda: fused_prenorm_models(env)),
+        ("pre-norm blocks, explicit adds", "transformer", lambda: fused_prenorm_models(env, fused=False)),
     ]
 
 
@@ -1703,7 +1706,8 @@ def report_e2e(env, report):
         f"Transformers: {tf['layers']} layers, d_model {tf['d_model']}, {tf['nhead']} heads, feed-forward "
         f"{tf['dim_feedforward']}, batch {tf['batch']} x {tf['tokens']} tokens, dropout 0, MSE loss. "
         "`pre-norm blocks, fused residual`: the same layers (gpu_report's PreNormStack), torch LayerNorm "
-        "and explicit adds vs anynorm.nn.LayerNorm(d)(x, residual=r).",
+        "and explicit adds vs anynorm.nn.LayerNorm(d)(x, residual=r); `explicit adds`: the same, "
+        "anynorm.nn.LayerNorm after the same adds.",
     ]
     report.section("End to end (issue 13): bf16-autocast training step, norms swapped for anynorm.nn.LayerNorm",
                    TARGETS["e2e"], E2E_COLUMNS, intro)

@@ -27,12 +27,12 @@ SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "asv_bench" / "gpu_rep
 # workloads (ConvNeXt's first and last stage on NCHW and channels_last memory, NHWC instance and
 # group norm and Stable Diffusion's NCHW group norm at their first and last stage) x 2 dtypes x
 # 2 passes; 2 shapes x (no_grad, train); ConvNeXt NCHW and channels_last, TransformerEncoder,
-# fused pre-norm blocks
-EXPECTED_ROWS = {"rows": 48, "strided": 40, "overhead": 4, "e2e": 4}
+# pre-norm blocks with the fused residual and with explicit adds
+EXPECTED_ROWS = {"rows": 48, "strided": 40, "overhead": 4, "e2e": 5}
 CASE_KEYS = {"section", "name", "shape", "dtype", "pass", "lib", "error", "errors", "max_err", "check_ok"}
 # tiny e2e models: MiniConvNeXt (stem, one downsampling, two blocks, head), 2 pre-norm layers
 E2E_SWAPPED = {"convnext_tiny NCHW": 5, "convnext_tiny channels_last": 5, "TransformerEncoder pre-norm": 4,
-               "pre-norm blocks, fused residual": 4}
+               "pre-norm blocks, fused residual": 4, "pre-norm blocks, explicit adds": 4}
 TIMM = importlib.util.find_spec("timm") is not None
 
 
