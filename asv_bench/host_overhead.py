@@ -8,8 +8,8 @@ arguments) plus the kernels; once the host takes longer than the kernels, the ho
 pace (a 64 x 768 layer norm runs in a few microseconds on an H100). This runs the same Python
 on CPU tensors with the CUDA-only steps replaced: the kernel launch by CuPy's own per-argument
 conversion (``CScalar`` for every argument that is not already a CuPy holder, which is what
-``RawKernel`` does before it calls the driver), the stream switch by nothing, CuPy workspaces
-by torch CPU tensors. Allocations are CPU ones, so figures are close to, not equal to, those
+``RawKernel`` does before it calls the driver), the stream and device lookups by stand-ins
+that count them, CuPy workspaces by torch CPU tensors. Allocations are CPU ones, so figures are close to, not equal to, those
 on a GPU host. Printed per route of ``anynorm._cuda._torch_ops``: inference (the runner),
 training forward + backward (``_EagerNorm``) and both again through the registered custom op,
 the route torch.compile and dispatch modes take; and torch's own ``F.layer_norm`` on the same
@@ -23,7 +23,6 @@ The real figure on a GPU is ``gpu_report.py``'s overhead section.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import pathlib
 import statistics
 import sys
@@ -76,7 +75,6 @@ def _stub_cuda():
     _launcher.get_kernel = lambda *args, **kw: kernel
     _launcher.device_info = lambda device: _schedule.DeviceInfo(132, 227 * 1024, 8)  # an H100
     _launcher._current_device = lambda: -1  # x.get_device() of a CPU tensor
-    _interop.on_torch_stream = lambda device: contextlib.nullcontext()
     _interop.torch_stream = _raw_stream
     _interop.current_device = _device_now
     _backend.on_cuda = lambda x: True

@@ -27,7 +27,7 @@ pytest.importorskip("cupy", exc_type=ImportError)  # anynorm._cuda imports CuPy 
 _launcher = pytest.importorskip("anynorm._cuda._launcher", exc_type=ImportError)
 
 from anynorm import _reference  # noqa: E402
-from anynorm._cuda import _compile, _interop, _layout, _schedule  # noqa: E402
+from anynorm._cuda import _compile, _layout, _schedule  # noqa: E402
 from anynorm._plan import make_plan  # noqa: E402
 
 _HERE = Path(__file__).resolve().parent
@@ -85,17 +85,11 @@ def _typed_view(parent, offset, dtype, count):
     return v
 
 
-_buffer_arg = _launcher.buffer_arg
-
-
 def _emulated_arg(buf, slot):
     """A slot's kernel argument on the emulated device: the DeviceArray itself (the emulator
-    checks its dtype and canaries), a typed view of the scratch for a workspace, a tensor's
-    address for a TensorRef."""
+    checks its dtype and canaries), a typed view of the scratch for a workspace."""
     if buf is None:
         return None
-    if type(buf) is _interop.TensorRef:
-        return _buffer_arg(buf, slot)
     if slot.dtype is None:
         assert slot.offset == 0
         return buf
@@ -138,32 +132,6 @@ def emulated(monkeypatch):
     monkeypatch.setattr(_launcher, "input_buffer", lambda p, l, a: a)
     monkeypatch.setattr(_launcher, "output_buffer", lambda p, l, a: a)
     monkeypatch.setattr(_launcher, "store", lambda p, l, b, o: None)
-
-
-@pytest.fixture
-def emulated_torch(monkeypatch):
-    """As ``emulated``, with the real buffer functions: arrays arrive as
-    ``_interop.TensorRef`` of torch CPU tensors over emulated memory, as CUDA tensors arrive
-    from the custom ops."""
-    torch = pytest.importorskip("torch")
-    _launch_on_emulator(monkeypatch)
-
-    def as_ref(d, shape=None, order=None):
-        """A TensorRef of a torch tensor over ``d``'s memory, logical ``shape``, memory ``order``."""
-        if d is None:
-            return None
-        flat = torch.from_numpy(d.array.reshape(-1).view(np.int16) if d.dtype == "bfloat16"
-                                else d.array.reshape(-1))
-        if d.dtype == "bfloat16":
-            flat = flat.view(torch.bfloat16)
-        if shape is not None:
-            order = order or tuple(range(len(shape)))
-            flat = flat.reshape([shape[a] for a in order]).permute(*np.argsort(order).tolist())
-        ref = _interop.ref(flat)
-        assert int(emu.unhold(ref.kernel_arg)) == d.ptr
-        return ref
-
-    return as_ref
 
 
 def _rounded(a, dtype):
@@ -245,16 +213,13 @@ def forward_float32(op, x, kw):
 SEED = int(os.environ.get("ANYNORM_EMU_SEED", "0"))
 
 
-def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True, as_ref=None,
+def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_params=True,
            bound=False, stats=True, params_in_x=False):
-    """Run forward and backward through ``_launcher`` against the reference; with ``as_ref``,
-    every buffer is handed over as a torch TensorRef (``emulated_torch``); with ``bound``, the
-    schedules are bound once and launched on the buffers' addresses (``_launcher.bind``), the
-    forward without statistics unless ``stats``; with ``params_in_x`` the weight and bias are
-    stored in x's dtype (``param_in_t``), not the accumulation dtype, and take their
+    """Run forward and backward through ``_launcher`` against the reference; with ``bound``,
+    the schedules are bound once and launched on the buffers' addresses (``_launcher.bind``),
+    the forward without statistics unless ``stats``; with ``params_in_x`` the weight and bias
+    are stored in x's dtype (``param_in_t``), not the accumulation dtype, and take their
     gradients in it (``grad_in_t``)."""
-    big = (lambda d: d) if as_ref is None else (lambda d: as_ref(d, shape, order))
-    small = (lambda d: d) if as_ref is None else as_ref
     # a seed of the case itself (str hashes change per process: PYTHONHASHSEED)
     rng = np.random.default_rng(zlib.crc32(repr((op, shape, dtype, residual, SEED)).encode()))
     order = order or tuple(range(len(shape)))
@@ -282,8 +247,7 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
     if not stats:  # inference: y (and h) alone, no statistics written
         _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, None, None, pin)
         y_alone = _host(yd, shape, order).copy()
-    _forward(bound, plan, dtype, big(xd), small(wd), small(bd), big(rd), big(yd), big(hd), small(md),
-             small(sd), pin)
+    _forward(bound, plan, dtype, xd, wd, bd, rd, yd, hd, md, sd, pin)
 
     h = _rounded(x + res, dtype) if residual else x
     ry, _, rmean, rrstd = _reference.forward(make_plan(op, h, w, b, **kw), h, w, b)
@@ -310,8 +274,7 @@ def _check(op, shape, kw, dtype, order=None, residual=False, offset=0, with_para
         dwd = emu.empty(plen, gdtype) if w is not None else None
         dbd = emu.empty(plen, gdtype) if w is not None else None
         mean, rstd = ((md if plan.center else None), sd) if given_stats else (None, None)
-        _backward(bound, bplan, dtype, big(dydev), big(hdev), small(wd), small(mean), small(rstd),
-                  big(dxd), small(dwd), small(dbd), pin, gin)
+        _backward(bound, bplan, dtype, dydev, hdev, wd, mean, rstd, dxd, dwd, dbd, pin, gin)
         _assert_scaled(_host(dxd, shape, order), rdx, 1.5 * TOL[dtype], "dx")
         if w is not None:
             # float32 sums of ~1e4 terms of either sign: the error is relative to their
@@ -586,18 +549,6 @@ def _record_launches(monkeypatch):
     names, fetch = set(), _launcher.get_kernel
     monkeypatch.setattr(_launcher, "get_kernel", lambda k, dtype, items=None: names.add(k) or fetch(k, dtype, items))
     return names
-
-
-@pytest.mark.parametrize("case", [CASES[i] for i in (1, 3, 5, 7, 9, 14, 15, 17, 21)],
-                         ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_launch_with_torch_tensor_refs(emulated_torch, case, dtype):
-    """The custom ops' route: tensors as TensorRefs (strides and data pointers, no DLPack),
-    the real buffer logic, every kernel family, channels-last memory included."""
-    op, shape, kw, order = case
-    _check(op, shape, kw, dtype, order, offset=1 if dtype == "float32" else 0, as_ref=emulated_torch)
-    if op in ("layer_norm", "rms_norm"):
-        _check(op, shape, kw, dtype, order, residual=True, as_ref=emulated_torch)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}")

@@ -1,24 +1,18 @@
-"""Hand torch CUDA tensors to the launcher without copies, on torch's current stream.
+"""Launch bound schedules on torch's or CuPy's current stream; the kernels' dtype keys.
 
-A tensor reaches the kernels as a :class:`TensorRef`: its strides for the layout and its
-data pointer as the kernel argument, no conversion per call. Where a layout needs a copy,
-the tensor crosses to CuPy through DLPack (``cupy.from_dlpack``); bfloat16 crosses as int16
-bits so that no CuPy bfloat16 support is needed (the kernels get the dtype separately).
-Work runs on torch's current stream of the tensor's device, wrapped by
-``cupy.cuda.Stream.from_external``.
+A torch tensor reaches the kernels as its data pointer (``Tensor.data_ptr``), no conversion
+per call; work runs on torch's current stream of the tensor's device, as a CuPy stream
+object made once per raw stream pointer (:func:`cupy_stream`). Where a layout needs a copy,
+torch makes it (``_torch_ops``).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import cupy
 import numpy as np
 
-from ._args import address
-
-__all__ = ["TensorRef", "ref", "as_cupy", "to_cupy", "on_torch_stream", "dtype_key",
-           "cupy_stream", "torch_stream", "current_device", "run_on_torch_stream", "run_on_cupy_stream"]
+__all__ = ["dtype_key", "cupy_stream", "torch_stream", "current_device", "run_on_torch_stream",
+           "run_on_cupy_stream"]
 
 _KEYS = ("float16", "bfloat16", "float32", "float64")
 # dtype object -> key, filled as dtypes are seen (str() costs per call). NumPy's dtypes apart
@@ -43,102 +37,6 @@ def dtype_key(dtype) -> str | None:
     except TypeError:  # an unhashable dtype
         pass
     return key
-
-
-def to_cupy(tensor):
-    """A CuPy view of a CUDA tensor (int16 bits for bfloat16); None stays None."""
-    if tensor is None:
-        return None
-    import torch
-
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return cupy.from_dlpack(tensor)
-
-
-class TensorRef:
-    """A CUDA torch tensor as the launcher reads it (what a CuPy array would give).
-
-    ``element_strides`` decide the layout (``strides`` in bytes, as CuPy gives them);
-    ``dtype`` is the NumPy dtype of a CuPy view (int16 for bfloat16); ``kernel_arg`` is the
-    data pointer as a launch argument (a DLPack round trip per tensor would cost
-    microseconds per call).
-    """
-
-    __slots__ = ("tensor", "element_strides", "kernel_arg")
-
-    def __init__(self, tensor):
-        self.tensor = tensor  # keeps the memory alive for the launch
-        self.element_strides = tensor.stride()
-        self.kernel_arg = address(tensor.data_ptr())
-
-    @property
-    def dtype(self):
-        return _NUMPY_DTYPE[self.tensor.dtype]
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def strides(self) -> tuple:
-        return tuple(s * self.itemsize for s in self.element_strides)
-
-
-class _TorchDtypes(dict):
-    """torch dtype -> NumPy dtype of its CuPy view, filled on first use (no torch import here)."""
-
-    def __missing__(self, dtype):
-        name = str(dtype)
-        value = {"torch.float16": np.dtype(np.float16), "torch.bfloat16": np.dtype(np.int16),
-                 "torch.float32": np.dtype(np.float32), "torch.float64": np.dtype(np.float64)}[name]
-        self[dtype] = value
-        return value
-
-
-_NUMPY_DTYPE = _TorchDtypes()
-
-
-def ref(tensor):
-    """A :class:`TensorRef` of a CUDA tensor; None stays None."""
-    return None if tensor is None else TensorRef(tensor)
-
-
-def as_cupy(arr):
-    """A CuPy array of the same memory (a TensorRef crosses by DLPack); CuPy arrays as they are."""
-    return to_cupy(arr.tensor) if type(arr) is TensorRef else arr
-
-
-class _StreamHandle:
-    """The CUDA stream protocol for a torch stream (works whether or not torch has it)."""
-
-    def __init__(self, stream):
-        self.stream = stream  # keeps the torch stream alive
-
-    def __cuda_stream__(self):
-        return (0, self.stream.cuda_stream)
-
-
-@contextlib.contextmanager
-def on_torch_stream(device):
-    """Make torch's current stream of ``device`` CuPy's current stream (and ``device`` the
-    current device of both: torch exports tensors by DLPack only from its current device).
-
-    torch's default stream is the legacy NULL stream (handle 0), which is CuPy's
-    ``Stream.null``; any other stream is wrapped by ``Stream.from_external``.
-    """
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with torch.cuda.device(index), cupy.cuda.Device(index):
-        current = torch.cuda.current_stream(index)
-        if current.cuda_stream == 0:
-            stream = cupy.cuda.Stream.null
-        else:
-            stream = cupy.cuda.Stream.from_external(_StreamHandle(current))
-        with stream:
-            yield
 
 
 # ---- the hot path: a recorded schedule launched with no context switches ---------------------

@@ -11,13 +11,10 @@ Where x's memory is not the layout's dense buffer (``Layout.copy``: non-dense vi
 axis orders) or the residual's or dy's is not x's, the torch runner copies what is off
 into the buffer :func:`copied_forward` / :func:`copied_backward` name (x's, else the other
 input's, else the canonical order) with torch (x and a residual: their sum, the kernels then
-normalize it) and launches their bound schedule; for CuPy
-arrays :func:`forward` / :func:`backward` copy the inputs into dense buffers in the
-layout's order, run the same kind of bound schedule on them, and copy the outputs back
-(:func:`input_buffer`, :func:`output_buffer`, :func:`store`). Arrays there are CuPy arrays
-or torch tensors as ``_interop.TensorRef`` (strides and a data pointer; they become CuPy
-arrays through DLPack only to be copied; bfloat16 then arrives as int16 bits, which copies
-treat the same).
+normalize it) and launches their bound schedule; for CuPy arrays :func:`forward` /
+:func:`backward` copy the inputs into dense buffers in the layout's order, run the same kind
+of bound schedule on them, and copy the outputs back (:func:`input_buffer`,
+:func:`output_buffer`, :func:`store`).
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ from cupy.lib.stride_tricks import as_strided
 from . import _schedule
 from ._args import NULL, address, kernel_arg
 from ._compile import CLUSTER_SIZES, get_kernel
-from ._interop import TensorRef, as_cupy
 from ._layout import array_strides, buffer_strides, plan_layout, shared_layout, view_strides
 from ._schedule import BACKWARD_SLOTS, FORWARD_SLOTS, DeviceInfo
 
@@ -250,12 +246,9 @@ def kernel_params(x_dtype, acc, as_dtype, weight, bias=None):
 # ---- buffers ---------------------------------------------------------------------------------
 
 def buffer_arg(buf, slot):
-    """The kernel argument for ``slot`` of the buffer ``buf`` (a CuPy array, a TensorRef or
-    None)."""
+    """The kernel argument for ``slot`` of the buffer ``buf`` (a CuPy array or None)."""
     if buf is None:
         return NULL
-    if type(buf) is TensorRef:
-        return address(buf.tensor.data_ptr() + slot.offset)
     return address(buf.data.ptr + slot.offset)
 
 
@@ -264,8 +257,6 @@ def _scratch(nbytes):
 
 
 def element_strides(arr) -> tuple:
-    if type(arr) is TensorRef:
-        return arr.element_strides
     return tuple(s // arr.itemsize for s in arr.strides)
 
 
@@ -304,7 +295,7 @@ def input_buffer(plan, layout, arr):
     """``arr`` itself when it is laid out as the buffer, else a dense copy in layout order."""
     if arr is None or is_buffer(plan, layout, arr):
         return arr
-    return cupy.ascontiguousarray(_ordered(plan, layout, as_cupy(arr)))
+    return cupy.ascontiguousarray(_ordered(plan, layout, arr))
 
 
 def output_buffer(plan, layout, out):
@@ -318,7 +309,7 @@ def store(plan, layout, buf, out) -> None:
     """Copy a scratch buffer back into ``out`` (no-op when the kernels wrote ``out``)."""
     if buf is out:
         return
-    ordered = _ordered(plan, layout, as_cupy(out))
+    ordered = _ordered(plan, layout, out)
     ordered[...] = buf.reshape(ordered.shape)
 
 
