@@ -263,36 +263,41 @@ template <typename A> __device__ __forceinline__ Welford<A> block_welford(Welfor
     return s;
 }
 
+// The sum of the per-warp values sums[0 .. nwarps), in order, by a loop in every thread:
+// nwarps shared loads a thread, in few registers.
+template <typename A> __device__ __forceinline__ A sum_of_warps(const A* sums, int nwarps) {
+    A v = sums[0];
+    for (int k = 1; k < nwarps; ++k) v += sums[k];
+    return v;
+}
+
 // The sum of the per-warp values sums[0 .. nwarps) (nwarps <= 32), in every thread. Up to 4
-// warps a loop over them; past that each warp adds them up itself (lane k takes sums[k], zero
-// past nwarps, then a butterfly): one shared load and 5 shuffles a thread where the loop took
-// nwarps loads (32 in a block of 1024). Every lane ends with the same bits: a butterfly step
-// adds the same two values on both of its lanes.
+// warps the loop (sum_of_warps); past that each warp adds them up itself (lane k takes
+// sums[k], zero past nwarps, then a butterfly): one shared load and 5 shuffles a thread where
+// the loop took nwarps loads (32 in a block of 1024). Every lane ends with the same bits: a
+// butterfly step adds the same two values on both of its lanes.
 template <typename A> __device__ __forceinline__ A cross_warp_sum(const A* sums, int nwarps) {
-    if (nwarps <= 4) {
-        A v = sums[0];
-        for (int k = 1; k < nwarps; ++k) v += sums[k];
-        return v;
-    }
+    if (nwarps <= 4) return sum_of_warps(sums, nwarps);
     const int lane = threadIdx.x & 31;
     return warp_sum(lane < nwarps ? sums[lane] : A(0));
 }
 
 // Block-wide sum, returned to every thread (1-D block, as block_welford). smem: 32 values of
-// A. Ends with a barrier so smem may be reused.
-template <typename A> __device__ __forceinline__ A block_allsum(A a, A* smem) {
+// A. Ends with a barrier so smem may be reused. Butterfly: the warps' sums added up by
+// cross_warp_sum; else by sum_of_warps, which takes fewer registers (see block_allsum2).
+template <bool Butterfly = true, typename A> __device__ __forceinline__ A block_allsum(A a, A* smem) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     a = warp_sum(a);
     if (lane == 0) smem[warp] = a;
     __syncthreads();
-    a = cross_warp_sum(smem, nwarps);
+    a = Butterfly ? cross_warp_sum(smem, nwarps) : sum_of_warps(smem, nwarps);
     __syncthreads();
     return a;
 }
 
 // Block-wide sums of two values, returned to every thread (1-D block, as block_welford).
 // smem: 2 * 32 values of A. Ends with a barrier so smem may be reused. Butterfly: the warps'
-// sums added up by cross_warp_sum; else by a loop over them, which takes fewer registers (the
+// sums added up by cross_warp_sum; else by a loop, which takes fewer registers (the
 // backward's 16-bit block kernels at ITEMS=16 hold every item of x and dy here, and two
 // butterflies at once made ptxas spill them at 64 registers on sm_80).
 template <bool Butterfly = true, typename A>
@@ -308,7 +313,7 @@ __device__ __forceinline__ void block_allsum2(A& a, A& b, A* smem) {
     if (Butterfly) {
         a = cross_warp_sum(smem, nwarps);
         b = cross_warp_sum(smem + 32, nwarps);
-    } else {
+    } else {  // sum_of_warps of both in one loop: two loops made ptxas spill there too
         a = smem[0];
         b = smem[32];
         for (int k = 1; k < nwarps; ++k) {

@@ -42,7 +42,8 @@ struct WarpTeam {
     __device__ __forceinline__ static long long row_stride() {
         return (long long)gridDim.x * (blockDim.x >> 5);
     }
-    template <typename A> __device__ __forceinline__ static A allsum(A v, A*) { return warp_sum(v); }
+    template <bool Butterfly = true, typename A>
+    __device__ __forceinline__ static A allsum(A v, A*) { return warp_sum(v); }
     template <bool Butterfly = true, typename A>
     __device__ __forceinline__ static void allsum2(A& a, A& b, A*) {
         a = warp_sum(a);
@@ -55,8 +56,9 @@ struct BlockTeam {
     __device__ __forceinline__ static int rank() { return threadIdx.x; }
     __device__ __forceinline__ static long long first_row() { return blockIdx.x; }
     __device__ __forceinline__ static long long row_stride() { return gridDim.x; }
-    template <typename A> __device__ __forceinline__ static A allsum(A v, A* smem) {
-        return block_allsum(v, smem);
+    template <bool Butterfly = true, typename A>
+    __device__ __forceinline__ static A allsum(A v, A* smem) {
+        return block_allsum<Butterfly>(v, smem);
     }
     template <bool Butterfly = true, typename A>
     __device__ __forceinline__ static void allsum2(A& a, A& b, A* smem) {
@@ -383,7 +385,7 @@ __device__ __forceinline__ bool rows_fwd_vec(int count, const T* x, const T* res
     return rows_vec<T, ITEMS>(count, x, res, y) && aligned16_or_null(res ? h : 0);
 }
 
-// Whether backward_row's block sums add up the warps' sums by cross_warp_sum (block_allsum2).
+// Whether backward_row's block sums add up the warps' sums by cross_warp_sum, not sum_of_warps.
 template <typename T, int ITEMS> struct BwdButterfly {
     static const bool value = ITEMS <= 8 && sizeof(T) <= 4;
 };
@@ -418,12 +420,10 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
         A s = A(0);
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; ++k) s += xh[k];
-        // allsum2's loop over the warps' sums at ITEMS=16 and in float64, not the butterfly:
-        // with x and dy held, the butterfly made ptxas spill the 16-bit block kernels on sm_80
-        // (and took float64's ITEMS=8 block kernel from 37.5% to 25% occupancy)
-        A unused = A(0);
-        Team::template allsum2<BwdButterfly<T, ITEMS>::value>(s, unused, smem);
-        mu = s / A(count);
+        // the loop over the warps' sums at ITEMS=16 and in float64, not the butterfly: with x
+        // and dy held, the butterfly made ptxas spill the 16-bit block kernels on sm_80 (and
+        // took float64's ITEMS=8 block kernel from 37.5% to 25% occupancy)
+        mu = Team::template allsum<BwdButterfly<T, ITEMS>::value>(s, smem) / A(count);
     }
     A sg = A(0), sgx = A(0);
     if (WeightVec<Sums, ITEMS>::value && vec && plain && param_vec_ok(w)) {  // w in 16-byte vectors too
