@@ -188,7 +188,7 @@ def dense_forward(plan, dtype, x_strides, res_strides, present, param_in_t, devi
     ``plan.memo``."""
     def build():
         layout = plan_layout(plan, x_strides)
-        if layout.copy or not (res_strides is None or _is_buffer(plan, layout, res_strides)):
+        if layout.copy or not (res_strides is None or strides_are_buffer(plan, layout, res_strides)):
             return None
         return forward_launch(plan, dtype, layout, present, param_in_t, device_id)
 
@@ -201,7 +201,7 @@ def dense_backward(plan, dtype, x_strides, dy_strides, present, param_in_t, grad
     :func:`backward`); kept in ``plan.memo``."""
     def build():
         layout = plan_layout(plan, x_strides, plan.has_weight or "dw" in present)
-        if layout.copy or not _is_buffer(plan, layout, dy_strides):
+        if layout.copy or not strides_are_buffer(plan, layout, dy_strides):
             return None
         return backward_launch(plan, dtype, layout, present, param_in_t, grad_in_t, device_id)
 
@@ -269,15 +269,11 @@ def _view(plan, arr):
 def is_buffer(plan, layout, arr) -> bool:
     """True when ``arr``'s memory is laid out exactly as the kernel buffer (worked out once
     per plan, layout and strides)."""
-    return _is_buffer(plan, layout, element_strides(arr))
+    return strides_are_buffer(plan, layout, element_strides(arr))
 
 
 def strides_are_buffer(plan, layout, strides) -> bool:
     """:func:`is_buffer` for an array of these element strides."""
-    return _is_buffer(plan, layout, strides)
-
-
-def _is_buffer(plan, layout, strides) -> bool:
     key = ("is_buffer", layout, strides)
     answer = plan.memo.get(key)
     if answer is None:

@@ -199,9 +199,11 @@ def shared_layout(plan, strides, other_strides, need_params=None) -> Layout:
     they are not both laid out as the buffer of x's: x's own where its memory is a buffer (the
     other is copied into it), else the other's (x is copied), else the canonical order (both
     are). ``Layout.copy`` is then False: the layout names the buffer the copies are made in."""
+    if need_params is None:
+        need_params = plan.has_weight or plan.has_bias
     for given in (strides, other_strides):
         if given is not None:
             layout = plan_layout(plan, given, need_params)
             if not layout.copy:
                 return layout
-    return Layout(**{**plan_layout(plan, strides, need_params).__dict__, "copy": False})
+    return _factor(plan, canonical_order(plan), need_params)
