@@ -320,6 +320,315 @@ __device__ __forceinline__ void write_y(T* __restrict__ y, T* tile, const TilePl
     }
 }
 
+// ---- the forward's arithmetic in vectors ------------------------------------------------
+//
+// Where the tile's rows hold a power-of-two number (<= 64) of CPT-element vectors
+// (tile_vec_compute), each thread owns one vector of columns (CPT = 16 bytes of T) and walks
+// rows k, k + lanes, ...: one shared-memory load and CPT independent sums per step, where the
+// scalar form takes a load, a conversion and a dependent add per element (about three times
+// the instructions per element: the kernel is bound by the instructions it issues). A warp
+// holds qw = min(per_row, 8) vectors side by side and 32 / qw rows, so each quarter-warp
+// reads 128 contiguous bytes (no bank conflicts at any row pitch) and the rows of a column in
+// a warp are summed by shuffles; the warps sharing columns add their partials in shared memory.
+struct TileVecSpot {
+    int q;      // the thread's vector: tile columns q*CPT ... q*CPT + CPT - 1
+    int k;      // its first row; then k + lanes, ...
+    int lanes;  // rows walked side by side (256 / vectors per row)
+    int qw;     // vectors side by side in a warp: the shuffles go over lane offsets qw ... 16
+    int rg, G;  // the warp's row group of G (warps holding the same columns)
+};
+
+template <typename T> struct TileCpt { enum { value = sizeof(T) == 2 ? 4 : VecLen<T>::value }; };
+
+__device__ __forceinline__ bool tile_vec_compute(int ncols, int cpt) {
+    if (ncols % cpt) return false;
+    const int per_row = ncols / cpt;
+    return per_row <= 64 && (per_row & (per_row - 1)) == 0;
+}
+
+__device__ __forceinline__ TileVecSpot tile_vec_spot(int ncols, int cpt) {
+    TileVecSpot s;
+    const int per_row = ncols / cpt;
+    s.qw = per_row < 8 ? per_row : 8;
+    const int chunks = per_row / s.qw;  // warps across a row
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int rows_in_warp = 32 / s.qw;
+    s.G = (TILE_THREADS / 32) / chunks;
+    s.rg = warp / chunks;
+    s.q = (warp % chunks) * s.qw + lane % s.qw;
+    s.k = s.rg * rows_in_warp + lane / s.qw;
+    s.lanes = s.G * rows_in_warp;
+    return s;
+}
+
+// Sums over each statistic (rows of the tile, `group` columns) of every thread's per-column
+// a[j] (and b[j] with TWO), returned to each thread per column; fixed orders, so every thread
+// of a statistic gets the same bits. red: 4 * TILE_THREADS values (2 * G * ncols <= 1024
+// partials). Every thread of the block calls it.
+template <int CPT, bool TWO, typename A>
+__device__ __forceinline__ void tile_vec_sum(A (&a)[CPT], A (&b)[CPT], const TileVecSpot& s, int ncols,
+                                             int group, A* red) {
+    ANYNORM_UNROLL
+    for (int off = s.qw; off < 32; off <<= 1)
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            a[j] += __shfl_xor_sync(0xffffffffu, a[j], off);
+            if (TWO) b[j] += __shfl_xor_sync(0xffffffffu, b[j], off);
+        }
+    const int span = s.G * ncols;  // b's partials after a's
+    if ((threadIdx.x % 32) < s.qw)  // the warp's first row: its sums
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            red[s.rg * ncols + s.q * CPT + j] = a[j];
+            if (TWO) red[span + s.rg * ncols + s.q * CPT + j] = b[j];
+        }
+    __syncthreads();
+    if (s.G > 1 && (int)threadIdx.x < ncols) {  // the row groups' partials, in place of the first
+        A sa = red[threadIdx.x], sb = TWO ? red[span + threadIdx.x] : A(0);
+        for (int g = 1; g < s.G; ++g) {
+            sa += red[g * ncols + threadIdx.x];
+            if (TWO) sb += red[span + g * ncols + threadIdx.x];
+        }
+        red[threadIdx.x] = sa;
+        if (TWO) red[span + threadIdx.x] = sb;
+    }
+    if (group > 1) {  // the statistic's columns, in place of its first
+        __syncthreads();
+        if ((int)threadIdx.x < ncols / group) {
+            const int c0 = threadIdx.x * group;
+            A sa = red[c0], sb = TWO ? red[span + c0] : A(0);
+            for (int u = 1; u < group; ++u) {
+                sa += red[c0 + u];
+                if (TWO) sb += red[span + c0 + u];
+            }
+            red[c0] = sa;
+            if (TWO) red[span + c0] = sb;
+        }
+    }
+    __syncthreads();
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) {
+        const int c = s.q * CPT + j, sc = c - c % group;
+        a[j] = red[sc];
+        if (TWO) b[j] = red[span + sc];
+    }
+    __syncthreads();  // red is reused
+}
+
+template <typename T, int CPT>
+__device__ __forceinline__ void load_cols(const T* p, acc_t<T> (&v)[CPT]) {
+    const TileVec<T, CPT> t = *reinterpret_cast<const TileVec<T, CPT>*>(p);
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) v[j] = to_acc(t.v[j]);
+}
+
+// cols_fwd_tile's statistics and y (staged in the tile in place of x, every column: the
+// caller stores the valid ones) in vectors; as the scalar form, shifted two-pass:
+//   shift = v[row 0, first column of the statistic],  c1 = sum(v - shift) / n,
+//   d = (v - shift) - c1,  c2 = sum(d) / n,  mean = shift + (c1 + c2),
+//   rstd = 1/sqrt(sum(d^2)/n - c2^2 + eps),  y = ((v - shift) - (c1 + c2)) * rstd * w + b.
+// Tile column of the first column of each of the thread's CPT columns' statistics.
+template <int CPT>
+__device__ __forceinline__ void stat_cols(int c0, int group, int (&sc)[CPT]) {
+    int rem = c0 % group, first = c0 - rem;
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) {
+        sc[j] = first;
+        if (++rem == group) {
+            rem = 0;
+            first = c0 + j + 1;
+        }
+    }
+}
+
+// The thread's CPT weights (scale *= w) and biases, PARAM_COL: the parameter of column
+// i is (i / p_div) % p_len; m0 = (start + c0) % (p_div * p_len) for the first (32-bit: the
+// vector form runs only where p_div * p_len < 2^31), the others by steps.
+template <typename T, int CPT>
+__device__ __forceinline__ void column_params(const Param<T>& w, const Param<T>& b, int m0, int p_div, int p_len,
+                                              acc_t<T> (&scale)[CPT], acc_t<T> (&bias)[CPT]) {
+    int p = m0 / p_div, rem = m0 - p * p_div;
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) {
+        scale[j] *= weight_at(w, p);
+        bias[j] = bias_at(b, p);
+        if (++rem == p_div) {
+            rem = 0;
+            if (++p == p_len) p = 0;
+        }
+    }
+}
+
+// fwd_tile_vec's y for PARAM_ROW with weight and bias both stored as P (T or A): the
+// generic loop's per-row choice between null, T and A cost about as many instructions as the
+// row's arithmetic. y = ((v - shift) - c) * rstd * w[r] + b[r], staged in the tile.
+template <typename T, typename P, int CPT>
+__device__ __forceinline__ void write_rows_vec(T* tile, const TileVecSpot& s, int nrows, int ncols, int c0,
+                                               const acc_t<T> (&shift)[CPT], const acc_t<T> (&c)[CPT],
+                                               const acc_t<T> (&rs)[CPT], const P* __restrict__ w,
+                                               const P* __restrict__ b) {
+    typedef acc_t<T> A;
+    TILE_ROLLED
+    for (int r = s.k; r < nrows; r += s.lanes) {
+        const A wr = to_acc(w[r]), br = to_acc(b[r]);
+        A v[CPT];
+        load_cols<T, CPT>(tile + r * ncols + c0, v);
+        TileVec<T, CPT> out;
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) out.v[j] = from_acc<T>(((v[j] - shift[j]) - c[j]) * rs[j] * wr + br);
+        *reinterpret_cast<TileVec<T, CPT>*>(tile + r * ncols + c0) = out;
+    }
+}
+
+// cols_fwd_tile's statistics for one o, and y staged in the tile in place of x (with
+// stage_y; every column: the caller stores the valid ones), in vectors. As the scalar form,
+// shifted two-pass:
+//   shift = v[row 0, first column of the statistic],  c1 = sum(v - shift) / n,
+//   d = (v - shift) - c1,  c2 = sum(d) / n,  mean = shift + (c1 + c2),
+//   rstd = 1/sqrt(sum(d^2)/n - c2^2 + eps),  y = ((v - shift) - (c1 + c2)) * rstd * w + b.
+// Columns past valid_cols hold no data: their sums are never read for a valid column.
+template <typename T, int CPT>
+__device__ __forceinline__ void fwd_tile_vec(T* tile, acc_t<T>* red, const TilePlace& t, long long o,
+                                             long long inner, int m0, int p_div, int p_len, int mode, int center, double eps, bool stage_y,
+                                             const Param<T>& w, const Param<T>& b, acc_t<T>* __restrict__ mean,
+                                             acc_t<T>* __restrict__ rstd) {
+    typedef acc_t<T> A;
+    const TileVecSpot s = tile_vec_spot(t.ncols, CPT);
+    const int nrows = t.nrows, ncols = t.ncols, group = t.ngroup, c0 = s.q * CPT;
+    const A n = A((long long)nrows * group);
+    const T* col = tile + c0;  // row r of the thread's vector: col + r * ncols
+    A shift[CPT], s1[CPT], s2[CPT], c1[CPT];
+    {
+        int sc[CPT];
+        stat_cols<CPT>(c0, group, sc);
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            shift[j] = center ? to_acc(tile[sc[j]]) : A(0);
+            c1[j] = A(0);
+        }
+    }
+    if (center) {
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) s1[j] = A(0);
+        TILE_ROLLED
+        for (int r = s.k; r < nrows; r += s.lanes) {
+            A v[CPT];
+            load_cols<T, CPT>(col + r * ncols, v);
+            ANYNORM_UNROLL
+            for (int j = 0; j < CPT; ++j) s1[j] += v[j] - shift[j];
+        }
+        tile_vec_sum<CPT, false>(s1, s2, s, ncols, group, red);
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) c1[j] = s1[j] / n;
+    }
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) s1[j] = s2[j] = A(0);
+    TILE_ROLLED
+    for (int r = s.k; r < nrows; r += s.lanes) {
+        A v[CPT];
+        load_cols<T, CPT>(col + r * ncols, v);
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            const A d = (v[j] - shift[j]) - c1[j];
+            s1[j] += d;
+            s2[j] += d * d;
+        }
+    }
+    tile_vec_sum<CPT, true>(s1, s2, s, ncols, group, red);
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) {  // s1: c = c1 + c2, s2: rstd
+        const A c2 = center ? s1[j] / n : A(0);
+        const A var = s2[j] / n - c2 * c2;
+        s1[j] = c1[j] + c2;
+        s2[j] = inv_sqrt((var < A(0) ? A(0) : var) + A(eps));
+    }
+    if (s.k == 0) {
+        int sc[CPT];
+        stat_cols<CPT>(c0, group, sc);
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j)
+            if (sc[j] == c0 + j && c0 + j < t.valid_cols) {
+                const long long st = o * (inner / group) + (t.start + c0 + j) / group;
+                if (rstd) rstd[st] = s2[j];  // optional, as in rows.cu
+                if (mean) mean[st] = shift[j] + s1[j];
+            }
+    }
+    if (!stage_y) return;
+    if (mode == PARAM_COL) {  // y = ((v - shift) - c) * (rstd * w) + b, one w and b per column
+        A bias[CPT];
+        column_params<T, CPT>(w, b, m0, p_div, p_len, s2, bias);
+        TILE_ROLLED
+        for (int r = s.k; r < nrows; r += s.lanes) {
+            A v[CPT];
+            load_cols<T, CPT>(col + r * ncols, v);
+            TileVec<T, CPT> out;
+            ANYNORM_UNROLL
+            for (int j = 0; j < CPT; ++j) out.v[j] = from_acc<T>(((v[j] - shift[j]) - s1[j]) * s2[j] + bias[j]);
+            *reinterpret_cast<TileVec<T, CPT>*>(tile + r * ncols + c0) = out;
+        }
+    } else if (w.ptr && b.ptr && w.in_t == b.in_t) {  // PARAM_ROW, the common case: one loop per storage
+        if (w.in_t)
+            write_rows_vec<T, T, CPT>(tile, s, nrows, ncols, c0, shift, s1, s2, static_cast<const T*>(w.ptr),
+                                      static_cast<const T*>(b.ptr));
+        else
+            write_rows_vec<T, A, CPT>(tile, s, nrows, ncols, c0, shift, s1, s2, static_cast<const A*>(w.ptr),
+                                      static_cast<const A*>(b.ptr));
+    } else {  // PARAM_ROW: y = ((v - shift) - c) * rstd * w[r] + b[r]
+        TILE_ROLLED
+        for (int r = s.k; r < nrows; r += s.lanes) {
+            const A wr = weight_at(w, r), br = bias_at(b, r);
+            A v[CPT];
+            load_cols<T, CPT>(col + r * ncols, v);
+            TileVec<T, CPT> out;
+            ANYNORM_UNROLL
+            for (int j = 0; j < CPT; ++j) out.v[j] = from_acc<T>(((v[j] - shift[j]) - s1[j]) * s2[j] * wr + br);
+            *reinterpret_cast<TileVec<T, CPT>*>(tile + r * ncols + c0) = out;
+        }
+    }
+}
+
+// The tile's columns inside inner, rows to memory element by element (y staged in the tile,
+// where no vector fits inner or y's alignment).
+template <typename T>
+__device__ __forceinline__ void store_tile_scalar(T* __restrict__ out, const T* tile, long long base,
+                                                  long long inner, const TilePlace& t) {
+    if (!t.valid) return;
+    const long long step = (long long)t.lanes * inner;
+    long long e = base + (long long)t.k * inner + t.c;
+    TILE_ROLLED
+    for (int r = t.k; r < t.nrows; r += t.lanes, e += step) out[e] = tile[r * t.ncols + t.c];
+}
+
+// cols_fwd_tile's loop over o in the vector form (fwd_tile_vec).
+template <typename T, int CPT>
+__device__ __forceinline__ void fwd_tiles_vec(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,
+                                              T* __restrict__ y, const Param<T>& w, const Param<T>& b,
+                                              acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd,
+                                              acc_t<T>* red, T* tile, const TilePlace& t, long long outer,
+                                              long long reduced, long long inner, long long p_div, long long p_len,
+                                              int mode, int center, double eps) {
+    // the thread's first column's place in the parameters' period (PARAM_COL)
+    const int m0 = mode == PARAM_COL ? (int)((t.start + tile_vec_spot(t.ncols, CPT).q * CPT) % (p_div * p_len)) : 0;
+    for (long long o = blockIdx.y; o < outer; o += gridDim.y) {
+        const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
+        load_tile<T, 16>(tile, x, res, h, tile_base, inner, t);
+        cp_async_wait_all();
+        __syncthreads();
+        fwd_tile_vec<T, CPT>(tile, red, t, o, inner, m0, (int)p_div, (int)p_len, mode, center, eps, y != 0, w, b, mean,
+                             rstd);
+        if (y) {
+            __syncthreads();
+            // worked out here rather than kept: a register across the loop made ptxas spill
+            const int vy = tile_vec_len<T>(inner, t.ncols, y, 0);
+            if (vy > 1)
+                store_tile(vy, y, tile, tile_base, inner, t);
+            else
+                store_tile_scalar(y, tile, tile_base, inner, t);
+        }
+        __syncthreads();  // the tile is refilled for the next o
+    }
+}
+
 // Forward, shifted two-pass statistics over the tile's rows and the group's columns (n values):
 //   shift = v[first row, first column of the statistic]    (an element: v - shift is exact near it)
 //   c1 = sum(v - shift) / n,   d = (v - shift) - c1,   c2 = sum(d) / n   (c2: c1's rounding)
@@ -338,11 +647,19 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
     const Param<T> w = {w_arg, param_in_t & 1};
     const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
     typedef acc_t<T> A;
-    __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
+    const int CPT = TileCpt<T>::value;
+    __shared__ A red[4 * TILE_THREADS];  // the scalar form's part and column; the vector form's partials
+    A* part = red;
+    A* column = red + 2 * TILE_THREADS;
     T* tile = dynamic_shared<T>();
     const TilePlace t = tile_place(reduced, inner, group, width, blockIdx.x);
     const long long i = t.start + t.c;
     const int mode = param_mode(inner, p_div, p_len);
+    if (tile_vec_compute(t.ncols, CPT) && (mode == PARAM_ROW || p_div * p_len < (1ll << 31))) {
+        fwd_tiles_vec<T, TileCpt<T>::value>(x, res, h, y, w, b, mean, rstd, red, tile, t, outer, reduced, inner,
+                                            p_div, p_len, mode, center, eps);
+        return;
+    }
     A wc = A(1), bc = A(0);
     if (mode == PARAM_COL && t.valid) {
         const long long p = (i / p_div) % p_len;
@@ -381,7 +698,7 @@ cols_fwd_tile(const T* __restrict__ x, const T* __restrict__ res, T* __restrict_
         const A var = ss / n - c2 * c2;
         const A rs = inv_sqrt((var < A(0) ? A(0) : var) + A(eps));
         if (t.valid && t.k == 0 && t.c == t.stat_col) {
-            const long long s = o * (inner / group) + i / group;
+            const long long s = (o * inner + i) / group;  // one division: o * (inner / group) spilled
             if (rstd) rstd[s] = rs;  // optional, as in rows.cu
             if (mean) mean[s] = shift + c;
         }

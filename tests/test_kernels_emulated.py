@@ -444,18 +444,21 @@ def _tile_bytes(case, dtype, width, copies):
 
 
 def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, want_y=True,
-                path="warp", items=None, chunk=None, offset=0, grid=None, schedule=None):
+                path="warp", items=None, chunk=None, offset=0, grid=None, schedule=None, params_in_t=False):
     """Launch the forward kernels; returns float64 (y, h, mean, rstd) (None where not produced).
 
     ``grid`` replaces every grid extent that a kernel loops over (rows, outer, slices,
-    elements): 1 makes each kernel walk its whole range from a single block or warp group."""
+    elements): 1 makes each kernel walk its whole range from a single block or warp group.
+    ``params_in_t`` (tile path): weight and bias stored in x's dtype (``param_in_t`` flags)."""
     A = ACC[dtype]
     xd = emu.to_device(x.reshape(-1), dtype, offset)
     rd = None if res is None else emu.to_device(res.reshape(-1), dtype, offset)
     hd = None if res is None else emu.empty(case.total, dtype, offset)
     yd = emu.empty(case.total, dtype, offset) if want_y else None
-    wd = None if w is None else emu.to_device(w, A)
-    bd = None if b is None else emu.to_device(b, A)
+    P = dtype if params_in_t else A
+    wd = None if w is None else emu.to_device(w, P)
+    bd = None if b is None else emu.to_device(b, P)
+    pin = (int(w is not None) | int(b is not None) << 1) if params_in_t else 0
     mean = emu.empty(case.slices, A) if center else None
     rstd = emu.empty(case.slices, A)
     outer, reduced, inner, group = case.outer, case.reduced, case.inner, case.group
@@ -464,7 +467,7 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
         width = items
         kernels("cols_fwd_tile", dtype)((_ceil(inner, width), grid or min(outer, 65535)), (BLOCK,),
                                         (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, inner, group,
-                                         width, case.p_div, case.p_len, center, eps, 0),
+                                         width, case.p_div, case.p_len, center, eps, pin),
                                         shared_mem=_tile_bytes(case, dtype, width, 1), **launch)
     elif path in ("warp", "block"):  # rows held in registers: a warp or a 256-thread block per row
         per_row = 32 if path == "warp" else row_threads(reduced, items)
@@ -598,6 +601,8 @@ def check_forward(kernels, case, dtype, *, center=1, weight=True, bias=True, res
                   want_y=True, eps=1e-5, seed=0, **kw):
     x, w, b = _data(case, dtype, seed)
     w, b = (w if weight else None), (b if bias and center else None)
+    if kw.get("params_in_t"):  # stored in dtype: the reference takes the rounded values
+        w, b = (None if w is None else _rounded(w, dtype)), (None if b is None else _rounded(b, dtype))
     res = np.random.default_rng(seed + 1).standard_normal(case.shape) if residual else None
     y, h, mean, rstd = run_forward(kernels, case, dtype, x, w, b, center=center, eps=eps, res=res,
                                    want_y=want_y, **kw)

@@ -233,16 +233,41 @@ from anynorm._cuda import _schedule  # noqa: E402  (pure: no CuPy needed)
 def test_tile_width_fits_and_covers_whole_statistics(outer, reduced, per_group, group, itemsize, copies,
                                                        budget, target):
     inner = per_group * group
-    width = _schedule.tile_width(outer, reduced, inner, group, itemsize, copies, budget, target)
+    plain = _schedule.tile_width(outer, reduced, inner, group, itemsize, copies, budget, target)
+    vector = _schedule.tile_width(outer, reduced, inner, group, itemsize, copies, budget, target,
+                                  vector_compute=True)
+    assert (plain is None) == (vector is None)  # the forward's preference only orders the widths
     fit = min(budget // (copies * reduced * itemsize), 256)
-    if width is None:  # nothing fits: not all of inner, no sector-wide tile, no 16-byte vectors
-        vector = math.lcm(group, 16 // itemsize)
-        assert inner > fit and fit // group * group * itemsize < 32 and fit // vector * vector * itemsize < 16
-        return
-    assert 1 <= width <= min(inner, 256) and width % group == 0
-    assert copies * reduced * width * itemsize <= budget
-    # all of inner, whole sectors, or whole 16-byte vectors where sector-wide tiles are too few
-    assert width == inner or width * itemsize >= 32 or (width * itemsize >= 16 and width * itemsize % 16 == 0)
+    for width in (plain, vector):
+        if width is None:  # nothing fits: not all of inner, no sector-wide tile, no 16-byte vectors
+            step = math.lcm(group, 16 // itemsize)
+            assert inner > fit and fit // group * group * itemsize < 32 and fit // step * step * itemsize < 16
+            continue
+        assert 1 <= width <= min(inner, 256) and width % group == 0
+        assert copies * reduced * width * itemsize <= budget
+        # all of inner, whole sectors, or whole 16-byte vectors where sector-wide tiles are too few
+        assert width == inner or width * itemsize >= 32 or (width * itemsize >= 16 and width * itemsize % 16 == 0)
+    if plain is not None and _schedule.tile_vector_compute(plain, itemsize):
+        assert _schedule.tile_vector_compute(vector, itemsize)
+
+
+@pytest.mark.parametrize("shape, itemsize, group, plain, want, vector_form", [
+    ((64, 96, 56 * 56), 4, 1, 136, 128, True),  # ConvNeXt stage 1, float32 forward: 32 vectors of 4
+    ((64, 192, 28 * 28), 2, 1, 96, 64, True),  # stage 2 bfloat16: 16 vectors, not 24
+    ((64, 384, 14 * 14), 4, 1, 24, 16, True),  # stage 3 float32
+    ((64, 96, 56 * 56), 2, 1, 256, 256, True),  # bfloat16 stage 1: 64 vectors already
+    ((32, 3136, 64), 2, 1, 8, 8, True),  # NHWC instance norm: 2 vectors
+    ((32, 784, 320), 2, 10, 20, 20, False),  # NHWC group norm, C / G = 10: no such width
+])
+def test_forward_tile_widths_take_the_vector_form(shape, itemsize, group, plain, want, vector_form):
+    """The forward's widths are those cols_fwd_tile works in shared-memory vectors (a power of
+    two, at most 64, of 4-column vectors) where one fits the budget (53120 bytes: an H100's
+    first tier, 4 blocks per SM)."""
+    outer, reduced, inner = shape
+    budget, target = 53120, 4 * 132
+    assert _schedule.tile_width(outer, reduced, inner, group, itemsize, 1, budget, target) == plain
+    got = _schedule.tile_width(outer, reduced, inner, group, itemsize, 1, budget, target, vector_compute=True)
+    assert got == want and _schedule.tile_vector_compute(got, itemsize) == vector_form
 
 
 @pytest.mark.parametrize("shape, dtype_size, copies, want", [

@@ -226,6 +226,42 @@ def test_tiles_load_and_store_128_bits_and_no_local_memory(tmp_path, dtype):
         assert not re.search(r"\b(LDL|STL)\b", code), f"{kernel}<{dtype}>: local memory"
 
 
+def _loop_bodies(code):
+    """Instructions of each backward branch's loop (target .. branch), in SASS order."""
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+(.*?);", code)]
+    bodies = []
+    for addr, text in ins:
+        branch = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)\s*$", text)
+        if branch and int(branch.group(1), 16) < addr:
+            bodies.append([t for a, t in ins if int(branch.group(1), 16) <= a <= addr])
+    return bodies
+
+
+def vector_row_loops(code):
+    """Sizes of the loops that walk a tile's rows in shared-memory vectors: one 64- or 128-bit
+    shared load, float adds, no global memory."""
+    sizes = []
+    for body in _loop_bodies(code):
+        shared = [b for b in body if re.search(r"\bLDS", b)]
+        if (len(shared) == 1 and re.search(r"\bLDS\.(64|128)\b", shared[0])
+                and not any(re.search(r"\b(LDG|STG|LDGSTS)", b) for b in body)
+                and sum(bool(re.search(r"\bFADD", b)) for b in body) >= 2):
+            sizes.append(len(body))
+    return sorted(sizes)
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16", "float32"))
+def test_forward_tile_arithmetic_in_vectors(tmp_path, dtype):
+    """cols_fwd_tile's passes over a tile (the shifted sum, the centred sums, y with a weight
+    per column) each walk the rows in 4-column shared-memory vectors at <= 8 instructions an
+    element: the scalar form took 9, 11 and 13-42 (a load, a conversion and a dependent add per
+    element), which bounded the kernel at about a third of copy bandwidth (issue 15)."""
+    sizes = vector_row_loops(sass_by_kernel("tiles.cu", dtype, tmp_path)["cols_fwd_tile"])
+    cpt = _schedule._TILE_CPT[2 if dtype != "float32" else 4]
+    assert len(sizes) >= 3 and max(sizes[:3]) <= 8 * cpt, sizes
+
+
 if os.environ.get("ANYNORM_PRINT_PROXIES"):  # a table for notes: ANYNORM_PRINT_PROXIES=1 pytest -s -k table
     def test_print_table(reports):
         for (kernel, dtype), (regs, smem, dynamic, blocks, occ) in sorted(occupancy_table(reports).items()):

@@ -88,3 +88,33 @@ def test_tile_stats_only_and_rms(tiles, name, make, width, dtype):
     K.check_forward(tiles, make(), dtype, path="tile", items=width, want_y=False)
     K.check_forward(tiles, make(), dtype, path="tile", items=width, center=0)
     K.check_backward(tiles, make(), dtype, path="tile", items=width, center=0)
+
+
+# The forward's arithmetic in shared-memory vectors (tiles.cu: fwd_tile_vec, taken where a tile
+# row holds a power of two, at most 64, of TileCpt-column vectors: 4 columns in 16-bit types
+# and float32, 2 in float64): statistics of 1, 2, 4 and 32 columns next to the vector width,
+# vectors side by side in a warp (qw) from 1 to 8, warps sharing columns (G) from 8 to 1, and
+# the scalar form where the width is no such multiple (the CASES above: widths 12, 6, 49).
+VECTOR_CASES = [
+    ("ln_cf_w8", lambda: K.layer_norm_channels_first(2, 13, 3, 8), 8),  # 2 (f32) / 4 (f64) vectors a row
+    ("ln_cf_w32_partial", lambda: K.layer_norm_channels_first(1, 7, 5, 9), 32),  # inner 45: second tile 13 wide
+    ("ln_cf_w128", lambda: K.layer_norm_channels_first(2, 5, 1, 200), 128),  # 32 vectors: 4 warps a row
+    ("gn_nhwc_g2", lambda: K.group_norm_nhwc(2, 5, 7, 64, 32), 16),  # 2 statistics in each vector
+    ("gn_nhwc_g32", lambda: K.group_norm_nhwc(1, 3, 5, 128, 4), 64),  # a statistic over 8 vectors
+    ("in_nhwc_long", lambda: K.instance_norm_nhwc(1, 23, 29, 8), 8),  # 667 rows, 128+ lanes a column
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,width", VECTOR_CASES, ids=[c[0] for c in VECTOR_CASES])
+def test_tile_forward_vector_form(tiles, name, make, width, dtype):
+    """fwd_tile_vec against the float64 reference: y, mean and rstd, with a residual, without
+    parameters, as RMS norm, and with weight and bias stored in x's dtype (channels-first
+    layer norm: the per-storage loops) or weight alone (the generic loop)."""
+    case = make()
+    K.check_forward(tiles, case, dtype, path="tile", items=width, residual=dtype != "float64")
+    K.check_forward(tiles, case, dtype, path="tile", items=width, weight=False, bias=False)
+    K.check_forward(tiles, case, dtype, path="tile", items=width, center=0, bias=False)
+    K.check_forward(tiles, case, dtype, path="tile", items=width, params_in_t=True)
+    K.check_forward(tiles, case, dtype, path="tile", items=width, bias=False, params_in_t=True)
+    K.check_forward(tiles, case, dtype, path="tile", items=width, want_y=False)

@@ -403,7 +403,20 @@ def tile_params_fit(layout) -> bool:
             or (layout.p_div == layout.inner and layout.p_len == layout.reduced))
 
 
-def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target, row_extra=0):
+# Columns a thread of cols_fwd_tile holds in one shared-memory vector (tiles.cu: TileCpt)
+_TILE_CPT = {2: 4, 4: 4, 8: 2}  # by itemsize
+
+
+def tile_vector_compute(width, itemsize) -> bool:
+    """Whether cols_fwd_tile works on a tile ``width`` columns wide in vectors of
+    ``_TILE_CPT`` columns (tiles.cu: tile_vec_compute): a power of two, at most 64, of them
+    a row."""
+    cpt = _TILE_CPT[itemsize]
+    per_row = width // cpt
+    return width % cpt == 0 and per_row <= 64 and per_row & (per_row - 1) == 0
+
+
+def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target, row_extra=0, vector_compute=False):
     """Inner positions per block of tiles.cu (a multiple of ``group``), or None: the tile
     (``copies`` arrays of ``reduced x width`` elements, and ``row_extra`` bytes per row of
     ``reduced``: the backward's dweight/dbias accumulators) must fit ``budget`` bytes with rows
@@ -413,7 +426,10 @@ def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target, r
     ``lcm(group, 16 / itemsize)``, at least 16 bytes) that are not whole sectors, for small
     spatial extents with many channels (ConvNeXt's 64x768x7x7 makes 256 tiles of 16
     bfloat16 columns, 448 of 8): the neighbouring tile, which reads the rest of a sector,
-    runs at the same time (adjacent blockIdx.x) and finds it in L2."""
+    runs at the same time (adjacent blockIdx.x) and finds it in L2. With
+    ``vector_compute`` (the forward) only the widths that :func:`tile_vector_compute`
+    takes are tried where there are any: the vector form issues about a third of the scalar
+    form's instructions per element, which buys more than the widest tile."""
     fit = min(max(0, budget - reduced * row_extra) // (copies * reduced * itemsize), _TILE_THREADS)
     sector = max(1, _SECTOR // itemsize)
     step = math.lcm(group, sector)
@@ -424,13 +440,15 @@ def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target, r
     vector = math.lcm(group, max(1, 16 // itemsize))
     below = min(widths[-1] if widths else fit + 1, fit + 1, inner)
     widths += [w for w in range((below - 1) // vector * vector, 0, -vector) if w * itemsize >= 16]
+    if vector_compute:
+        widths = [w for w in widths if tile_vector_compute(w, itemsize)] or widths
     for width in widths:
         if outer * _ceil(inner, width) >= target:
             return width
     return widths[-1] if widths else None
 
 
-def _tile(layout, dtype, copies, row_extra=0):
+def _tile(layout, dtype, copies, row_extra=0, vector_compute=False):
     """(width, grid, dynamic smem bytes) of the tile kernels, or None when no tile fits:
     the first budget of ``_tile_budgets`` that holds one wins, a later one only with at
     least a block per SM. ``row_extra``: bytes of shared memory per row of ``reduced`` past
@@ -441,7 +459,7 @@ def _tile(layout, dtype, copies, row_extra=0):
     target = _target_blocks()
     for tier, budget in enumerate(_tile_budgets(dtype)):
         width = tile_width(layout.outer, layout.reduced, layout.inner, layout.group, itemsize, copies,
-                           budget, target, row_extra)
+                           budget, target, row_extra, vector_compute)
         if width is not None:
             break
     else:
@@ -510,7 +528,7 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
               (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=c, smem=smem)
         return
-    tile = _tile(layout, dtype, 1)
+    tile = _tile(layout, dtype, 1, vector_compute=True)
     if tile is not None:
         width, grid, smem = tile
         _step("cols_fwd_tile", dtype, grid, (_TILE_THREADS,),
