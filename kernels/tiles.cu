@@ -282,6 +282,19 @@ __device__ __forceinline__ void load_tile(T* tile, const T* __restrict__ x, cons
 // PARAM_ROW where p_div == inner and p_len == reduced: p = r (channels-first layer norm).
 enum { PARAM_COL = 0, PARAM_ROW = 1 };
 
+// v as a value the compiler keeps (no rematerializing it from what it was computed from):
+// cols_bwd_tile_vec's param_mode was folded into its 64-bit remainder, which stayed live
+// across the kernel and was what ptxas spilled.
+__device__ __forceinline__ int opaque(int v) {
+#ifdef ANYNORM_CUDA_EMU
+    return v;
+#else
+    int out;
+    asm volatile("mov.b32 %0, %1;" : "=r"(out) : "r"(v));
+    return out;
+#endif
+}
+
 __device__ __forceinline__ int param_mode(long long inner, long long p_div, long long p_len) {
     return inner % (p_div * p_len) == 0 ? PARAM_COL : PARAM_ROW;
 }
@@ -344,6 +357,15 @@ __device__ __forceinline__ bool tile_vec_compute(int ncols, int cpt) {
     if (ncols % cpt) return false;
     const int per_row = ncols / cpt;
     return per_row <= 64 && (per_row & (per_row - 1)) == 0;
+}
+
+// Whether cols_bwd_tile_vec takes a launch: the vector geometry, a parameter period within 32
+// bits where the parameter is the column's, and per-column dweight/dbias (!param_rows) only
+// there (the row's weight is in its sums).
+__device__ __forceinline__ bool tile_bwd_vector(int width, int cpt, int mode, bool param_grads, int param_rows,
+                                                long long period) {
+    return tile_vec_compute(width, cpt) &&
+           (mode == PARAM_ROW ? !(param_grads && !param_rows) : period < (1ll << 31));
 }
 
 __device__ __forceinline__ TileVecSpot tile_vec_spot(int ncols, int cpt) {
@@ -769,57 +791,309 @@ __device__ __forceinline__ void write_dx(T* __restrict__ dx, T* dy_tile, const T
     }
 }
 
-// Backward: g = dy * w, xhat = (x - mean) * rstd,
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (RMS: no mean(g) term).
-// The saved mean is the true mean rounded to A, half an ulp of the data's magnitude away:
-// the tile gives back that rounding, c = sum(x - mean) / n (x - mean is exact near the
-// mean), and xhat = ((x - mean) - c) * rstd. Where |c| exceeds a few ulps of the mean, the
-// mean given is not this tile's and is taken as it is (c = 0).
-//
-// A persistent grid: the work is the outer * tiles items q = o * tiles + tile (tiles =
-// ceil(inner / width)), and block b takes q = b, b + gridDim.x, ... in that fixed order
-// (blocks running at once hold neighbouring tiles of one o, which share DRAM sectors).
-// Any gridDim.x >= 1 is correct; the launcher takes the blocks resident at once.
-//
-// With part_w (nullable; part_b nullable too), also the parameter gradients' partial sums
-// sum(dy * xhat) and sum(dy), for param_grad_finish, where the parameter index is the tile's
-// row or column:
-//   param_rows == 1: p = r (p_div == inner, p_len == reduced: channels-first layer norm).
-//     Each item's per-row sums (one warp per row over the tile's columns) are added to the
-//     block's float32 (float64: float64) accumulators, 2 * reduced values of A in dynamic
-//     shared memory after the two tiles, in the block's fixed order of items; at the end
-//     the block writes part[blockIdx.x * reduced + r] (nchunk = gridDim.x): the partial
-//     rows scale with the blocks resident, not with the tiles (ConvNeXt's 64x384x14x14 in
-//     bfloat16: 396 partial rows instead of 832). Deterministic: fixed orders, no atomics.
-//   param_rows == 0: p = i (p_div == 1, p_len == inner: NHWC instance/group norm).
-//     part[o * inner + i] per item (nchunk = outer), as the columns' sums come out of the
-//     item. Kept so: a block whose items span several column tiles would need a partial
-//     row of all p_len = inner columns, and gridDim.x such rows are more than outer of them
-//     wherever the grid has more blocks than the batch has samples (every NHWC shape of
-//     issue 15: outer 32 against 396 blocks). The per-o rows are 2 values of A per column
-//     against reduced * 2 elements of dy and x read for it: 1/1568 of x's bytes for
-//     32x56x56x64 bfloat16, 1/196 for 32x28x28x256, 1/12 for 32x7x7x2048 (49 rows).
-// Dynamic smem 2 * reduced * width * sizeof(T) (dy tile, then x tile), + 2 * reduced *
-// sizeof(A) with part_w and param_rows (the accumulators; 2 * sizeof(T) >= sizeof(A) keeps
-// them aligned).
-template <typename T>
-__global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS_BWD(T))
-cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
-              const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-              acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long outer,
-              long long reduced, long long inner, long long group, long long width, long long p_div,
-              long long p_len, int param_rows, int center, int param_in_t) {
-    const Param<T> w = {w_arg, param_in_t & 1};
+// ---- the backward's arithmetic in vectors (fwd_tile_vec's geometry) ------------------------
+
+// Ordinal, from the tile's first column, of each of the thread's CPT columns' statistics.
+template <int CPT>
+__device__ __forceinline__ void stat_ordinals(int c0, int group, int (&k)[CPT]) {
+    int rem = c0 % group, ord = c0 / group;
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) {
+        k[j] = ord;
+        if (++rem == group) {
+            rem = 0;
+            ++ord;
+        }
+    }
+}
+
+// The weight of tile row r (PARAM_ROW) stored as K: 0 none (1), 1 in T, 2 in A; one loop per
+// storage, as write_rows_vec.
+template <int K, typename T>
+__device__ __forceinline__ acc_t<T> row_weight(const void* w, int r) {
+    if (K == 0) return acc_t<T>(1);
+    if (K == 1) return to_acc(static_cast<const T*>(w)[r]);
+    return static_cast<const acc_t<T>*>(w)[r];
+}
+
+// Sums over the thread's rows of its CPT columns: sa += dw, sb += dw * (x - mu) with dw = dy
+// (PARAM_COL: a column's weight is applied to its sums afterwards, and these are its
+// dweight/dbias sums too) or dy * w[r] (PARAM_ROW, stored as K). The caller forms
+// sum(dw * xhat) = rs * (sb - c * sa) for xhat = ((x - mu) - c) * rs: the loop holds mu alone.
+template <typename T, int CPT, int MODE, int K>
+__device__ __forceinline__ void bwd_vec_sums(const T* dy_tile, const T* x_tile, const TileVecSpot& s, int nrows,
+                                             int ncols, int c0, const acc_t<T> (&mu)[CPT], const void* w,
+                                             acc_t<T> (&sa)[CPT], acc_t<T> (&sb)[CPT]) {
     typedef acc_t<T> A;
-    __shared__ A part[2 * TILE_THREADS], column[2 * TILE_THREADS];
-    T* dy_tile = dynamic_shared<T>();
-    T* x_tile = dy_tile + reduced * width;
-    // the block's dweight/dbias sums per row (param_rows): [r] and [reduced + r]
-    A* row_acc = reinterpret_cast<A*>(x_tile + reduced * width);
-    const bool by_row = part_w && param_rows;
-    if (by_row)
-        for (int r = threadIdx.x; r < 2 * (int)reduced; r += TILE_THREADS) row_acc[r] = A(0);
-    const int mode = param_mode(inner, p_div, p_len);
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) sa[j] = sb[j] = A(0);
+    TILE_ROLLED
+    for (int r = s.k; r < nrows; r += s.lanes) {
+        A d[CPT], v[CPT];
+        load_cols<T, CPT>(dy_tile + r * ncols + c0, d);
+        load_cols<T, CPT>(x_tile + r * ncols + c0, v);
+        const A wr = MODE == PARAM_ROW ? row_weight<K, T>(w, r) : A(1);
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            const A g = MODE == PARAM_ROW ? d[j] * wr : d[j];
+            sa[j] += g;
+            sb[j] += g * (v[j] - mu[j]);
+        }
+    }
+}
+
+// dx = rs * ((g - mean(g)) - xhat * mean(g * xhat)) over the thread's rows, g = dy * w,
+// xhat = ((x - mu) - c) * rs (the scalar form's arithmetic: a slice of one element, or of
+// equal elements, gets dx = 0 exactly), staged in place of dy. wc: the columns' weights
+// (PARAM_COL) or row r's by K (PARAM_ROW).
+template <typename T, int CPT, int MODE, int K>
+__device__ __forceinline__ void bwd_vec_dx(T* dy_tile, const T* x_tile, const TileVecSpot& s, int nrows, int ncols,
+                                           int c0, const acc_t<T> (&mu)[CPT], const acc_t<T> (&c)[CPT],
+                                           const acc_t<T> (&rs)[CPT], const acc_t<T> (&wc)[CPT],
+                                           const acc_t<T> (&mg)[CPT], const acc_t<T> (&mgx)[CPT], const void* w) {
+    typedef acc_t<T> A;
+    TILE_ROLLED
+    for (int r = s.k; r < nrows; r += s.lanes) {
+        A d[CPT], v[CPT];
+        load_cols<T, CPT>(dy_tile + r * ncols + c0, d);
+        load_cols<T, CPT>(x_tile + r * ncols + c0, v);
+        const A wr = MODE == PARAM_ROW ? row_weight<K, T>(w, r) : A(1);
+        TileVec<T, CPT> out;
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            const A g = d[j] * (MODE == PARAM_ROW ? wr : wc[j]);
+            const A xhat = ((v[j] - mu[j]) - c[j]) * rs[j];
+            out.v[j] = from_acc<T>(rs[j] * ((g - mg[j]) - xhat * mgx[j]));
+        }
+        *reinterpret_cast<TileVec<T, CPT>*>(dy_tile + r * ncols + c0) = out;
+    }
+}
+
+// dweight/dbias of each tile row (p = r): a warp per row, lanes across the row's vectors,
+// each column's mu, rs and c from `cols` ([c], [TILE_THREADS + c], [2 * TILE_THREADS + c]),
+// added into the block's row_acc in the fixed order of its items (as the scalar form). Half
+// vectors: five whole ones in flight spilled; a check per column (the last vector may run
+// past valid_cols): without it, the whole vectors' loop and the last one's took more
+// registers than the bound leaves.
+template <typename T, int CPT>
+__device__ __forceinline__ void bwd_vec_row_grads(const T* dy_tile, const T* x_tile, const acc_t<T>* cols,
+                                                  acc_t<T>* row_acc, const TilePlace& t) {
+    typedef acc_t<T> A;
+    const int HALF = CPT > 1 ? CPT / 2 : 1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nvec = (t.valid_cols + CPT - 1) / CPT;
+    for (int r = warp; r < t.nrows; r += TILE_THREADS / 32) {
+        A rw = A(0), rb = A(0);
+        for (int q = lane; q < nvec; q += 32)
+            ANYNORM_UNROLL
+            for (int h = 0; h < CPT; h += HALF) {
+                const int c0 = q * CPT + h;
+                A d[HALF], v[HALF], mu[HALF], rs[HALF], c[HALF];
+                load_cols<T, HALF>(dy_tile + r * t.ncols + c0, d);
+                load_cols<T, HALF>(x_tile + r * t.ncols + c0, v);
+                load_cols<A, HALF>(cols + c0, mu);
+                load_cols<A, HALF>(cols + TILE_THREADS + c0, rs);
+                load_cols<A, HALF>(cols + 2 * TILE_THREADS + c0, c);
+                ANYNORM_UNROLL
+                for (int j = 0; j < HALF; ++j)
+                    if (c0 + j < t.valid_cols) {
+                        rw += d[j] * (((v[j] - mu[j]) - c[j]) * rs[j]);
+                        rb += d[j];
+                    }
+            }
+        rw = warp_sum(rw);
+        rb = warp_sum(rb);
+        if (lane == 0) {  // row r's accumulators: always this warp's lane 0
+            row_acc[r] += rw;
+            row_acc[t.nrows + r] += rb;
+        }
+    }
+}
+
+// cols_bwd_tile's work on one item (o, tile) in vectors: the scalar form's passes (the saved
+// mean's rounding c, the sums, the parameter gradients, dx staged in the dy tile) with
+// fwd_tile_vec's geometry. Columns past valid_cols take mu = rs = 0 and are never stored.
+template <typename T, int CPT>
+__device__ __forceinline__ void bwd_tile_vec(T* dy_tile, const T* x_tile, acc_t<T>* red, acc_t<T>* row_acc,
+                                             const TilePlace& t, long long o, long long inner, long long p_div,
+                                             long long p_len, int mode, int center, const Param<T>& w,
+                                             const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                                             acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
+                                             int param_rows) {
+    typedef acc_t<T> A;
+    const TileVecSpot s = tile_vec_spot(t.ncols, CPT);
+    const int nrows = t.nrows, ncols = t.ncols, group = t.ngroup, c0 = s.q * CPT;
+    const A n = A((long long)nrows * group);
+    A mu[CPT], rs[CPT], c[CPT];
+    {
+        int k[CPT];
+        stat_ordinals<CPT>(c0, group, k);
+        const long long st0 = o * (inner / group) + t.start / group;
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            const bool ok = c0 + j < t.valid_cols;
+            mu[j] = center && ok ? mean[st0 + k[j]] : A(0);
+            rs[j] = ok ? rstd[st0 + k[j]] : A(0);
+            c[j] = A(0);
+        }
+    }
+    if (center) {  // c = sum(x - mean) / n: the saved mean's rounding (0 where not this x's mean)
+        A sx[CPT], unused[CPT];
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) sx[j] = A(0);
+        TILE_ROLLED
+        for (int r = s.k; r < nrows; r += s.lanes) {
+            A v[CPT];
+            load_cols<T, CPT>(x_tile + r * ncols + c0, v);
+            ANYNORM_UNROLL
+            for (int j = 0; j < CPT; ++j) sx[j] += v[j] - mu[j];
+        }
+        tile_vec_sum<CPT, false>(sx, unused, s, ncols, group, red);
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            const A cj = sx[j] / n;
+            c[j] = fabs(cj) <= mean_rounding<A>() * fabs(mu[j]) ? cj : A(0);
+        }
+    }
+    A sg[CPT], sgx[CPT];  // sums of g = dy * w and g * (x - mu), then g * xhat
+    if (mode == PARAM_COL)
+        bwd_vec_sums<T, CPT, PARAM_COL, 0>(dy_tile, x_tile, s, nrows, ncols, c0, mu, w.ptr, sg, sgx);
+    else if (!w.ptr)
+        bwd_vec_sums<T, CPT, PARAM_ROW, 0>(dy_tile, x_tile, s, nrows, ncols, c0, mu, w.ptr, sg, sgx);
+    else if (w.in_t)
+        bwd_vec_sums<T, CPT, PARAM_ROW, 1>(dy_tile, x_tile, s, nrows, ncols, c0, mu, w.ptr, sg, sgx);
+    else
+        bwd_vec_sums<T, CPT, PARAM_ROW, 2>(dy_tile, x_tile, s, nrows, ncols, c0, mu, w.ptr, sg, sgx);
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) sgx[j] = rs[j] * (sgx[j] - c[j] * sg[j]);
+    // the thread's first column's place in the parameters' period (PARAM_COL)
+    const long long span = p_div * p_len, i0 = t.start + c0;
+    const int m0 = mode == PARAM_COL ? (int)(i0 < span ? i0 : i0 % span) : 0;
+    if (part_w && !param_rows) {  // per column (no group merge) to part[o * inner + i]: sum(dy * xhat), sum(dy)
+        A sdx[CPT], sd[CPT];
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            sdx[j] = sgx[j];
+            sd[j] = sg[j];
+        }
+        tile_vec_sum<CPT, true>(sdx, sd, s, ncols, 1, red);
+        if (s.k == 0)
+            ANYNORM_UNROLL
+            for (int j = 0; j < CPT; ++j)
+                if (c0 + j < t.valid_cols) {
+                    const long long e = o * inner + t.start + c0 + j;
+                    part_w[e] = sdx[j];
+                    if (part_b) part_b[e] = sd[j];
+                }
+    }
+    if (mode == PARAM_COL && w.ptr) {  // the columns' weights, loaded here and again for dx (not kept)
+        A wc[CPT], unused[CPT];
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) wc[j] = A(1);
+        column_params<T, CPT>(w, Param<T>{0, 0}, m0, (int)p_div, (int)p_len, wc, unused);
+        ANYNORM_UNROLL
+        for (int j = 0; j < CPT; ++j) {
+            sg[j] *= wc[j];
+            sgx[j] *= wc[j];
+        }
+    }
+    tile_vec_sum<CPT, true>(sg, sgx, s, ncols, group, red);
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) {  // sg -> mean(g), sgx -> mean(g * xhat)
+        sg[j] = center ? sg[j] / n : A(0);
+        sgx[j] /= n;
+    }
+    if (part_w && param_rows) {
+        if (s.k == 0)
+            ANYNORM_UNROLL
+            for (int j = 0; j < CPT; ++j) {
+                red[c0 + j] = mu[j];
+                red[TILE_THREADS + c0 + j] = rs[j];
+                red[2 * TILE_THREADS + c0 + j] = c[j];
+            }
+        __syncthreads();
+        bwd_vec_row_grads<T, CPT>(dy_tile, x_tile, red, row_acc, t);
+        __syncthreads();  // dx goes in place of dy next
+    }
+    A wc[CPT];  // the columns' weights (PARAM_COL)
+    ANYNORM_UNROLL
+    for (int j = 0; j < CPT; ++j) wc[j] = A(1);
+    if (mode == PARAM_COL && w.ptr) {
+        A unused[CPT];
+        column_params<T, CPT>(w, Param<T>{0, 0}, m0, (int)p_div, (int)p_len, wc, unused);
+    }
+    if (mode == PARAM_COL)
+        bwd_vec_dx<T, CPT, PARAM_COL, 0>(dy_tile, x_tile, s, nrows, ncols, c0, mu, c, rs, wc, sg, sgx, w.ptr);
+    else if (!w.ptr)
+        bwd_vec_dx<T, CPT, PARAM_ROW, 0>(dy_tile, x_tile, s, nrows, ncols, c0, mu, c, rs, wc, sg, sgx, w.ptr);
+    else if (w.in_t)
+        bwd_vec_dx<T, CPT, PARAM_ROW, 1>(dy_tile, x_tile, s, nrows, ncols, c0, mu, c, rs, wc, sg, sgx, w.ptr);
+    else
+        bwd_vec_dx<T, CPT, PARAM_ROW, 2>(dy_tile, x_tile, s, nrows, ncols, c0, mu, c, rs, wc, sg, sgx, w.ptr);
+}
+
+// The block's dweight/dbias partial row (p = r: part_w and param_rows), written once after its
+// items: part[blockIdx.x * reduced + r].
+template <typename A>
+__device__ __forceinline__ void write_row_partials(const A* row_acc, A* __restrict__ part_w, A* __restrict__ part_b,
+                                                   long long reduced) {
+    __syncthreads();
+    const long long k0 = (long long)blockIdx.x * reduced;
+    for (int r = threadIdx.x; r < (int)reduced; r += TILE_THREADS) {
+        part_w[k0 + r] = row_acc[r];
+        if (part_b) part_b[k0 + r] = row_acc[reduced + r];
+    }
+}
+
+// cols_bwd_tile's loop over its items in the vector form (bwd_tile_vec).
+template <typename T, int CPT>
+__device__ __forceinline__ void bwd_tiles_vec(const T* __restrict__ dy, const T* __restrict__ x, const Param<T>& w,
+                                              const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd,
+                                              T* __restrict__ dx, acc_t<T>* __restrict__ part_w,
+                                              acc_t<T>* __restrict__ part_b, acc_t<T>* red, T* dy_tile, T* x_tile,
+                                              acc_t<T>* row_acc, long long outer, long long reduced, long long inner,
+                                              long long group, long long width, long long p_div, long long p_len,
+                                              int param_rows, int center, int mode) {
+    const long long tiles = (inner + width - 1) / width;
+    // the item count read from shared memory each item: in a register across the item's
+    // work, ptxas spilled half of it at 80 registers
+    __shared__ long long items;
+    if (threadIdx.x == 0) items = outer * tiles;
+    __syncthreads();
+    for (long long q = blockIdx.x; q < items; q += gridDim.x) {
+        const long long o = q / tiles;
+        const TilePlace t = tile_place(reduced, inner, group, width, q - o * tiles);
+        const long long tile_base = o * reduced * inner + t.start;  // element (o, 0, start)
+        load_tile<T, 16>(dy_tile, dy, (const T*)0, (T*)0, tile_base, inner, t);
+        load_tile<T, 16>(x_tile, x, (const T*)0, (T*)0, tile_base, inner, t);
+        cp_async_wait_all();
+        __syncthreads();
+        bwd_tile_vec<T, CPT>(dy_tile, x_tile, red, row_acc, t, o, inner, p_div, p_len, mode, center, w, mean, rstd,
+                             part_w, part_b, param_rows);
+        __syncthreads();
+        const int vdx = tile_vec_len<T>(inner, t.ncols, dx, 0);  // > 1: dx stored in vectors
+        if (vdx > 1)
+            store_tile(vdx, dx, dy_tile, tile_base, inner, t);
+        else
+            store_tile_scalar(dx, dy_tile, tile_base, inner, t);
+        __syncthreads();
+    }
+    if (part_w && param_rows) write_row_partials(row_acc, part_w, part_b, reduced);
+}
+
+// cols_bwd_tile's loop over its items in the scalar form: thread (c, k) owns column c.
+template <typename T>
+__device__ __forceinline__ void bwd_tiles_scalar(const T* __restrict__ dy, const T* __restrict__ x,
+                                                 const Param<T>& w, const acc_t<T>* __restrict__ mean,
+                                                 const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+                                                 acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b,
+                                                 acc_t<T>* red, T* dy_tile, T* x_tile, acc_t<T>* row_acc,
+                                                 long long outer, long long reduced, long long inner, long long group,
+                                                 long long width, long long p_div, long long p_len, int param_rows,
+                                                 int center, int mode) {
+    typedef acc_t<T> A;
+    A* part = red;
+    A* column = red + 2 * TILE_THREADS;
     const A n = A(reduced * group);
     const long long tiles = (inner + width - 1) / width;
     const int vdx = tile_vec_len<T>(inner, (int)width, dx, 0);  // > 1: dx stored in vectors
@@ -907,12 +1181,83 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
         }
         __syncthreads();
     }
-    if (by_row) {  // the block's partial row, written once
-        __syncthreads();
-        const long long k0 = (long long)blockIdx.x * reduced;
-        for (int r = threadIdx.x; r < (int)reduced; r += TILE_THREADS) {
-            part_w[k0 + r] = row_acc[r];
-            if (part_b) part_b[k0 + r] = row_acc[reduced + r];
-        }
-    }
+    if (part_w && param_rows) write_row_partials(row_acc, part_w, part_b, reduced);
+}
+
+// Backward: g = dy * w, xhat = (x - mean) * rstd,
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (RMS: no mean(g) term).
+// The saved mean is the true mean rounded to A, half an ulp of the data's magnitude away:
+// the tile gives back that rounding, c = sum(x - mean) / n (x - mean is exact near the
+// mean), and xhat = ((x - mean) - c) * rstd. Where |c| exceeds a few ulps of the mean, the
+// mean given is not this tile's and is taken as it is (c = 0).
+//
+// A persistent grid: the work is the outer * tiles items q = o * tiles + tile (tiles =
+// ceil(inner / width)), and block b takes q = b, b + gridDim.x, ... in that fixed order
+// (blocks running at once hold neighbouring tiles of one o, which share DRAM sectors).
+// Any gridDim.x >= 1 is correct; the launcher takes the blocks resident at once.
+//
+// With part_w (nullable; part_b nullable too), also the parameter gradients' partial sums
+// sum(dy * xhat) and sum(dy), for param_grad_finish, where the parameter index is the tile's
+// row or column:
+//   param_rows == 1: p = r (p_div == inner, p_len == reduced: channels-first layer norm).
+//     Each item's per-row sums (one warp per row over the tile's columns) are added to the
+//     block's float32 (float64: float64) accumulators, 2 * reduced values of A in dynamic
+//     shared memory after the two tiles, in the block's fixed order of items; at the end
+//     the block writes part[blockIdx.x * reduced + r] (nchunk = gridDim.x): the partial
+//     rows scale with the blocks resident, not with the tiles (ConvNeXt's 64x384x14x14 in
+//     bfloat16: 396 partial rows instead of 832). Deterministic: fixed orders, no atomics.
+//   param_rows == 0: p = i (p_div == 1, p_len == inner: NHWC instance/group norm).
+//     part[o * inner + i] per item (nchunk = outer), as the columns' sums come out of the
+//     item. Kept so: a block whose items span several column tiles would need a partial
+//     row of all p_len = inner columns, and gridDim.x such rows are more than outer of them
+//     wherever the grid has more blocks than the batch has samples (every NHWC shape of
+//     issue 15: outer 32 against 396 blocks). The per-o rows are 2 values of A per column
+//     against reduced * 2 elements of dy and x read for it: 1/1568 of x's bytes for
+//     32x56x56x64 bfloat16, 1/196 for 32x28x28x256, 1/12 for 32x7x7x2048 (49 rows).
+// Dynamic smem 2 * reduced * width * sizeof(T) (dy tile, then x tile), + 2 * reduced *
+// sizeof(A) with part_w and param_rows (the accumulators; 2 * sizeof(T) >= sizeof(A) keeps
+// them aligned).
+template <typename T>
+__global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS_BWD(T))
+cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
+              const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+              acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long outer,
+              long long reduced, long long inner, long long group, long long width, long long p_div,
+              long long p_len, int param_rows, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
+    typedef acc_t<T> A;
+    __shared__ A red[4 * TILE_THREADS];  // part and column of the scalar form
+    T* dy_tile = dynamic_shared<T>();
+    T* x_tile = dy_tile + reduced * width;
+    // the block's dweight/dbias sums per row (param_rows): [r] and [reduced + r]
+    A* row_acc = reinterpret_cast<A*>(x_tile + reduced * width);
+    if (part_w && param_rows)
+        for (int r = threadIdx.x; r < 2 * (int)reduced; r += TILE_THREADS) row_acc[r] = A(0);
+    bwd_tiles_scalar(dy, x, w, mean, rstd, dx, part_w, part_b, red, dy_tile, x_tile, row_acc, outer, reduced, inner,
+                     group, width, p_div, p_len, param_rows, center, param_mode(inner, p_div, p_len));
+}
+
+// cols_bwd_tile with the arithmetic in shared-memory vectors (bwd_tile_vec: fwd_tile_vec's
+// geometry), a kernel of its own: in one kernel with the scalar form, ptxas spilled 12-28
+// bytes at 80 registers where either alone spills nothing. The launcher takes it where
+// tile_bwd_vector holds; it traps elsewhere.
+template <typename T>
+__global__ void __launch_bounds__(TILE_THREADS, TILE_MIN_BLOCKS_BWD(T))
+cols_bwd_tile_vec(const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
+                  const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
+                  acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long outer,
+                  long long reduced, long long inner, long long group, long long width, long long p_div,
+                  long long p_len, int param_rows, int center, int param_in_t) {
+    const Param<T> w = {w_arg, param_in_t & 1};
+    typedef acc_t<T> A;
+    __shared__ __align__(16) A red[4 * TILE_THREADS];  // partials, then the columns' statistics
+    T* dy_tile = dynamic_shared<T>();
+    T* x_tile = dy_tile + reduced * width;
+    A* row_acc = reinterpret_cast<A*>(x_tile + reduced * width);  // as cols_bwd_tile
+    const int mode = opaque(param_mode(inner, p_div, p_len));
+    if (!tile_bwd_vector((int)width, TileCpt<T>::value, mode, part_w != 0, param_rows, p_div * p_len)) __trap();
+    if (part_w && param_rows)
+        for (int r = threadIdx.x; r < 2 * (int)reduced; r += TILE_THREADS) row_acc[r] = A(0);
+    bwd_tiles_vec<T, TileCpt<T>::value>(dy, x, w, mean, rstd, dx, part_w, part_b, red, dy_tile, x_tile, row_acc, outer,
+                                        reduced, inner, group, width, p_div, p_len, param_rows, center, mode);
 }

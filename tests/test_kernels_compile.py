@@ -93,6 +93,8 @@ def test_instantiation_list_is_complete():
     """Every kernel the launcher names, at every ITEMS it may pick, is in the compiled list."""
     listed = {expr for _, _, expr in _compile.instantiations()}
     launched = set(re.findall(r'_step\(\s*"(\w+)"', LAUNCH_SOURCE))
+    # _step("a" if cond else "b", ...): both
+    launched |= set(re.findall(r'_step\(\s*"\w+"\s+if\s+\w+\s+else\s+"(\w+)"', LAUNCH_SOURCE))
     rows = {f"{prefix}_{kind}" for prefix in re.findall(r'_row_kernel\(\s*"(\w+)"', LAUNCH_SOURCE)
             for kind in ("warp", "block")}
     # the backward row kernels' variants that also sum dweight/dbias
@@ -112,7 +114,7 @@ def test_instantiation_list_is_complete():
     count = sum(len(_compile.items_of(k, d)) or 1 for ks in _compile.KERNELS.values() for k in ks
                 for d in _compile.CTYPES)
     per_dtype = sum(len(_compile.items_of(k)) or 1 for ks in _compile.KERNELS.values() for k in ks)
-    assert len(listed) == count == 4 * per_dtype - 3 - 2 * 8 == 201
+    assert len(listed) == count == 4 * per_dtype - 3 - 2 * 8 == 205
 
 
 def test_every_kernel_is_defined_in_its_file():

@@ -509,13 +509,26 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
     return get(yd), get(hd), get(mean), get(rstd)
 
 
+def tile_bwd_kernel(case, dtype, width, param_grads=False, param_rows=0):
+    """The tile backward the launcher takes at this width: cols_bwd_tile_vec where the
+    arithmetic goes in shared-memory vectors (``_schedule.tile_bwd_vector``), else cols_bwd_tile."""
+    from anynorm._cuda import _schedule  # pure: no CuPy needed
+
+    itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
+    vector = _schedule.tile_bwd_vector(case, width, itemsize, param_grads, param_rows)
+    return "cols_bwd_tile_vec" if vector else "cols_bwd_tile"
+
+
 def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="warp", items=None,
-                 chunk=None, offset=0, grid=None, schedule=None):
-    """Launch the dx kernels with the given statistics; returns float64 dx."""
+                 chunk=None, offset=0, grid=None, schedule=None, kernel=None, params_in_t=False):
+    """Launch the dx kernels with the given statistics; returns float64 dx. ``kernel`` (tile
+    path): the tile backward to take instead of the launcher's choice (``tile_bwd_kernel``);
+    ``params_in_t`` (tile path): the weight stored in x's dtype."""
     A = ACC[dtype]
     dyd, xd = emu.to_device(dy.reshape(-1), dtype, offset), emu.to_device(x.reshape(-1), dtype, offset)
     dxd = emu.empty(case.total, dtype, offset)
-    wd = None if w is None else emu.to_device(w, A)
+    wd = None if w is None else emu.to_device(w, dtype if params_in_t else A)
+    pin = int(params_in_t and w is not None)
     md = emu.to_device(mean, A) if center else None
     rd = emu.to_device(rstd, A)
     outer, reduced, inner, group = case.outer, case.reduced, case.inner, case.group
@@ -523,10 +536,10 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     if path == "tile":
         width = items
         # a persistent 1-D grid over the (o, tile) items (``grid``: fewer blocks, several items each)
-        kernels("cols_bwd_tile", dtype)((grid or outer * _ceil(inner, width),), (BLOCK,),
-                                        (dyd, xd, wd, md, rd, dxd, None, None, outer, reduced, inner, group,
-                                         width, case.p_div, case.p_len, 0, center, 0),
-                                        shared_mem=_tile_bytes(case, dtype, width, 2), **launch)
+        kernels(kernel or tile_bwd_kernel(case, dtype, width), dtype)(
+            (grid or outer * _ceil(inner, width),), (BLOCK,),
+            (dyd, xd, wd, md, rd, dxd, None, None, outer, reduced, inner, group, width, case.p_div, case.p_len,
+             0, center, pin), shared_mem=_tile_bytes(case, dtype, width, 2), **launch)
         return dxd.get_float()
     if path in ("warp", "block"):
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
@@ -624,6 +637,8 @@ def check_forward(kernels, case, dtype, *, center=1, weight=True, bias=True, res
 def check_backward(kernels, case, dtype, *, center=1, weight=True, eps=1e-5, seed=0, **kw):
     x, w, _ = _data(case, dtype, seed)
     w = w if weight else None
+    if kw.get("params_in_t") and w is not None:  # stored in dtype: the reference takes the rounded values
+        w = _rounded(w, dtype)
     dy = np.random.default_rng(seed + 2).standard_normal(case.shape)
     xr, dyr = _rounded(x, dtype), _rounded(dy, dtype)
     _, mean, rstd = ref_forward(case, xr, None, None, center, eps)
@@ -903,7 +918,7 @@ def test_columns_backward(kernels, dtype, name, make, path):
 
 
 def tile_param_grads_launch(kernels, case, dtype, dy, x, w, mean, rstd, width, *, blocks=None,
-                            with_bias=True, schedule=None):
+                            with_bias=True, schedule=None, kernel=None):
     """cols_bwd_tile with dweight/dbias partials on a persistent grid of ``blocks`` (default:
     a block per (o, tile) item), then param_grad_finish: (dx, dweight, dbias or None), float64.
     ``p = r`` (param_rows): one partial row per block, kept in shared memory after the tiles."""
@@ -918,11 +933,11 @@ def tile_param_grads_launch(kernels, case, dtype, dy, x, w, mean, rstd, width, *
     dyd, xd = emu.to_device(dy.reshape(-1), dtype), emu.to_device(x.reshape(-1), dtype)
     dxd = emu.empty(case.total, dtype)
     smem = _tile_bytes(case, dtype, width, 2) + (2 * case.reduced * np.dtype(A).itemsize if param_rows else 0)
-    kernels("cols_bwd_tile", dtype)((blocks,), (BLOCK,),
-                                    (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A),
-                                     emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer,
-                                     case.reduced, case.inner, case.group, width, case.p_div, case.p_len,
-                                     param_rows, 1, 0), shared_mem=smem, schedule=schedule)
+    kernels(kernel or tile_bwd_kernel(case, dtype, width, True, param_rows), dtype)(
+        (blocks,), (BLOCK,),
+        (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A), emu.to_device(rstd.astype(A), A), dxd,
+         parts[0], part_b, case.outer, case.reduced, case.inner, case.group, width, case.p_div, case.p_len,
+         param_rows, 1, 0), shared_mem=smem, schedule=schedule)
     dw, db = emu.empty(case.p_len, A), (emu.empty(case.p_len, A) if with_bias else None)
     kernels("param_grad_finish", dtype)((1,), FINISH_BLOCK, (parts[0], part_b, dw, db, case.p_len, nchunk, 0))
     return dxd.get_float(), dw.get_float(), (db.get_float() if with_bias else None)

@@ -349,7 +349,7 @@ def test_launch_columns_split_path(emulated, monkeypatch, dtype):
     _check("rms_norm", (2, 6, 5, 3), {"axis": 1, "eps": 1e-6}, dtype, residual=True)
     # the parameter is the reduced index (p = r): dweight/dbias read dy and x again
     assert {"cols_stats_partial", "cols_grad_partial", "cols_grad_finalize", "cols_param_grad_rows"} <= names
-    assert not {"cols_fwd_tile", "cols_bwd_tile", "param_grad_cols", "param_grad_rows"} & names
+    assert not {"cols_fwd_tile", "cols_bwd_tile", "cols_bwd_tile_vec", "param_grad_cols", "param_grad_rows"} & names
     # the parameter is the column (p = i, NHWC): cols_grad_finalize hands the columns' unweighted
     # sums on as dweight/dbias partials
     for op, shape, kw in [("group_norm", (2, 4, 5, 6), {"channel_axis": -1, "num_groups": 3}),
@@ -357,7 +357,11 @@ def test_launch_columns_split_path(emulated, monkeypatch, dtype):
         names.clear()
         _check(op, shape, kw, dtype)
         assert {"cols_grad_partial", "cols_grad_finalize", "param_grad_finish"} <= names, names
-        assert not {"param_grad_cols", "param_grad_rows", "cols_bwd_tile"} & names, names
+        assert not {"param_grad_cols", "param_grad_rows", "cols_bwd_tile", "cols_bwd_tile_vec"} & names, names
+
+
+# the tile backward: cols_bwd_tile, or cols_bwd_tile_vec where the width holds its vectors
+TILE_BACKWARDS = {"cols_bwd_tile", "cols_bwd_tile_vec"}
 
 
 def test_launch_tile_past_default_shared_memory(emulated, monkeypatch):
@@ -368,7 +372,7 @@ def test_launch_tile_past_default_shared_memory(emulated, monkeypatch):
     monkeypatch.setattr(_launcher, "_smem_allowed", {})
     names = _record_launches(monkeypatch)
     _check("layer_norm", (2, 1000, 4, 4), {"axis": 1}, "float32")
-    assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names
+    assert {"cols_fwd_tile", "cols_bwd_tile_vec", "param_grad_finish"} <= names  # 16 columns: 4 vectors
     assert not {"cols_stats_partial", "cols_grad_partial", "param_grad_rows", "param_grad_cols"} & names
     assert max(smem for _, smem in _launcher._smem_allowed.values()) == 1000 * 16 * 4
 
@@ -381,7 +385,7 @@ def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
     monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (6 * 1024, 80 * 1024))
     names = _record_launches(monkeypatch)
     _check("instance_norm", (4, 30, 20, 16), {"channel_axis": -1}, dtype)
-    assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names
+    assert {"cols_fwd_tile", "param_grad_finish"} <= names and TILE_BACKWARDS & names
     assert not {"cols_stats_partial", "cols_grad_partial"} & names
 
     # a "device" of 32 SMs: 4 samples x 4 tiles of 16 bytes (2 for bfloat16) are too few blocks
@@ -389,7 +393,7 @@ def test_launch_large_tile_tier(emulated, monkeypatch, dtype):
     names.clear()
     _check("instance_norm", (4, 30, 20, 16), {"channel_axis": -1}, dtype)
     assert {"cols_stats_partial", "cols_grad_partial"} <= names
-    assert not {"cols_fwd_tile", "cols_bwd_tile"} & names
+    assert not ({"cols_fwd_tile"} | TILE_BACKWARDS) & names
 
 
 # (op, shape, kwargs): tiles whose backward runs on fewer blocks than (o, tile) items
@@ -414,14 +418,15 @@ def test_launch_tile_backward_persistent_grid(emulated, monkeypatch, dtype, op, 
     monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (2048,))  # narrow tiles: many items
     names = _record_launches(monkeypatch)
     _check(op, shape, kw, dtype)
-    assert {"cols_fwd_tile", "cols_bwd_tile", "param_grad_finish"} <= names, names
+    assert {"cols_fwd_tile", "param_grad_finish"} <= names and TILE_BACKWARDS & names, names
     x = np.zeros(shape, np.float32)
     w = np.ones(make_plan(op, x, **kw).param_shape, np.float32)
     plan = make_plan(op, x, w, None if op == "rms_norm" else w, **kw)
     layout = _layout.plan_layout(plan, tuple(s // x.itemsize for s in x.strides), True)
     present = {"w", "mean", "rstd", "dw"} | (set() if op == "rms_norm" else {"db"})
     steps = {st.name: st for st in _schedule_backward(plan, dtype, layout, present, 0, 0).steps}
-    tile, finish = steps["cols_bwd_tile"], steps["param_grad_finish"]
+    tile = next(steps[k] for k in TILE_BACKWARDS if k in steps)
+    finish = steps["param_grad_finish"]
     width = int(tile.template[12])
     items = layout.outer * -(-layout.inner // width)
     assert tile.grid == (3,) and items > 3, (tile.grid, items)

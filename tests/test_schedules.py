@@ -82,14 +82,16 @@ def test_transformer_rows_are_one_kernel_each_way():
 def test_convnext_channels_first_is_one_tile_kernel():
     plan = _plan("layer_norm", (64, 96, 56, 56), axis=1)
     assert _forward(plan, {"w", "b"}).names == ("cols_fwd_tile",)
-    assert _backward(plan, {"w", "rstd", "mean", "dw", "db"}).names == ("cols_bwd_tile", "param_grad_finish")
+    # 128 columns, 32 vectors of 4: the backward's arithmetic in vectors too
+    assert _backward(plan, {"w", "rstd", "mean", "dw", "db"}).names == ("cols_bwd_tile_vec", "param_grad_finish")
 
 
 def _tile_backward(plan, dtype, present=frozenset({"w", "rstd", "mean", "dw", "db"})):
-    """(grid, width, smem, items, nchunk or None) of cols_bwd_tile in the backward of ``plan``."""
+    """(grid, width, smem, items, nchunk or None) of the tile backward of ``plan`` (cols_bwd_tile
+    or, where the width holds its vectors, cols_bwd_tile_vec: the same arguments)."""
     steps = _backward(plan, set(present), dtype).steps
     tile = steps[0]
-    assert tile.name == "cols_bwd_tile"
+    assert tile.name in ("cols_bwd_tile", "cols_bwd_tile_vec")
     outer, inner, width = (int(tile.template[k]) for k in (8, 10, 12))
     nchunk = int(steps[1].template[5]) if len(steps) > 1 else None
     return tile.grid, width, tile.smem, outer * -(-inner // width), nchunk
@@ -128,7 +130,8 @@ def test_nhwc_tile_backward_keeps_partials_per_sample():
     # (op, shape, kwargs, items, grid): 32x56x56x64's 98 KiB tiles leave room for 2 blocks per SM
     cases = [("instance_norm", (32, 56, 56, 64), {}, 32 * 8, 256),
              ("group_norm", (32, 28, 28, 256), {"num_groups": 32}, 32 * 32, 396),
-             ("instance_norm", (32, 7, 7, 2048), {}, 32 * 19, 396)]
+             # 64 columns (16 vectors of 4: cols_bwd_tile_vec), not the 112 that fit (19 tiles)
+             ("instance_norm", (32, 7, 7, 2048), {}, 32 * 32, 396)]
     for op, shape, kw, items, blocks in cases:
         grid, _, smem, got_items, nchunk = _tile_backward(_plan(op, shape, channel_axis=-1, **kw), "bfloat16")
         assert (grid, got_items, nchunk) == ((blocks,), items, 32), (op, shape, grid, got_items, nchunk)

@@ -27,6 +27,8 @@ import pytest
 from test_kernels_launch_emulated import emu  # the emulation harness, loaded once
 from test_kernels_launch_emulated import emulated  # noqa: F401  (fixture)
 
+from anynorm._cuda import _schedule  # noqa: E402  (pure: no CuPy needed)
+
 _HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
                                 reason="the CUDA emulation needs g++ and fork()")
@@ -76,7 +78,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def tiles():
-    names = ["cols_fwd_tile<float>", "cols_bwd_tile<float>", "param_grad_finish<float>"]
+    names = ["cols_fwd_tile<float>", "cols_bwd_tile<float>", "cols_bwd_tile_vec<float>", "param_grad_finish<float>"]
     return emu.build_many([([KERNELS / "tiles.cu", KERNELS / "params.cu"], names, "tiles-accuracy")])[0]
 
 
@@ -132,7 +134,8 @@ def run_tile_backward(tiles, case, dy, x, w, mean, rstd, blocks=None):
     nchunk = blocks if case.param_rows else case.outer
     parts = [emu.empty(nchunk * case.p_len, "float32") for _ in range(2)]
     dxd = emu.empty(x.size, "float32")
-    kernel = tiles.get_function("cols_bwd_tile<float>")
+    vector = _schedule.tile_bwd_vector(case, case.width, 4, True, case.param_rows)  # the launcher's choice
+    kernel = tiles.get_function("cols_bwd_tile_vec<float>" if vector else "cols_bwd_tile<float>")
     smem = _smem(case, 2) + 8 * case.reduced * case.param_rows  # the tiles, the per-row sums
     kernel.max_dynamic_shared_size_bytes = max(smem, 48 * 1024)  # opted in, as the launcher does
     kernel(

@@ -47,10 +47,11 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 TUNED = ("float16", "bfloat16", "float32")
 # Least theoretical occupancy (%) on sm_90 at the launcher's configuration, per kernel.
 OCCUPANCY = {"cols_fwd_tile": 50.0, "cols_stats_partial": 50.0, "cols_apply_fwd": 50.0,
-             "cols_bwd_tile": 37.5, "cols_grad_partial": 37.5, "cols_grad_finalize": 37.5,
+             "cols_bwd_tile": 37.5, "cols_bwd_tile_vec": 37.5, "cols_grad_partial": 37.5, "cols_grad_finalize": 37.5,
              "cols_param_grad_rows": 37.5}
 # Threads per block, as _schedule.py launches them.
 THREADS = {"cols_fwd_tile": _schedule._TILE_THREADS, "cols_bwd_tile": _schedule._TILE_THREADS,
+           "cols_bwd_tile_vec": _schedule._TILE_THREADS,
            "cols_stats_partial": 32 * 8, "cols_grad_partial": 32 * 8, "cols_apply_fwd": 32 * 8,
            "cols_grad_finalize": _schedule._BLOCK, "cols_param_grad_rows": 32 * 8}
 
@@ -110,7 +111,7 @@ def reports():
 def _dynamic_smem(kernel, dtype):
     """The largest dynamic shared memory the launcher gives ``kernel`` in its first tier on
     an H100 (tiles: the budget that keeps 4 blocks per SM; split kernels: none)."""
-    if kernel not in ("cols_fwd_tile", "cols_bwd_tile"):
+    if kernel not in ("cols_fwd_tile", "cols_bwd_tile", "cols_bwd_tile_vec"):
         return 0
     saved = _schedule._smem_limit
     _schedule._smem_limit = lambda: SM90.optin
@@ -214,7 +215,7 @@ def sass_by_kernel(file, dtype, tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tiles_load_and_store_128_bits_and_no_local_memory(tmp_path, dtype):
     sass = sass_by_kernel("tiles.cu", dtype, tmp_path)
-    for kernel in ("cols_fwd_tile", "cols_bwd_tile"):
+    for kernel in ("cols_fwd_tile", "cols_bwd_tile", "cols_bwd_tile_vec"):
         code = sass[kernel]
         # the tiles' vectors go from global to shared memory by cp.async, 16 bytes at a time
         assert re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", code), f"{kernel}<{dtype}>: no 128-bit copies into the tile"
@@ -238,13 +239,13 @@ def _loop_bodies(code):
     return bodies
 
 
-def vector_row_loops(code):
-    """Sizes of the loops that walk a tile's rows in shared-memory vectors: one 64- or 128-bit
-    shared load, float adds, no global memory."""
+def vector_row_loops(code, loads=(1,)):
+    """Sizes of the loops that walk a tile's rows in shared-memory vectors: ``loads`` (a count
+    in) 64- or 128-bit shared loads and no other, float adds, no global memory."""
     sizes = []
     for body in _loop_bodies(code):
         shared = [b for b in body if re.search(r"\bLDS", b)]
-        if (len(shared) == 1 and re.search(r"\bLDS\.(64|128)\b", shared[0])
+        if (len(shared) in loads and all(re.search(r"\bLDS\.(64|128)\b", s) for s in shared)
                 and not any(re.search(r"\b(LDG|STG|LDGSTS)", b) for b in body)
                 and sum(bool(re.search(r"\bFADD", b)) for b in body) >= 2):
             sizes.append(len(body))
@@ -260,6 +261,18 @@ def test_forward_tile_arithmetic_in_vectors(tmp_path, dtype):
     sizes = vector_row_loops(sass_by_kernel("tiles.cu", dtype, tmp_path)["cols_fwd_tile"])
     cpt = _schedule._TILE_CPT[2 if dtype != "float32" else 4]
     assert len(sizes) >= 3 and max(sizes[:3]) <= 8 * cpt, sizes
+
+
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16", "float32"))
+def test_backward_tile_arithmetic_in_vectors(tmp_path, dtype):
+    """cols_bwd_tile_vec's passes over an item's tiles (the mean's rounding: x alone; the sums
+    and dx: dy and x) walk the rows in 4-column vectors at <= 14 instructions an element (the
+    scalar cols_bwd_tile: 10, 17-22 and 28-33 in bfloat16), and the scalar kernel has none."""
+    code = sass_by_kernel("tiles.cu", dtype, tmp_path)
+    single, double = vector_row_loops(code["cols_bwd_tile_vec"]), vector_row_loops(code["cols_bwd_tile_vec"], (2,))
+    assert single and max(single) <= 14 * 4, single  # the mean's rounding c
+    assert len(double) >= 4 and max(double) <= 14 * 4, double  # sums and dx, per parameter storage
+    assert not vector_row_loops(code["cols_bwd_tile"], (1, 2))
 
 
 if os.environ.get("ANYNORM_PRINT_PROXIES"):  # a table for notes: ANYNORM_PRINT_PROXIES=1 pytest -s -k table

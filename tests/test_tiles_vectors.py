@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 import pytest
 
 import test_kernels_emulated as K
@@ -32,7 +34,7 @@ class _Tiles:
         jobs = []
         for dtype in DTYPES:
             names = [_compile.name_expression(k, dtype) for k in ("cols_fwd_tile", "cols_bwd_tile",
-                                                                 "param_grad_finish")]
+                                                                 "cols_bwd_tile_vec", "param_grad_finish")]
             jobs.append(([K.KERNELS / "tiles.cu", K.KERNELS / "params.cu"], names, f"tiles-vectors-{dtype}"))
         self._modules = {}
         for module in emu.build_many(jobs):
@@ -101,7 +103,7 @@ VECTOR_CASES = [
     ("ln_cf_w128", lambda: K.layer_norm_channels_first(2, 5, 1, 200), 128),  # 32 vectors: 4 warps a row
     ("gn_nhwc_g2", lambda: K.group_norm_nhwc(2, 5, 7, 64, 32), 16),  # 2 statistics in each vector
     ("gn_nhwc_g32", lambda: K.group_norm_nhwc(1, 3, 5, 128, 4), 64),  # a statistic over 8 vectors
-    ("in_nhwc_long", lambda: K.instance_norm_nhwc(1, 23, 29, 8), 8),  # 667 rows, 128+ lanes a column
+    ("in_nhwc_long", lambda: K.instance_norm_nhwc(1, 11, 29, 8), 8),  # 319 rows, 64-128 lanes a column
 ]
 
 
@@ -118,3 +120,37 @@ def test_tile_forward_vector_form(tiles, name, make, width, dtype):
     K.check_forward(tiles, case, dtype, path="tile", items=width, params_in_t=True)
     K.check_forward(tiles, case, dtype, path="tile", items=width, bias=False, params_in_t=True)
     K.check_forward(tiles, case, dtype, path="tile", items=width, want_y=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,make,width", VECTOR_CASES, ids=[c[0] for c in VECTOR_CASES])
+def test_tile_backward_vector_form(tiles, name, make, width, dtype):
+    """cols_bwd_tile_vec (the launcher's choice at these widths) and cols_bwd_tile on the same
+    launch against the float64 reference: dx with a weight in A and in x's dtype, without
+    one, and as RMS norm; dweight/dbias partial sums per column (NHWC) or per row
+    (channels-first), with and without dbias, on a grid of one block and of one per item."""
+    case = make()
+    assert K.tile_bwd_kernel(case, dtype, width) == "cols_bwd_tile_vec"
+    for kernel in ("cols_bwd_tile_vec", "cols_bwd_tile"):
+        K.check_backward(tiles, case, dtype, path="tile", items=width, kernel=kernel)
+    K.check_backward(tiles, case, dtype, path="tile", items=width, params_in_t=True)
+    K.check_backward(tiles, case, dtype, path="tile", items=width, weight=False)
+    K.check_backward(tiles, case, dtype, path="tile", items=width, center=0)
+    x, w, _ = K._data(case, dtype, 3)
+    dy = np.random.default_rng(4).standard_normal(case.shape)
+    xr, dyr = K._rounded(x, dtype), K._rounded(dy, dtype)
+    _, mean, rstd = K.ref_forward(case, xr, None, None, 1, 1e-5)
+    for blocks in (1, None):
+        for with_bias in (True, False):
+            got = K.tile_param_grads_launch(tiles, case, dtype, dy, x, w, mean, rstd, width, blocks=blocks,
+                                            with_bias=with_bias)
+            K.check_tile_param_grads(case, dtype, dyr, xr, w, *got)
+
+
+def test_vector_backward_refuses_other_widths(tiles):
+    """cols_bwd_tile_vec traps (the launch fails) at a width its geometry does not hold (12
+    columns: 3 vectors a row), where the launcher takes cols_bwd_tile."""
+    case = K.instance_norm_nhwc(2, 5, 5, 12)
+    assert K.tile_bwd_kernel(case, "float32", 12) == "cols_bwd_tile"
+    with pytest.raises(emu.EmulationError, match="__trap"):
+        K.check_backward(tiles, case, "float32", path="tile", items=12, kernel="cols_bwd_tile_vec")

@@ -39,7 +39,7 @@ KERNELS = {
                 "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
     "cols.cu": ("cols_stats_partial", "cols_grad_partial", "cols_apply_fwd", "cols_grad_finalize",
                 "cols_param_grad_rows"),
-    "tiles.cu": ("cols_fwd_tile", "cols_bwd_tile"),
+    "tiles.cu": ("cols_fwd_tile", "cols_bwd_tile", "cols_bwd_tile_vec"),
     "finish.cu": ("stats_finalize", "segment_grad_finalize", "apply_bwd",
                   "rows_stats_finalize", "rows_apply_fwd", "rows_grad_finalize"),
     "params.cu": ("param_grad_cols", "param_grad_rows", "param_grad_finish"),

@@ -416,6 +416,18 @@ def tile_vector_compute(width, itemsize) -> bool:
     return width % cpt == 0 and per_row <= 64 and per_row & (per_row - 1) == 0
 
 
+def tile_bwd_vector(layout, width, itemsize, param_grads, param_rows) -> bool:
+    """Whether the backward takes cols_bwd_tile_vec (tiles.cu: tile_bwd_vector): the vector
+    geometry, a parameter period under 2^31 where the parameter is the column's, per-column
+    dweight/dbias (``param_grads`` without ``param_rows``) only there."""
+    if not tile_vector_compute(width, itemsize):
+        return False
+    period = layout.p_div * layout.p_len
+    if layout.inner % period:  # the parameter is the tile's row
+        return not (param_grads and not param_rows)
+    return period < 2**31
+
+
 def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target, row_extra=0, vector_compute=False):
     """Inner positions per block of tiles.cu (a multiple of ``group``), or None: the tile
     (``copies`` arrays of ``reduced x width`` elements, and ``row_extra`` bytes per row of
@@ -662,16 +674,17 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
         return None
     mode = None if param_grads is None or layout.rows else _tile_param_mode(layout)
     # p = r: the block's dweight/dbias sums per row, 2 x reduced A, in shared memory
-    tile = _tile(layout, dtype, 2, 2 * np.dtype(acc).itemsize if mode == 1 else 0)
+    tile = _tile(layout, dtype, 2, 2 * np.dtype(acc).itemsize if mode == 1 else 0, vector_compute=True)
     if tile is not None:
         width, _, smem = tile
+        vector = tile_bwd_vector(layout, width, 16 // _VECTOR[dtype], mode is not None, mode == 1)
         grid = _tile_bwd_grid(layout, dtype, width, smem)
         part, part_w, part_b, nchunk = None, None, None, 0
         if mode is not None:  # partial sums per o (p = i) or per block (p = r)
             nchunk = outer if mode == 0 else grid[0]
             part = _workspace((2, nchunk * layout.p_len), dtype=acc)
             part_w, part_b = part[0], (part[1] if param_grads else None)
-        _step("cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
+        _step("cols_bwd_tile_vec" if vector else "cols_bwd_tile", dtype, grid, (_TILE_THREADS,),
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(part_w), _ptr(part_b), i64(outer),
                  i64(reduced), i64(inner), i64(group), i64(width), pdiv, plen, i32(mode or 0),
                  center, pin), smem=smem)

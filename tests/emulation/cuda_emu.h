@@ -593,6 +593,8 @@ inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b)
 }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
+// A kernel's own check failed (as the GPU's trap: the launch fails).
+[[noreturn]] inline void __trap() { emu::rt.fail("__trap(): a kernel's precondition does not hold"); }
 inline void __threadfence_system() {}
 
 namespace emu {
