@@ -1184,6 +1184,25 @@ __device__ __forceinline__ void bwd_tiles_scalar(const T* __restrict__ dy, const
     if (part_w && param_rows) write_row_partials(row_acc, part_w, part_b, reduced);
 }
 
+// The tile backward's dynamic shared memory: the dy tile, the x tile, then (by_row: p = r with
+// dweight/dbias) the block's sums per row, [r] and [reduced + r], zeroed here.
+template <typename T> struct BwdSmem {
+    T* dy;
+    T* x;
+    acc_t<T>* row_acc;
+};
+
+template <typename T>
+__device__ __forceinline__ BwdSmem<T> bwd_smem(long long reduced, long long width, bool by_row) {
+    BwdSmem<T> s;
+    s.dy = dynamic_shared<T>();
+    s.x = s.dy + reduced * width;
+    s.row_acc = reinterpret_cast<acc_t<T>*>(s.x + reduced * width);
+    if (by_row)
+        for (int r = threadIdx.x; r < 2 * (int)reduced; r += TILE_THREADS) s.row_acc[r] = acc_t<T>(0);
+    return s;
+}
+
 // Backward: g = dy * w, xhat = (x - mean) * rstd,
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (RMS: no mean(g) term).
 // The saved mean is the true mean rounded to A, half an ulp of the data's magnitude away:
@@ -1227,13 +1246,8 @@ cols_bwd_tile(const T* __restrict__ dy, const T* __restrict__ x, const void* __r
     const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
     __shared__ A red[4 * TILE_THREADS];  // part and column of the scalar form
-    T* dy_tile = dynamic_shared<T>();
-    T* x_tile = dy_tile + reduced * width;
-    // the block's dweight/dbias sums per row (param_rows): [r] and [reduced + r]
-    A* row_acc = reinterpret_cast<A*>(x_tile + reduced * width);
-    if (part_w && param_rows)
-        for (int r = threadIdx.x; r < 2 * (int)reduced; r += TILE_THREADS) row_acc[r] = A(0);
-    bwd_tiles_scalar(dy, x, w, mean, rstd, dx, part_w, part_b, red, dy_tile, x_tile, row_acc, outer, reduced, inner,
+    const BwdSmem<T> sm = bwd_smem<T>(reduced, width, part_w && param_rows);
+    bwd_tiles_scalar(dy, x, w, mean, rstd, dx, part_w, part_b, red, sm.dy, sm.x, sm.row_acc, outer, reduced, inner,
                      group, width, p_div, p_len, param_rows, center, param_mode(inner, p_div, p_len));
 }
 
@@ -1251,13 +1265,9 @@ cols_bwd_tile_vec(const T* __restrict__ dy, const T* __restrict__ x, const void*
     const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
     __shared__ __align__(16) A red[4 * TILE_THREADS];  // partials, then the columns' statistics
-    T* dy_tile = dynamic_shared<T>();
-    T* x_tile = dy_tile + reduced * width;
-    A* row_acc = reinterpret_cast<A*>(x_tile + reduced * width);  // as cols_bwd_tile
     const int mode = opaque(param_mode(inner, p_div, p_len));
     if (!tile_bwd_vector((int)width, TileCpt<T>::value, mode, part_w != 0, param_rows, p_div * p_len)) __trap();
-    if (part_w && param_rows)
-        for (int r = threadIdx.x; r < 2 * (int)reduced; r += TILE_THREADS) row_acc[r] = A(0);
-    bwd_tiles_vec<T, TileCpt<T>::value>(dy, x, w, mean, rstd, dx, part_w, part_b, red, dy_tile, x_tile, row_acc, outer,
+    const BwdSmem<T> sm = bwd_smem<T>(reduced, width, part_w && param_rows);
+    bwd_tiles_vec<T, TileCpt<T>::value>(dy, x, w, mean, rstd, dx, part_w, part_b, red, sm.dy, sm.x, sm.row_acc, outer,
                                         reduced, inner, group, width, p_div, p_len, param_rows, center, mode);
 }
