@@ -403,14 +403,14 @@ def tile_params_fit(layout) -> bool:
             or (layout.p_div == layout.inner and layout.p_len == layout.reduced))
 
 
-# Columns a thread of cols_fwd_tile holds in one shared-memory vector (tiles.cu: TileCpt)
+# Columns a thread of the tile kernels' vector forms holds in one shared-memory vector (tiles.cu: TileCpt)
 _TILE_CPT = {2: 4, 4: 4, 8: 2}  # by itemsize
 
 
 def tile_vector_compute(width, itemsize) -> bool:
-    """Whether cols_fwd_tile works on a tile ``width`` columns wide in vectors of
-    ``_TILE_CPT`` columns (tiles.cu: tile_vec_compute): a power of two, at most 64, of them
-    a row."""
+    """Whether the tile kernels work on a tile ``width`` columns wide in vectors of
+    ``_TILE_CPT`` columns (tiles.cu: tile_vec_compute; cols_fwd_tile within, the backward as
+    cols_bwd_tile_vec): a power of two, at most 64, of them a row."""
     cpt = _TILE_CPT[itemsize]
     per_row = width // cpt
     return width % cpt == 0 and per_row <= 64 and per_row & (per_row - 1) == 0
@@ -439,9 +439,10 @@ def tile_width(outer, reduced, inner, group, itemsize, copies, budget, target, r
     spatial extents with many channels (ConvNeXt's 64x768x7x7 makes 256 tiles of 16
     bfloat16 columns, 448 of 8): the neighbouring tile, which reads the rest of a sector,
     runs at the same time (adjacent blockIdx.x) and finds it in L2. With
-    ``vector_compute`` (the forward) only the widths that :func:`tile_vector_compute`
-    takes are tried where there are any: the vector form issues about a third of the scalar
-    form's instructions per element, which buys more than the widest tile."""
+    ``vector_compute`` (forward and backward) only the widths that
+    :func:`tile_vector_compute` takes are tried where there are any: the vector forms issue
+    a third to a half of the scalar forms' instructions per element, which buys more than the
+    widest tile."""
     fit = min(max(0, budget - reduced * row_extra) // (copies * reduced * itemsize), _TILE_THREADS)
     sector = max(1, _SECTOR // itemsize)
     step = math.lcm(group, sector)
