@@ -97,7 +97,9 @@ __device__ __forceinline__ void tile_sum2(A& a, A& b, const TilePlace& t, A* par
 // loads in flight per thread. With RES the tile holds h = x + res (also written). `base` is
 // the element (o, 0, start).
 //
-// Scalar: thread (c, k) loads rows k, k + lanes, ... of column c.
+// Scalar: thread (c, k) loads rows k, k + lanes, ... of column c: float32/float64 by cp.async
+// (every element in flight; a batch of 8 in registers left the 7x7 stage's tiles waiting on
+// latency), 16-bit types (cp.async copies 4 bytes at least) and h = x + res a batch at a time.
 template <typename T, bool RES>
 __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, const T* __restrict__ res,
                                           T* __restrict__ h, long long base, long long inner,
@@ -105,6 +107,13 @@ __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, cons
     if (!t.valid) return;
     const int nrows = t.nrows, ncols = t.ncols;
     const long long step = (long long)t.lanes * inner;  // between one thread's rows
+    if (!RES && sizeof(T) >= 4) {  // 4- and 8-byte elements by cp.async: all in flight, in no register
+        long long e = base + (long long)t.k * inner + t.c;
+        TILE_ROLLED
+        for (int r = t.k; r < nrows; r += t.lanes, e += step) cp_async<(int)sizeof(T)>(tile + r * ncols + t.c, x + e);
+        cp_async_commit();
+        return;  // the caller waits (cp_async_wait_all) before its barrier
+    }
     TILE_ROLLED
     for (int r0 = t.k; r0 < nrows; r0 += t.lanes * TILE_BATCH) {
         const long long e0 = base + (long long)r0 * inner + t.c;
