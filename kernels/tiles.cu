@@ -93,6 +93,33 @@ __device__ __forceinline__ void tile_sum2(A& a, A& b, const TilePlace& t, A* par
     __syncthreads();  // part/column may be reused
 }
 
+// load_rows' register batches: TILE_BATCH loads of a thread in flight, then their stores
+// (and h = x + res with RES).
+template <typename T, bool RES>
+__device__ __forceinline__ void load_rows_batched(T* tile, const T* __restrict__ x, const T* __restrict__ res,
+                                                  T* __restrict__ h, long long base, long long inner,
+                                                  const TilePlace& t) {
+    const int nrows = t.nrows, ncols = t.ncols;
+    const long long step = (long long)t.lanes * inner;  // between one thread's rows
+    TILE_ROLLED
+    for (int r0 = t.k; r0 < nrows; r0 += t.lanes * TILE_BATCH) {
+        const long long e0 = base + (long long)r0 * inner + t.c;
+        T v[TILE_BATCH];
+        ANYNORM_UNROLL
+        for (int u = 0; u < TILE_BATCH; ++u)
+            if (r0 + u * t.lanes < nrows) {
+                v[u] = x[e0 + u * step];
+                if (RES) v[u] = add_in_dtype(v[u], res[e0 + u * step]);
+            }
+        ANYNORM_UNROLL
+        for (int u = 0; u < TILE_BATCH; ++u)
+            if (r0 + u * t.lanes < nrows) {
+                tile[(r0 + u * t.lanes) * ncols + t.c] = v[u];
+                if (RES) h[e0 + u * step] = v[u];
+            }
+    }
+}
+
 // Copy this o's tile into tile[r * ncols + c] (columns past valid_cols untouched), a batch of
 // loads in flight per thread. With RES the tile holds h = x + res (also written). `base` is
 // the element (o, 0, start).
@@ -111,25 +138,9 @@ __device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, cons
         long long e = base + (long long)t.k * inner + t.c;
         TILE_ROLLED
         for (int r = t.k; r < nrows; r += t.lanes, e += step) cp_async<(int)sizeof(T)>(tile + r * ncols + t.c, x + e);
-        cp_async_commit();
-        return;  // the caller waits (cp_async_wait_all) before its barrier
-    }
-    TILE_ROLLED
-    for (int r0 = t.k; r0 < nrows; r0 += t.lanes * TILE_BATCH) {
-        const long long e0 = base + (long long)r0 * inner + t.c;
-        T v[TILE_BATCH];
-        ANYNORM_UNROLL
-        for (int u = 0; u < TILE_BATCH; ++u)
-            if (r0 + u * t.lanes < nrows) {
-                v[u] = x[e0 + u * step];
-                if (RES) v[u] = add_in_dtype(v[u], res[e0 + u * step]);
-            }
-        ANYNORM_UNROLL
-        for (int u = 0; u < TILE_BATCH; ++u)
-            if (r0 + u * t.lanes < nrows) {
-                tile[(r0 + u * t.lanes) * ncols + t.c] = v[u];
-                if (RES) h[e0 + u * step] = v[u];
-            }
+        cp_async_commit();  // the caller waits (cp_async_wait_all) before its barrier
+    } else {
+        load_rows_batched<T, RES>(tile, x, res, h, base, inner, t);
     }
 }
 
