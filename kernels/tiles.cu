@@ -120,30 +120,6 @@ __device__ __forceinline__ void load_rows_batched(T* tile, const T* __restrict__
     }
 }
 
-// Copy this o's tile into tile[r * ncols + c] (columns past valid_cols untouched), a batch of
-// loads in flight per thread. With RES the tile holds h = x + res (also written). `base` is
-// the element (o, 0, start).
-//
-// Scalar: thread (c, k) loads rows k, k + lanes, ... of column c: float32/float64 by cp.async
-// (every element in flight; a batch of 8 in registers left the 7x7 stage's tiles waiting on
-// latency), 16-bit types (cp.async copies 4 bytes at least) and h = x + res a batch at a time.
-template <typename T, bool RES>
-__device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, const T* __restrict__ res,
-                                          T* __restrict__ h, long long base, long long inner,
-                                          const TilePlace& t) {
-    if (!t.valid) return;
-    const int nrows = t.nrows, ncols = t.ncols;
-    const long long step = (long long)t.lanes * inner;  // between one thread's rows
-    if (!RES && sizeof(T) >= 4) {  // 4- and 8-byte elements by cp.async: all in flight, in no register
-        long long e = base + (long long)t.k * inner + t.c;
-        TILE_ROLLED
-        for (int r = t.k; r < nrows; r += t.lanes, e += step) cp_async<(int)sizeof(T)>(tile + r * ncols + t.c, x + e);
-        cp_async_commit();  // the caller waits (cp_async_wait_all) before its barrier
-    } else {
-        load_rows_batched<T, RES>(tile, x, res, h, base, inner, t);
-    }
-}
-
 // Vectors of n elements (n * sizeof(T) bytes: 16, 8 or 4, chosen per launch by
 // tile_vec_len; every row of the tile starts n-aligned in memory and in shared memory):
 // thread q + per_row * k moves vector q of rows k, k + row_lanes, ... The geometry is worked
@@ -196,6 +172,25 @@ __device__ __forceinline__ void load_rows_n(T* tile, const T* __restrict__ x, co
     }
 }
 
+// Copy this o's tile into tile[r * ncols + c] (columns past valid_cols untouched), a batch of
+// loads in flight per thread. With RES the tile holds h = x + res (also written). `base` is
+// the element (o, 0, start).
+//
+// Scalar: thread (c, k) loads rows k, k + lanes, ... of column c: float32/float64 by cp.async
+// (every element in flight; a batch of 8 in registers left the 7x7 stage's tiles waiting on
+// latency), 16-bit types (cp.async copies 4 bytes at least) and h = x + res a batch at a time.
+template <typename T, bool RES>
+__device__ __forceinline__ void load_rows(T* tile, const T* __restrict__ x, const T* __restrict__ res,
+                                          T* __restrict__ h, long long base, long long inner,
+                                          const TilePlace& t) {
+    if (!t.valid) return;
+    if (!RES && sizeof(T) >= 4) {  // 4- and 8-byte elements by cp.async: all in flight, in no register
+        load_rows_n<T, false, 1>(tile, x, res, h, base, inner, t, tile_vec_place(1, t));
+    } else {
+        load_rows_batched<T, RES>(tile, x, res, h, base, inner, t);
+    }
+}
+
 template <typename T, bool RES>
 __device__ __forceinline__ void load_rows_vec(int n, T* tile, const T* __restrict__ x, const T* __restrict__ res,
                                               T* __restrict__ h, long long base, long long inner,
@@ -223,7 +218,7 @@ __device__ __forceinline__ void store_rows_n(T* __restrict__ out, const T* tile,
 }
 
 // The tile's columns inside inner, rows to memory (y or dx staged in shared memory), in
-// vectors of n > 1 elements as load_rows_vec.
+// vectors of n elements as load_rows_vec (n = 1: element by element).
 template <typename T>
 __device__ __forceinline__ void store_tile(int n, T* __restrict__ out, const T* tile, long long base,
                                            long long inner, const TilePlace& t) {
@@ -234,8 +229,10 @@ __device__ __forceinline__ void store_tile(int n, T* __restrict__ out, const T* 
         store_rows_n<T, VecLen<T>::value>(out, tile, base, inner, t, p);
     else if (V >= 4 && n == V / 2)
         store_rows_n<T, (VecLen<T>::value >= 4 ? VecLen<T>::value / 2 : 1)>(out, tile, base, inner, t, p);
-    else if (V >= 8)
+    else if (V >= 8 && n == V / 4)
         store_rows_n<T, (VecLen<T>::value >= 8 ? VecLen<T>::value / 4 : 1)>(out, tile, base, inner, t, p);
+    else
+        store_rows_n<T, 1>(out, tile, base, inner, t, p);
 }
 
 __device__ __forceinline__ bool aligned_to(const void* p, int bytes) {
@@ -464,11 +461,6 @@ __device__ __forceinline__ void load_cols(const T* p, acc_t<T> (&v)[CPT]) {
     for (int j = 0; j < CPT; ++j) v[j] = to_acc(t.v[j]);
 }
 
-// cols_fwd_tile's statistics and y (staged in the tile in place of x, every column: the
-// caller stores the valid ones) in vectors; as the scalar form, shifted two-pass:
-//   shift = v[row 0, first column of the statistic],  c1 = sum(v - shift) / n,
-//   d = (v - shift) - c1,  c2 = sum(d) / n,  mean = shift + (c1 + c2),
-//   rstd = 1/sqrt(sum(d^2)/n - c2^2 + eps),  y = ((v - shift) - (c1 + c2)) * rstd * w + b.
 // Tile column of the first column of each of the thread's CPT columns' statistics.
 template <int CPT>
 __device__ __forceinline__ void stat_cols(int c0, int group, int (&sc)[CPT]) {
@@ -531,7 +523,8 @@ __device__ __forceinline__ void write_rows_vec(T* tile, const TileVecSpot& s, in
 // Columns past valid_cols hold no data: their sums are never read for a valid column.
 template <typename T, int CPT>
 __device__ __forceinline__ void fwd_tile_vec(T* tile, acc_t<T>* red, const TilePlace& t, long long o,
-                                             long long inner, int m0, int p_div, int p_len, int mode, int center, double eps, bool stage_y,
+                                             long long inner, int m0, int p_div, int p_len, int mode, int center,
+                                             double eps, bool stage_y,
                                              const Param<T>& w, const Param<T>& b, acc_t<T>* __restrict__ mean,
                                              acc_t<T>* __restrict__ rstd) {
     typedef acc_t<T> A;
@@ -629,18 +622,6 @@ __device__ __forceinline__ void fwd_tile_vec(T* tile, acc_t<T>* red, const TileP
     }
 }
 
-// The tile's columns inside inner, rows to memory element by element (y staged in the tile,
-// where no vector fits inner or y's alignment).
-template <typename T>
-__device__ __forceinline__ void store_tile_scalar(T* __restrict__ out, const T* tile, long long base,
-                                                  long long inner, const TilePlace& t) {
-    if (!t.valid) return;
-    const long long step = (long long)t.lanes * inner;
-    long long e = base + (long long)t.k * inner + t.c;
-    TILE_ROLLED
-    for (int r = t.k; r < t.nrows; r += t.lanes, e += step) out[e] = tile[r * t.ncols + t.c];
-}
-
 // cols_fwd_tile's loop over o in the vector form (fwd_tile_vec).
 template <typename T, int CPT>
 __device__ __forceinline__ void fwd_tiles_vec(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,
@@ -661,11 +642,7 @@ __device__ __forceinline__ void fwd_tiles_vec(const T* __restrict__ x, const T* 
         if (y) {
             __syncthreads();
             // worked out here rather than kept: a register across the loop made ptxas spill
-            const int vy = tile_vec_len<T>(inner, t.ncols, y, 0);
-            if (vy > 1)
-                store_tile(vy, y, tile, tile_base, inner, t);
-            else
-                store_tile_scalar(y, tile, tile_base, inner, t);
+            store_tile(tile_vec_len<T>(inner, t.ncols, y, 0), y, tile, tile_base, inner, t);
         }
         __syncthreads();  // the tile is refilled for the next o
     }
@@ -1091,11 +1068,7 @@ __device__ __forceinline__ void bwd_tiles_vec(const T* __restrict__ dy, const T*
         bwd_tile_vec<T, CPT>(dy_tile, x_tile, red, row_acc, t, o, inner, p_div, p_len, mode, center, w, mean, rstd,
                              part_w, part_b, param_rows);
         __syncthreads();
-        const int vdx = tile_vec_len<T>(inner, t.ncols, dx, 0);  // > 1: dx stored in vectors
-        if (vdx > 1)
-            store_tile(vdx, dx, dy_tile, tile_base, inner, t);
-        else
-            store_tile_scalar(dx, dy_tile, tile_base, inner, t);
+        store_tile(tile_vec_len<T>(inner, t.ncols, dx, 0), dx, dy_tile, tile_base, inner, t);
         __syncthreads();
     }
     if (part_w && param_rows) write_row_partials(row_acc, part_w, part_b, reduced);
