@@ -93,6 +93,17 @@ template <typename T> __device__ __forceinline__ T* dynamic_shared() {
 }
 #endif
 
+// The launch's dynamic shared memory in bytes (kernels that use extra room where given).
+#ifdef ANYNORM_CUDA_EMU
+__device__ __forceinline__ unsigned dynamic_smem_bytes() { return EMU_DYNAMIC_SMEM_BYTES(); }
+#else
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+#endif
+
 // ---- thread-block clusters (sm_90) -------------------------------------------------------
 
 // A kernel whose blocks run in clusters of `c` along x (compiled in: CuPy launches it as any

@@ -152,6 +152,7 @@ class Runtime {
 
     // Called from inside fibers.
     unsigned char* dynamic_smem() { return dyn_.data() + (size_t)(cur_ / per_) * dyn_stride_; }
+    unsigned dynamic_smem_bytes() const { return (unsigned)dyn_bytes_; }
     int cluster_rank() const { return cur_ / per_; }
     unsigned char* cluster_shared(const void* p, int rank);
     void sync_cluster();
@@ -180,6 +181,7 @@ class Runtime {
     std::vector<char*> stacks_;
     std::vector<unsigned char> dyn_;  // each block's dynamic shared memory, dyn_stride_ apart
     size_t dyn_stride_ = 0;
+    size_t dyn_bytes_ = 0;  // the launch's dynamic shared memory
     // per block of the cluster: threads exited, at __syncthreads, and that barrier's kind/value
     std::vector<int> done_b_, at_barrier_b_, barrier_how_b_;
     std::vector<long long> barrier_acc_b_;
@@ -409,6 +411,7 @@ template <class F> void Runtime::launch(dim3 grid, dim3 block, size_t smem, F&& 
     th_.assign(n_, Fiber{});
     ready_.assign((n_ + 63) / 64, 0ull);
     alloc_stacks(n_);
+    dyn_bytes_ = smem;
     dyn_stride_ = ((smem ? smem : 16) + 255) / 256 * 256;
     dyn_.assign(dyn_stride_ * cl, 0);
     blockDim = block;
@@ -699,5 +702,6 @@ int launch_c(void (*kernel)(P...), const unsigned* cfg, unsigned long long smem,
 
 // Dynamic shared memory for code that declares it as a pointer (see emu_harness.py).
 #define EMU_DYNAMIC_SHARED(T) (reinterpret_cast<T*>(emu::rt.dynamic_smem()))
+#define EMU_DYNAMIC_SMEM_BYTES() (emu::rt.dynamic_smem_bytes())
 
 #endif  // ANYNORM_CUDA_EMU_H
