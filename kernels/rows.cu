@@ -180,6 +180,12 @@ struct TeamRow {
     bool active;
 };
 
+// Row `row` of `rows` rows of `count` elements as a TeamRow.
+__device__ __forceinline__ TeamRow team_row(long long row, long long rows, int count) {
+    const TeamRow t = {row, row * count, count, row < rows};
+    return t;
+}
+
 // A row's raw input, read one row ahead by rows_fwd_block: its 16-byte vectors of x (and of
 // the residual) and its first values (the shift). A thread holds one or two vectors of a row,
 // so without it a block waits out the DRAM latency of every row at its sums; with it the next
@@ -390,31 +396,71 @@ template <typename T, int ITEMS> struct BwdButterfly {
     static const bool value = ITEMS <= 8 && sizeof(T) <= 4;
 };
 
-// One row of the backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w;
-// dy * xhat and dy go to `sums` (plain rows only, unless NoSums).
+// The x and dy vectors of a row a team takes (ITEMS / V a thread), copied ahead into this
+// thread's slots of a stage (cp.async: the copies fly while the previous row is summed, in no
+// register), with the row's rstd and first value (the shift) in registers. Slots
+// [x, dy][vector k][thread], `stride` (the block's threads) apart: 2 * ITEMS / V * stride
+// uint4. A thread reads back only the slots it copied into, so no barrier is needed; it
+// copies the following row over them only after reading them (its shared-memory accesses
+// stay in program order).
+template <typename T> struct StagedRow {
+    acc_t<T> r;
+    T x0;
+};
+
+template <typename T, int ITEMS>
+__device__ __forceinline__ void stage_row(uint4* stage, int stride, StagedRow<T>& s, const T* __restrict__ x,
+                                          const T* __restrict__ dy, const acc_t<T>* __restrict__ rstd,
+                                          const TeamRow& at, int rank, int size) {
+    const int V = VecLen<T>::value, K = ITEMS / V;
+    if (!at.active) return;
+    ANYNORM_UNROLL
+    for (int k = 0; k < K; ++k) {
+        const int idx = team_item<V>(k * V, rank, size, true);
+        if (idx < at.len) {
+            cp_async16(stage + k * stride + threadIdx.x, x + at.base + idx);
+            cp_async16(stage + (K + k) * stride + threadIdx.x, dy + at.base + idx);
+        }
+    }
+    cp_async_commit();
+    s.r = rstd[at.row];
+    s.x0 = x[at.base];
+}
+
+// v = (the staged vectors `which` (0: x, 1: dy) as A) - shift; zeros past the row.
+template <typename T, int ITEMS>
+__device__ __forceinline__ void unstage_row(acc_t<T> (&v)[ITEMS], const uint4* stage, int stride, int which,
+                                            const TeamRow& at, int rank, int size, acc_t<T> shift) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value, K = ITEMS / V;
+    ANYNORM_UNROLL
+    for (int k = 0; k < K; ++k) {
+        const bool in = team_item<V>(k * V, rank, size, true) < at.len;
+        Vec16<T> t;
+        if (in) {
+            const uint4 bits = stage[(which * K + k) * stride + threadIdx.x];
+            memcpy(&t, &bits, 16);
+        }
+        ANYNORM_UNROLL
+        for (int j = 0; j < V; ++j) v[k * V + j] = in ? to_acc(t.v[j]) - shift : A(0);
+    }
+}
+
+// One row of the backward once its team holds it: xh = x - shift (shift: the row's first
+// value where centred) and g = dy, rstd r. dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),
+// g = dy * w, written at the row starting at element `base`; dy * xhat and dy go to `sums`
+// (plain rows only, unless NoSums).
 template <typename T, int ITEMS, typename Team, typename Sums>
-__device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* __restrict__ x,
-                                             const Param<T> w,
-                                             const acc_t<T>* __restrict__ mean,
-                                             const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-                                             long long row, int count, const IndexMap& map,
-                                             bool plain, bool vec, int center, acc_t<T>* smem,
-                                             Sums& sums) {
+__device__ __forceinline__ void backward_held_row(acc_t<T> (&xh)[ITEMS], acc_t<T> (&g)[ITEMS], acc_t<T> r,
+                                                  const Param<T> w, T* __restrict__ dx, long long base,
+                                                  int count, const IndexMap& map, bool plain, bool vec,
+                                                  int center, acc_t<T>* smem, Sums& sums) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const int rank = Team::rank();
-    const long long base = row * count;
-    x += base;
-    dy += base;
-    dx += base;
-    const A r = rstd[row];
     // xhat = (d - mean(d)) * rstd, d = x - shift, mean(d) taken again from the row in the
     // registers: x - mean from the saved mean (float32, rounded) would put half an ulp of
     // the row's offset into every xhat, and through mean(g * xhat) into dx (as in the forward).
-    const A shift = center ? row_shift(x, (const T*)0) : A(0);
-    A g[ITEMS], xh[ITEMS];
-    load_row<T, ITEMS>(xh, x, (const T*)0, (T*)0, count, rank, Team::size(), vec, shift);
-    load_row<T, ITEMS>(g, dy, (const T*)0, (T*)0, count, rank, Team::size(), vec);
     A mu = A(0);
     if (center) {
         A s = A(0);
@@ -462,24 +508,80 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
     const A mgx = sgx / n;
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) g[k] = r * (g[k] - mg - xh[k] * mgx);
-    store_row<T, ITEMS>(dx, g, count, rank, Team::size(), vec);
+    store_row<T, ITEMS>(dx + base, g, count, rank, Team::size(), vec);
 }
 
-// The row loop of every backward row kernel.
+// One row of the backward, read as it goes (backward_held_row).
+template <typename T, int ITEMS, typename Team, typename Sums>
+__device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* __restrict__ x,
+                                             const Param<T> w, const acc_t<T>* __restrict__ rstd,
+                                             T* __restrict__ dx, long long row, int count,
+                                             const IndexMap& map, bool plain, bool vec, int center,
+                                             acc_t<T>* smem, Sums& sums) {
+    typedef acc_t<T> A;
+    const long long base = row * count;
+    const A shift = center ? row_shift(x + base, (const T*)0) : A(0);
+    A xh[ITEMS], g[ITEMS];
+    load_row<T, ITEMS>(xh, x + base, (const T*)0, (T*)0, count, Team::rank(), Team::size(), vec, shift);
+    load_row<T, ITEMS>(g, dy + base, (const T*)0, (T*)0, count, Team::rank(), Team::size(), vec);
+    backward_held_row<T, ITEMS, Team, Sums>(xh, g, rstd[row], w, dx, base, count, map, plain, vec, center,
+                                            smem, sums);
+}
+
+// Bytes of the stage the block backward kernels read their next row ahead into (stage_row):
+// x and dy, ITEMS / V vectors a thread each.
+template <typename T, int ITEMS> __device__ __forceinline__ unsigned block_stage_bytes() {
+    return 2u * (ITEMS / VecLen<T>::value) * blockDim.x * 16u;
+}
+
+// The stage at byte `offset` of the block's dynamic shared memory where the launch gave it
+// room (the launcher does for 16-bit and float32 rows: _schedule's _block_stage_bytes), else
+// null (rows read as they go).
+template <typename T, int ITEMS> __device__ __forceinline__ uint4* block_stage(unsigned offset) {
+    if (dynamic_smem_bytes() < offset + block_stage_bytes<T, ITEMS>()) return 0;
+    return reinterpret_cast<uint4*>(dynamic_shared<unsigned char>() + offset);
+}
+
+// The row loop of every backward row kernel. `stage` (block teams, null elsewhere): room for
+// block_stage_bytes in shared memory, where rows of whole 16-byte vectors in 16-bit and float32
+// types are read a row ahead (stage_row): without it a block waits out the DRAM latency of
+// every row at its sums (one or two blocks of the block kernels fit an SM).
 template <typename T, int ITEMS, typename Team, typename Sums>
 __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T* __restrict__ x,
-                                              const Param<T> w,
-                                              const acc_t<T>* __restrict__ mean,
-                                              const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
-                                              long long rows, int count, long long p_div, long long p_len,
-                                              int center, acc_t<T>* smem, Sums& sums) {
+                                              const Param<T> w, const acc_t<T>* __restrict__ rstd,
+                                              T* __restrict__ dx, long long rows, int count, long long p_div,
+                                              long long p_len, int center, acc_t<T>* smem, Sums& sums,
+                                              uint4* stage = 0) {
+    typedef acc_t<T> A;
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
     const bool vec = rows_vec<T, ITEMS>(count, x, dy, dx);
-    for (long long row = Team::first_row(); row < rows; row += Team::row_stride()) {
-        backward_row<T, ITEMS, Team, Sums>(dy, x, w, mean, rstd, dx, row, count, map, plain, vec, center,
-                                           smem, sums);
+    if (!(stage && vec && sizeof(T) < 8)) {
+        for (long long row = Team::first_row(); row < rows; row += Team::row_stride()) {
+            backward_row<T, ITEMS, Team, Sums>(dy, x, w, rstd, dx, row, count, map, plain, vec, center, smem,
+                                               sums);
+            sums.template end_row<Team>(row, smem);
+        }
+        return;
+    }
+    const int rank = Team::rank(), size = Team::size();
+    const long long stride = Team::row_stride();
+    long long row = Team::first_row();
+    StagedRow<T> next;
+    stage_row<T, ITEMS>(stage, size, next, x, dy, rstd, team_row(row, rows, count), rank, size);
+    while (row < rows) {
+        const StagedRow<T> now = next;
+        const TeamRow at = team_row(row, rows, count);
+        cp_async_wait_all();  // this row's copies (the only ones in flight)
+        const A shift = center ? to_acc(now.x0) : A(0);
+        A xh[ITEMS], g[ITEMS];
+        unstage_row<T, ITEMS>(xh, stage, size, 0, at, rank, size, shift);
+        unstage_row<T, ITEMS>(g, stage, size, 1, at, rank, size, A(0));
+        stage_row<T, ITEMS>(stage, size, next, x, dy, rstd, team_row(row + stride, rows, count), rank, size);
+        backward_held_row<T, ITEMS, Team, Sums>(xh, g, now.r, w, dx, at.base, count, map, plain, true, center,
+                                                smem, sums);
         sums.template end_row<Team>(row, smem);
+        row += stride;
     }
 }
 
@@ -506,7 +608,7 @@ __global__ void rows_bwd_warp(
         long long rows, long long count, long long p_div, long long p_len, int center, int param_in_t) {
     const Param<T> w = {w_arg, param_in_t & 1};
     NoSums none;
-    backward_rows<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, p_div, p_len, center,
+    backward_rows<T, ITEMS, WarpTeam>(dy, x, w, rstd, dx, rows, (int)count, p_div, p_len, center,
                                       (acc_t<T>*)0, none);
 }
 
@@ -521,7 +623,7 @@ __global__ void rows_bwd_warp_row_params(
         long long p_len, int center, int param_in_t) {
     const Param<T> w = {w_arg, param_in_t & 1};
     RowSums<acc_t<T> > sums = {part_w, part_b, acc_t<T>(0), acc_t<T>(0)};
-    backward_rows<T, ITEMS, WarpTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, count, p_len, center,
+    backward_rows<T, ITEMS, WarpTeam>(dy, x, w, rstd, dx, rows, (int)count, count, p_len, center,
                                       (acc_t<T>*)0, sums);
 }
 
@@ -1191,46 +1293,6 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
 // (64 registers, 50%).
 template <typename T> struct MultiBwdBlocks { static const int value = sizeof(T) == 2 ? 3 : 4; };
 
-// The x and dy vectors of a team row (at most one each a thread: ITEMS = V), copied ahead into
-// this thread's slots of a stage (cp.async: the copies fly while the previous row is summed,
-// in no register), with the row's rstd and first value (the shift) in registers.
-template <typename T> struct StagedRow {
-    acc_t<T> r;
-    T x0;
-};
-
-template <typename T>
-__device__ __forceinline__ void stage_row(uint4* stage, StagedRow<T>& s, const T* __restrict__ x,
-                                          const T* __restrict__ dy, const acc_t<T>* __restrict__ rstd,
-                                          const TeamRow& at, int rank, int size) {
-    const int V = VecLen<T>::value;
-    if (!at.active) return;
-    const int idx = team_item<V>(0, rank, size, true);
-    if (idx < at.len) {
-        cp_async16(stage + threadIdx.x, x + at.base + idx);
-        cp_async16(stage + MULTI_BLOCK + threadIdx.x, dy + at.base + idx);
-    }
-    cp_async_commit();
-    s.r = rstd[at.row];
-    s.x0 = x[at.base];
-}
-
-// v = (the staged vector `which` (0: x, 1: dy) as A) - shift; zeros past the row.
-template <typename T, int ITEMS>
-__device__ __forceinline__ void unstage_row(acc_t<T> (&v)[ITEMS], const uint4* stage, int which,
-                                            const TeamRow& at, int rank, int size, acc_t<T> shift) {
-    typedef acc_t<T> A;
-    const int V = VecLen<T>::value;
-    const bool in = team_item<V>(0, rank, size, true) < at.len;
-    Vec16<T> t;
-    if (in) {
-        const uint4 bits = stage[which * MULTI_BLOCK + threadIdx.x];
-        memcpy(&t, &bits, 16);
-    }
-    ANYNORM_UNROLL
-    for (int j = 0; j < V; ++j) v[j] = in ? to_acc(t.v[j]) - shift : A(0);
-}
-
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bwd_multi(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
@@ -1251,7 +1313,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     const bool ahead = vec && ITEMS == V && sizeof(T) < 8;
     const long long groups = mt.groups(rows);
     StagedRow<T> next;
-    if (ahead && blockIdx.x < groups) stage_row(stages[0], next, x, dy, rstd, mt.row_in(blockIdx.x, rows, n), rank, size);
+    if (ahead && blockIdx.x < groups) stage_row<T, ITEMS>(stages[0], MULTI_BLOCK, next, x, dy, rstd, mt.row_in(blockIdx.x, rows, n), rank, size);
     A wv[ITEMS], sw[ITEMS], sb[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     ANYNORM_UNROLL
@@ -1272,10 +1334,10 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
                 r = now.r;
                 if (center) shift = to_acc(now.x0);
             }
-            unstage_row<T, ITEMS>(xh, stages[parity], 0, at, rank, size, shift);
-            unstage_row<T, ITEMS>(g, stages[parity], 1, at, rank, size, A(0));
+            unstage_row<T, ITEMS>(xh, stages[parity], MULTI_BLOCK, 0, at, rank, size, shift);
+            unstage_row<T, ITEMS>(g, stages[parity], MULTI_BLOCK, 1, at, rank, size, A(0));
             if (grp + gridDim.x < groups)
-                stage_row(stages[parity ^ 1], next, x, dy, rstd, mt.row_in(grp + gridDim.x, rows, n), rank, size);
+                stage_row<T, ITEMS>(stages[parity ^ 1], MULTI_BLOCK, next, x, dy, rstd, mt.row_in(grp + gridDim.x, rows, n), rank, size);
         } else {
             const T* xr = x + base;
             if (active) {
@@ -1336,6 +1398,22 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     }
 }
 
+// Whether rows_bwd_block (`Sums` NoSums) and rows_bwd_block_row_params read rows ahead where the
+// launch gives them room: not at ITEMS=16 in 16-bit types, nor rows_bwd_block in float32 before
+// sm_90, where the staged loop spilled under the 64-register bound (rows_bwd_block_params, its
+// sums in shared memory, does everywhere). The launcher gives the room regardless: unused, it
+// costs no occupancy (a block of 1024 threads, or two of 512, fill an SM's registers first).
+template <typename Sums> struct IsNoSums { static const bool value = false; };
+template <> struct IsNoSums<NoSums> { static const bool value = true; };
+template <typename T, int ITEMS, typename Sums> struct BlockAhead {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static const bool before_sm90_f32 = sizeof(T) == 4 && IsNoSums<Sums>::value;
+#else
+    static const bool before_sm90_f32 = false;
+#endif
+    static const bool value = !(sizeof(T) == 2 && ITEMS == 16) && !before_sm90_f32;
+};
+
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block(
         const T* __restrict__ dy, const T* __restrict__ x, const void* __restrict__ w_arg,
@@ -1344,8 +1422,8 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block(
     const Param<T> w = {w_arg, param_in_t & 1};
     __shared__ acc_t<T> smem[64];
     NoSums none;
-    backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, p_div, p_len, center,
-                                       smem, none);
+    backward_rows<T, ITEMS, BlockTeam>(dy, x, w, rstd, dx, rows, (int)count, p_div, p_len, center, smem, none,
+                                       BlockAhead<T, ITEMS, NoSums>::value ? block_stage<T, ITEMS>(0) : (uint4*)0);
 }
 
 // As rows_bwd_warp_row_params, one block per row.
@@ -1358,8 +1436,8 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_row_p
     const Param<T> w = {w_arg, param_in_t & 1};
     __shared__ acc_t<T> smem[64];
     RowSums<acc_t<T> > sums = {part_w, part_b, acc_t<T>(0), acc_t<T>(0)};
-    backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, (int)count, count, p_len, center,
-                                       smem, sums);
+    backward_rows<T, ITEMS, BlockTeam>(dy, x, w, rstd, dx, rows, (int)count, count, p_len, center, smem, sums,
+                                       BlockAhead<T, ITEMS, RowSums<acc_t<T> > >::value ? block_stage<T, ITEMS>(0) : (uint4*)0);
 }
 
 // Plain rows (layer/RMS norm over trailing axes) past rows_bwd_multi's, one block per row, with
@@ -1381,7 +1459,8 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_param
     const int slots = ITEMS * blockDim.x;
     for (int i = threadIdx.x; i < 2 * slots; i += blockDim.x) sums.wb[i] = A(0);
     __syncthreads();
-    backward_rows<T, ITEMS, BlockTeam>(dy, x, w, mean, rstd, dx, rows, n, 1, count, center, smem, sums);
+    backward_rows<T, ITEMS, BlockTeam>(dy, x, w, rstd, dx, rows, n, 1, count, center, smem, sums,
+                                       block_stage<T, ITEMS>(2 * slots * sizeof(A)));
     __syncthreads();
     // slot s = (item k, thread t) holds position team_item(k, t): each position is one slot's
     const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);

@@ -520,10 +520,11 @@ def tile_bwd_kernel(case, dtype, width, param_grads=False, param_rows=0):
 
 
 def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="warp", items=None,
-                 chunk=None, offset=0, grid=None, schedule=None, kernel=None, params_in_t=False):
+                 chunk=None, offset=0, grid=None, schedule=None, kernel=None, params_in_t=False, ahead=False):
     """Launch the dx kernels with the given statistics; returns float64 dx. ``kernel`` (tile
     path): the tile backward to take instead of the launcher's choice (``tile_bwd_kernel``);
-    ``params_in_t`` (tile path): the weight stored in x's dtype."""
+    ``params_in_t`` (tile path): the weight stored in x's dtype; ``ahead`` (block path): the
+    launch gives the block room to read its next row ahead (``block_stage_bytes``)."""
     A = ACC[dtype]
     dyd, xd = emu.to_device(dy.reshape(-1), dtype, offset), emu.to_device(x.reshape(-1), dtype, offset)
     dxd = emu.empty(case.total, dtype, offset)
@@ -543,9 +544,13 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
         return dxd.get_float()
     if path in ("warp", "block"):
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
-        kernels(f"rows_bwd_{path}", dtype, items)(
-            (grid,), (ROWS_BLOCK if path == "warp" else row_threads(reduced, items),),
-            (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len, center, 0), **launch)
+        threads = ROWS_BLOCK if path == "warp" else row_threads(reduced, items)
+        function = kernels(f"rows_bwd_{path}", dtype, items)
+        smem = block_stage_bytes(dtype, items, threads) if ahead else 0
+        if smem > 48 * 1024:
+            function.max_dynamic_shared_size_bytes = smem
+        function((grid,), (threads,), (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len, center, 0),
+                 shared_mem=smem, **launch)
         return dxd.get_float()
     nchunk = _ceil(reduced, chunk)
     ws = [_acc_buf(outer * nchunk * inner, dtype) for _ in range(2)]
@@ -602,6 +607,11 @@ def run_param_grads(kernels, case, dtype, dy, x, mean, rstd, *, center=1, with_b
 
 def _items(dtype, count, kernel="rows_fwd_warp", width=32):
     return next(k for k in items_built(kernel, dtype) if width * k >= count)
+
+
+def block_stage_bytes(dtype, items, threads):
+    """rows.cu's block_stage_bytes: x and dy, ``items`` elements a thread each."""
+    return 2 * items * threads * {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dtype]
 
 
 def row_threads(count, items):
@@ -755,9 +765,10 @@ def test_rows_block_param_stride(kernels, dtype):
 # ---- rows with dweight/dbias summed on the way (rows_bwd_{warp,block}_[row_]params) ---------------
 
 def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, center=1, with_bias=True,
-                          offset=0, schedule=None):
+                          offset=0, schedule=None, ahead=False):
     """The row backward that also sums dweight/dbias (per position and block; per row with
-    ``per_row``), then param_grad_finish: dx, dweight and dbias against float64 formulas."""
+    ``per_row``), then param_grad_finish: dx, dweight and dbias against float64 formulas.
+    ``ahead`` (block path): room to read the next row ahead past the sums."""
     A = ACC[dtype]
     kind = "row_params" if per_row else "params"
     kernel_name = "rows_bwd_multi" if path == "multi" else f"rows_bwd_{path}_{kind}"
@@ -780,6 +791,8 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     kernel = kernels(kernel_name, dtype, items)
     # a block's sums per (item, thread) wait in shared memory
     smem = 0 if path != "block" or per_row else 2 * items * threads * np.dtype(A).itemsize
+    if ahead:
+        smem += block_stage_bytes(dtype, items, threads)
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
     kernel((grid,), (threads,),
@@ -833,6 +846,40 @@ def test_rows_backward_with_row_param_grads(kernels, path, dtype, n, c, h, w, gr
     (part[row]), then param_grad_finish over the batch."""
     check_row_param_grads(kernels, instance_norm_nchw(n, c, h, w), dtype, path=path, grid=grid, per_row=True,
                           **_FUSED_VARIANTS[variant])
+
+
+# The block backwards reading each next row ahead into the room the launch gives them (cp.async
+# stage past the sums): (kernel kind, dtype, rows, count, grid). Several rows a block (grid-stride
+# over a stage that moves on), blocks with none, one and two vectors a thread, rows of 16-bit
+# ITEMS=16 (rows_bwd_block and _row_params ignore the room there: BlockAhead), float64 (no stage).
+_AHEAD_ROWS = [("", "float32", 7, 1000, 3), ("", "bfloat16", 9, 4096, 2), ("", "float16", 5, 1024, 7),
+               ("", "float32", 4, 8192, 1), ("", "bfloat16", 3, 12000, 2), ("", "float64", 5, 700, 2),
+               ("params", "float32", 7, 2049, 2), ("params", "bfloat16", 9, 4096, 4),
+               ("params", "float16", 4, 16384, 3), ("params", "float64", 3, 3001, 2),
+               ("row_params", "float32", 2, 3, 40, 2), ("row_params", "bfloat16", 3, 2, 64, 4),
+               ("row_params", "float16", 2, 3, 128, 4)]
+
+
+@pytest.mark.parametrize("variant", ["ln", "rms", "misaligned", "random"])
+@pytest.mark.parametrize("spec", _AHEAD_ROWS, ids=lambda s: "-".join(map(str, s)))
+def test_rows_block_backward_reads_ahead(kernels, spec, variant):
+    """The block backwards with room for a stage (as the launcher launches them): dx (and
+    dweight/dbias) as from rows read as they go, on grids that leave each block several rows;
+    misaligned rows (no 16-byte vectors) read as they go even with the room."""
+    opts = {"ln": {}, "rms": dict(center=0), "misaligned": dict(offset=1), "random": dict(schedule=5)}[variant]
+    kind, dtype = spec[0], spec[1]
+    if kind == "":
+        _, _, rows, count, grid = spec
+        check_backward(kernels, layer_norm_rows(rows, count), dtype, path="block",
+                       items=_block_items(dtype, count, "rows_bwd_block"), grid=grid, ahead=True, **opts)
+    elif kind == "params":
+        _, _, rows, count, grid = spec
+        check_row_param_grads(kernels, layer_norm_rows(rows, count), dtype, path="block", grid=grid, ahead=True,
+                              **opts)
+    else:  # NCHW instance norm rows of h x h, p = row % C
+        _, _, n, c, h, grid = spec
+        check_row_param_grads(kernels, instance_norm_nchw(n, c, h, h), dtype, path="block", grid=grid,
+                              per_row=True, ahead=True, **opts)
 
 
 # ---- rows, split into chunks (long rows) -----------------------------------------------------------

@@ -79,6 +79,34 @@ def test_transformer_rows_are_one_kernel_each_way():
     assert _backward(wide, {"w", "rstd", "mean", "dw", "db"}).names == ("rows_bwd_block_params", "param_grad_finish")
 
 
+def test_block_backward_rows_read_ahead_on_the_resident_blocks():
+    """Rows past rows_bwd_multi's: the block backwards run on the blocks resident at once (64
+    registers: 1024 / threads an SM), with room past the dweight/dbias slots for a stage of
+    the next row's x and dy (2 * ITEMS * threads elements of x's dtype); float64 reads as it
+    goes, a block a row."""
+    grads, dx_only = {"w", "rstd", "mean", "dw", "db"}, {"rstd", "mean"}
+    for shape, dtype, name, grid, block, items in [
+            ((8192, 4096), "bfloat16", "rows_bwd_block_params", 264, 512, 8),
+            ((2048, 16384), "bfloat16", "rows_bwd_block_params", 132, 1024, 16),
+            ((4096, 8192), "float32", "rows_bwd_block_params", 132, 1024, 8),
+            ((16384, 2048), "float32", "rows_bwd_block_params", 528, 256, 8)]:
+        itemsize = np.dtype(np.float32).itemsize if dtype == "float32" else 2
+        plan = _plan("layer_norm", shape)
+        step = _backward(plan, grads, dtype=dtype).steps[0]
+        sums = 2 * items * block * 4
+        assert (step.name, step.grid, step.block, step.items) == (name, (grid,), (block,), items)
+        assert step.smem == sums + 2 * items * block * itemsize  # the slots, then the stage
+        step = _backward(plan, dx_only, dtype=dtype).steps[0]
+        assert (step.name, step.grid, step.smem) == ("rows_bwd_block", (grid,), 2 * items * block * itemsize)
+    # few rows: a block each
+    assert _backward(_plan("layer_norm", (64, 4096)), grads).steps[0].grid == (64,)
+    # NCHW instance norm rows with dweight: a partial per row, any grid
+    step = _backward(_plan("instance_norm", (8, 64, 128, 128), channel_axis=1), grads).steps[0]
+    assert (step.name, step.grid, step.smem) == ("rows_bwd_block_row_params", (132,), 2 * 16 * 1024 * 2)
+    f64 = _backward(_plan("layer_norm", (8192, 4096)), dx_only, dtype="float64").steps[0]
+    assert (f64.name, f64.grid, f64.smem) == ("rows_bwd_block", (8192,), 0)
+
+
 def test_convnext_channels_first_is_one_tile_kernel():
     plan = _plan("layer_norm", (64, 96, 56, 56), axis=1)
     assert _forward(plan, {"w", "b"}).names == ("cols_fwd_tile",)
