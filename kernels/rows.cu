@@ -1440,6 +1440,12 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_row_p
                                        BlockAhead<T, ITEMS, RowSums<acc_t<T> > >::value ? block_stage<T, ITEMS>(0) : (uint4*)0);
 }
 
+// Whether rows_bwd_block_params reads rows ahead: not float32 at ITEMS=16, whose stage (128 KiB
+// past 128 KiB of sums) no SM holds; compiled out there, ptxas fits it in 64 registers.
+template <typename T, int ITEMS> struct ParamsAhead {
+    static const bool value = !(sizeof(T) == 4 && ITEMS == 16);
+};
+
 // Plain rows (layer/RMS norm over trailing axes) past rows_bwd_multi's, one block per row, with
 // dweight/dbias partial sums on the way: they wait in dynamic shared memory (2 * count values
 // of A), then the block writes part_w/part_b[blockIdx.x * count + p] (part_b nullable) for
@@ -1460,7 +1466,8 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_param
     for (int i = threadIdx.x; i < 2 * slots; i += blockDim.x) sums.wb[i] = A(0);
     __syncthreads();
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, rstd, dx, rows, n, 1, count, center, smem, sums,
-                                       block_stage<T, ITEMS>(2 * slots * sizeof(A)));
+                                       ParamsAhead<T, ITEMS>::value ? block_stage<T, ITEMS>(2 * slots * sizeof(A))
+                                                                   : (uint4*)0);
     __syncthreads();
     // slot s = (item k, thread t) holds position team_item(k, t): each position is one slot's
     const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);

@@ -818,7 +818,7 @@ _FUSED_ROWS = [("multi", "float32", 9, 250, 1), ("multi", "float32", 37, 33, 3),
                ("multi", "bfloat16", 5, 2048, 2), ("multi", "float32", 40, 1000, 3),
                ("block", "float32", 5, 2049, 2), ("block", "float16", 7, 1024, 3), ("block", "float64", 4, 3001, 3),
                ("block", "bfloat16", 3, 2048, 1), ("block", "bfloat16", 3, 16384, 2),  # 128 KiB of sums
-               ("block", "bfloat16", 4, 12000, 3)]
+               ("block", "bfloat16", 4, 12000, 3), ("block", "float32", 3, 12000, 2)]  # float32 at ITEMS=16
 _FUSED_VARIANTS = {"ln": dict(), "rms": dict(center=0), "no_bias": dict(with_bias=False),
                    "misaligned": dict(offset=1), "reverse": dict(schedule=1)}
 

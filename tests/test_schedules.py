@@ -103,6 +103,14 @@ def test_block_backward_rows_read_ahead_on_the_resident_blocks():
     # NCHW instance norm rows with dweight: a partial per row, any grid
     step = _backward(_plan("instance_norm", (8, 64, 128, 128), channel_axis=1), grads).steps[0]
     assert (step.name, step.grid, step.smem) == ("rows_bwd_block_row_params", (132,), 2 * 16 * 1024 * 2)
+    # float32 rows of 8193-16384 with dweight: rows_bwd_block_params at ITEMS=16, its sums
+    # filling the room (no stage), one pass; without dweight, or fewer rows than SMs, as before
+    wide = _plan("layer_norm", (2048, 16384))
+    step = _backward(wide, grads, dtype="float32").steps[0]
+    assert (step.name, step.grid, step.block, step.items, step.smem) == (
+        "rows_bwd_block_params", (132,), (1024,), 16, 2 * 16 * 1024 * 4)
+    assert _backward(wide, dx_only, dtype="float32").names == ("rows_bwd_smem",)
+    assert "rows_bwd_block_params" not in _backward(_plan("layer_norm", (64, 16384)), grads, dtype="float32").names
     f64 = _backward(_plan("layer_norm", (8192, 4096)), dx_only, dtype="float64").steps[0]
     assert (f64.name, f64.grid, f64.smem) == ("rows_bwd_block", (8192,), 0)
 

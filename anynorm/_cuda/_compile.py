@@ -50,9 +50,10 @@ _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
           "rows_fwd_cluster": CLUSTER_SIZES, "rows_bwd_cluster": CLUSTER_SIZES,
           "rows_bwd_block_params": BLOCK_ITEMS,
           "rows_bwd_warp_row_params": WARP_ITEMS, "rows_bwd_block_row_params": BLOCK_ITEMS}
-# The float32 block backward at ITEMS=16 would spill under its 64-register bound: float32
-# rows of 8193-16384 elements take the split path backward.
-_ITEMS_MAX = {(k, "float32"): 8 for k in ("rows_bwd_block", "rows_bwd_block_params", "rows_bwd_block_row_params")}
+# The float32 block backwards at ITEMS=16 would spill under their 64-register bound, but for
+# rows_bwd_block_params (its sums in shared memory, no stage: rows.cu's ParamsAhead): float32
+# rows of 8193-16384 elements take it where dweight is wanted, else rows_bwd_smem.
+_ITEMS_MAX = {(k, "float32"): 8 for k in ("rows_bwd_block", "rows_bwd_block_row_params")}
 # Kernels built for one ITEMS per dtype.
 _ITEMS_ONLY = {(kernel, dtype): (items,) for dtype, items in MULTI_ITEMS.items()
                for kernel in ("rows_fwd_multi", "rows_bwd_multi")}

@@ -233,13 +233,14 @@ def _two_vector_rows(layout, dtype):
     return _block_row("rows_fwd", layout.outer, count, dtype, 2 * _VECTOR[dtype])
 
 
-def _block_row(prefix, rows, count, dtype, min_items=1):
+def _block_row(prefix, rows, count, dtype, min_items=1, items_from=None):
     """(kernel, grid, block, ITEMS) of the block-per-row kernel with the smallest ITEMS of at
-    least ``min_items`` and a power of two of threads holding the row, or None. The forward
-    runs on a persistent grid (the blocks resident at 64 registers), each block reading its
-    next row while it sums the current one."""
+    least ``min_items`` (of those ``items_from``, a kernel of the family, is built for) and a
+    power of two of threads holding the row, or None. The forward runs on a persistent grid
+    (the blocks resident at 64 registers), each block reading its next row while it sums the
+    current one."""
     kernel = f"{prefix}_block"
-    for items in items_of(kernel, dtype):
+    for items in items_of(items_from or kernel, dtype):
         threads = 1 << max(5, (_ceil(count, items) - 1).bit_length())
         if items >= min_items and threads <= block_threads_max(kernel, dtype):
             if prefix == "rows_fwd":
@@ -686,6 +687,12 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
               items=items)
         return None if part is None else (part, grid[0])
     row = _row_kernel("rows_bwd", outer, reduced, dtype) if layout.rows else None
+    if (row is None and param_grads is not None and layout.rows and layout.p_div == 1 and layout.p_len == reduced
+            and outer >= _target_blocks() // _BLOCKS_PER_SM):
+        # float32 rows of 8193-16384 with dweight, a row an SM at least: rows_bwd_block_params
+        # holds them at ITEMS=16 (3 transfers, where rows_bwd_smem and param_grad_cols move 5;
+        # fewer rows take a cluster a row, which spreads them over every SM)
+        row = _block_row("rows_bwd", outer, reduced, dtype, items_from="rows_bwd_block_params")
     if row is not None:
         kernel, grid, block, items = row
         fused = None if param_grads is None else _row_params(layout, dtype, kernel, grid, block, items)
