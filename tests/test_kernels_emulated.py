@@ -463,7 +463,13 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
     rstd = emu.empty(case.slices, A)
     outer, reduced, inner, group = case.outer, case.reduced, case.inner, case.group
     launch = dict(schedule=schedule)
-    if path == "tile":  # columns, one (reduced, width) tile per block in shared memory
+    if path == "sample":  # columns, a sample across a cluster of ``items`` blocks (samples.cu)
+        assert res is None
+        function, smem = sample_kernel(kernels, "cols_fwd_cluster", case, dtype, items, 1)
+        function(((grid or outer) * items,), (SAMPLE_BLOCK,),
+                 (xd, yd, wd, bd, mean, rstd, outer, reduced, inner, case.p_div, case.p_len, center, eps, pin),
+                 shared_mem=smem, cluster=items, **launch)
+    elif path == "tile":  # columns, one (reduced, width) tile per block in shared memory
         width = items
         kernels("cols_fwd_tile", dtype)((_ceil(inner, width), grid or min(outer, 65535)), (BLOCK,),
                                         (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, inner, group,
@@ -509,6 +515,22 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
     return get(yd), get(hd), get(mean), get(rstd)
 
 
+SAMPLE_BLOCK = 256  # samples.cu: SAMPLE_THREADS
+
+
+def sample_kernel(kernels, name, case, dtype, c, copies):
+    """(emulated kernel, dynamic smem bytes) of a samples.cu kernel with clusters of ``c``,
+    its shared memory as the launcher sizes it (``_schedule.sample_smem``)."""
+    from anynorm._cuda import _schedule  # pure: no CuPy needed
+
+    per_col = case.inner % (case.p_div * case.p_len) == 0
+    smem = _schedule.sample_smem(case.reduced, case.inner, dtype, c, copies, per_col)
+    function = kernels(name, dtype, c)
+    if smem > 48 * 1024:
+        function.max_dynamic_shared_size_bytes = smem
+    return function, smem
+
+
 def tile_bwd_kernel(case, dtype, width, param_grads=False, param_rows=0):
     """The tile backward the launcher takes at this width: cols_bwd_tile_vec where the
     arithmetic goes in shared-memory vectors (``_schedule.tile_bwd_vector``), else cols_bwd_tile."""
@@ -534,6 +556,12 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     rd = emu.to_device(rstd, A)
     outer, reduced, inner, group = case.outer, case.reduced, case.inner, case.group
     launch = dict(schedule=schedule)
+    if path == "sample":  # a cluster of ``items`` blocks a sample; ``grid``: clusters
+        function, smem = sample_kernel(kernels, "cols_bwd_cluster", case, dtype, items, 2)
+        function(((grid or outer) * items,), (SAMPLE_BLOCK,),
+                 (dyd, xd, wd, rd, dxd, None, None, outer, reduced, inner, case.p_div, case.p_len, center, pin),
+                 shared_mem=smem, cluster=items, **launch)
+        return dxd.get_float()
     if path == "tile":
         width = items
         # a persistent 1-D grid over the (o, tile) items (``grid``: fewer blocks, several items each)

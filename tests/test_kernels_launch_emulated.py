@@ -118,11 +118,14 @@ def _launch_on_emulator(monkeypatch):
     # puts rows_fwd_smem back
     monkeypatch.setattr(_schedule, "_smem_row", lambda layout, dtype, copies=1: None)
     monkeypatch.setattr(_schedule, "_cluster_row", lambda layout, dtype, copies=1: None)  # as _smem_row
+    # columns of small inner extent take the tiles here (their cases: use_sample_clusters)
+    monkeypatch.setattr(_schedule, "_sample_cluster", lambda layout, dtype, copies, param_grads=None: None)
 
 
 _SMEM_ROW = _schedule._smem_row
 _CLUSTER_ROW = _schedule._cluster_row
-CLUSTER_KERNELS = ("rows_fwd_cluster", "rows_bwd_cluster")  # their ITEMS is the cluster size (blocks along x)
+_SAMPLE_CLUSTER = _schedule._sample_cluster
+CLUSTER_KERNELS = ("rows_fwd_cluster", "rows_bwd_cluster", "cols_fwd_cluster", "cols_bwd_cluster")  # their ITEMS: the cluster size (blocks along x)
 
 
 @pytest.fixture
@@ -292,7 +295,7 @@ CASES = [
     ("layer_norm", (6, 1000), {}, None),  # block of 128 per row, ITEMS=8
     ("layer_norm", (3, 1025), {}, None),  # block of 256 per row, ITEMS=8
     ("layer_norm", (2, 8192), {}, None),  # block of 1024 per row, ITEMS=8
-    ("layer_norm", (2, 9000), {}, None),  # block of 1024 per row, ITEMS=16 (float32 backward: split)
+    ("layer_norm", (2, 9000), {}, None),  # block of 1024 per row, ITEMS=16 (float32: with dweight too)
     ("layer_norm", (2, 17000), {}, None),  # chunked rows, several chunks
     ("layer_norm", (2, 3, 4, 5), {"axis": 1}, None),  # columns (channels-first), one tile per o
     ("layer_norm", (3, 70, 33), {"axis": 1}, None),  # columns, tiles 16 wide (8 backward)
@@ -764,6 +767,42 @@ def use_clusters(monkeypatch, smem_limit=24 * 1024):
     monkeypatch.setattr(_schedule, "_cluster_row", _CLUSTER_ROW)
     monkeypatch.setattr(_schedule, "_smem_row", _SMEM_ROW)
     monkeypatch.setattr(_schedule, "_smem_limit", lambda: smem_limit)
+
+
+def use_sample_clusters(monkeypatch):
+    """Columns of small inner extent over a cluster a sample (samples.cu) back in the schedule."""
+    monkeypatch.setattr(_schedule, "_sample_cluster", _SAMPLE_CLUSTER)
+
+
+# (op, shape, kwargs): ConvNeXt's 7x7 stage in small (p = the row), an 8x8 extent, NHWC
+# instance norm (p = the column), RMS norm over the channels; 6 target blocks here: clusters
+# of 2 (3 samples) and 4 (2 samples)
+SAMPLE_CASES = [
+    ("layer_norm", (3, 40, 7, 7), {"axis": 1}),
+    ("layer_norm", (2, 9, 8, 8), {"axis": 1}),
+    ("instance_norm", (3, 7, 7, 8), {"channel_axis": -1}),
+    ("rms_norm", (2, 30, 5, 5), {"axis": 1}),
+]
+
+
+@pytest.mark.parametrize("case", SAMPLE_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_launch_small_inner_columns_across_a_cluster(emulated, monkeypatch, case, dtype):
+    """cols_fwd_cluster and cols_bwd_cluster through the launcher: y and the statistics, dx,
+    dweight and dbias (partials per sample, then param_grad_finish), bound and not, with
+    parameters in x's dtype and without dbias; a residual keeps the tiles forward."""
+    use_sample_clusters(monkeypatch)
+    op, shape, kw = case
+    names = _record_launches(monkeypatch)
+    _check(op, shape, kw, dtype, stats=False)
+    assert {"cols_fwd_cluster", "cols_bwd_cluster", "param_grad_finish"} <= names, names
+    assert not {"cols_fwd_tile", "cols_bwd_tile", "cols_bwd_tile_vec", "cols_stats_partial"} & names, names
+    _check(op, shape, kw, dtype, params_in_x=True, bound=True)
+    if op != "rms_norm" and dtype != "float64":  # (the helper's dweight is float32)
+        _check_without_bias(op, shape, kw, dtype)
+    names.clear()
+    _check(op, shape, kw, dtype, residual=True)
+    assert "cols_fwd_tile" in names and "cols_bwd_cluster" in names, names
 
 
 # (op, shape, kwargs): rows of 20000 float32 (80 KB: 4 blocks of 20 KB; 16-bit: 2 of 20 KB),

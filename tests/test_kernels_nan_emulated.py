@@ -37,6 +37,8 @@ CASES = [
     ("rms_norm", (3, 4, 5), {"axis": (0, 2)}, "cols_fwd_tile", L.TILE_BUDGET),
     ("rms_norm", (3, 4, 5), {"axis": (0, 2)}, "cols_stats_partial", 0),
     ("layer_norm", (4, 6), {"axis": 0}, "cols_fwd_tile", L.TILE_BUDGET),
+    ("rms_norm", (3, 4, 5), {"axis": 1}, "cols_fwd_cluster", None),  # a cluster a sample
+    ("layer_norm", (3, 9, 7, 7), {"axis": 1}, "cols_fwd_cluster", None),
 ]
 IDS = [f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}" for c in CASES]
 
@@ -83,6 +85,8 @@ def test_nan_poisons_its_slice_only(emulated, monkeypatch, case, bad):  # noqa: 
         monkeypatch.setattr(_schedule, "_smem_row", L._SMEM_ROW)
     if path == "rows_fwd_cluster":
         L.use_clusters(monkeypatch)
+    if path == "cols_fwd_cluster":
+        L.use_sample_clusters(monkeypatch)
     names = L._record_launches(monkeypatch)
     x = _poisoned(shape, bad)
     _, _, _, _, y = L.forward_float32(op, x, kw)
@@ -102,6 +106,8 @@ def test_nan_poisons_its_slice_only_in_the_backward(emulated, monkeypatch, case)
         monkeypatch.setattr(_schedule, "_tile_budgets", lambda dtype: (budget,))
     if path == "rows_fwd_smem":  # and rows_bwd_smem
         monkeypatch.setattr(_schedule, "_smem_row", L._SMEM_ROW)
+    if path == "cols_fwd_cluster":  # and cols_bwd_cluster
+        L.use_sample_clusters(monkeypatch)
     x = _poisoned(shape, np.nan)
     dy = np.random.default_rng(16).standard_normal(shape).astype(np.float32)
     plan, xd, md, sd, _ = L.forward_float32(op, x, kw)

@@ -42,18 +42,19 @@ try:
 except Exception as exc:  # libnvrtc missing
     pytest.skip(f"NVRTC cannot be loaded: {exc}", allow_module_level=True)
 
-FILES = ("tiles.cu", "cols.cu")
+FILES = ("tiles.cu", "cols.cu", "samples.cu")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 TUNED = ("float16", "bfloat16", "float32")
 # Least theoretical occupancy (%) on sm_90 at the launcher's configuration, per kernel.
 OCCUPANCY = {"cols_fwd_tile": 50.0, "cols_stats_partial": 50.0, "cols_apply_fwd": 50.0,
              "cols_bwd_tile": 37.5, "cols_bwd_tile_vec": 37.5, "cols_grad_partial": 37.5, "cols_grad_finalize": 37.5,
-             "cols_param_grad_rows": 37.5}
+             "cols_param_grad_rows": 37.5, "cols_fwd_cluster": 50.0, "cols_bwd_cluster": 50.0}
 # Threads per block, as _schedule.py launches them.
 THREADS = {"cols_fwd_tile": _schedule._TILE_THREADS, "cols_bwd_tile": _schedule._TILE_THREADS,
            "cols_bwd_tile_vec": _schedule._TILE_THREADS,
            "cols_stats_partial": 32 * 8, "cols_grad_partial": 32 * 8, "cols_apply_fwd": 32 * 8,
-           "cols_grad_finalize": _schedule._BLOCK, "cols_param_grad_rows": 32 * 8}
+           "cols_grad_finalize": _schedule._BLOCK, "cols_param_grad_rows": 32 * 8,
+           "cols_fwd_cluster": _schedule._SAMPLE_THREADS, "cols_bwd_cluster": _schedule._SAMPLE_THREADS}
 
 
 class SM90:
@@ -110,7 +111,10 @@ def reports():
 
 def _dynamic_smem(kernel, dtype):
     """The largest dynamic shared memory the launcher gives ``kernel`` in its first tier on
-    an H100 (tiles: the budget that keeps 4 blocks per SM; split kernels: none)."""
+    an H100 (tiles: the budget that keeps 4 blocks per SM; a cluster a sample: ConvNeXt's
+    7x7 stage, 768 channels over clusters of 8; split kernels: none)."""
+    if kernel in ("cols_fwd_cluster", "cols_bwd_cluster"):
+        return _schedule.sample_smem(768, 49, dtype, 8, 1 if kernel == "cols_fwd_cluster" else 2, False)
     if kernel not in ("cols_fwd_tile", "cols_bwd_tile", "cols_bwd_tile_vec"):
         return 0
     saved = _schedule._smem_limit
@@ -224,6 +228,20 @@ def test_tiles_load_and_store_128_bits_and_no_local_memory(tmp_path, dtype):
             assert re.search(r"\bSTS\.128\b", code), f"{kernel}<{dtype}>: tiles not stored 16 bytes at a time"
         # y / dx staged in the tile go out in vectors too
         assert re.search(r"\bSTG\.E\.128\b", code), f"{kernel}<{dtype}>: no 128-bit global stores"
+        assert not re.search(r"\b(LDL|STL)\b", code), f"{kernel}<{dtype}>: local memory"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_clusters_move_in_128_bits_and_no_local_memory(tmp_path, dtype):
+    """samples.cu on sm_90: a block's part of a sample comes in by 16-byte cp.async
+    (LDGSTS.E.BYPASS.128), y / dx go out in 16-byte stores (STG.E.128), the blocks meet at
+    the cluster's barrier (UCGABAR_ARV/WAIT) around the columns' sums, no local memory."""
+    sass = sass_by_kernel("samples.cu", dtype, tmp_path)
+    for kernel in ("cols_fwd_cluster", "cols_bwd_cluster"):
+        code = sass[kernel]
+        assert re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", code), f"{kernel}<{dtype}>: no 128-bit copies in"
+        assert re.search(r"\bSTG\.E\.128\b", code), f"{kernel}<{dtype}>: no 128-bit global stores"
+        assert re.search(r"\bUCGABAR_(ARV|WAIT)\b", code), f"{kernel}<{dtype}>: no cluster barrier"
         assert not re.search(r"\b(LDL|STL)\b", code), f"{kernel}<{dtype}>: local memory"
 
 

@@ -29,8 +29,9 @@ BLOCK_ITEMS = (8, 16)
 # rows_fwd_multi/rows_bwd_multi (several short rows per block, teams sized to the row): one 16-byte vector
 # per thread, ITEMS = 16 / sizeof(T) (float64 spills past 2 under its 64-register bound).
 MULTI_ITEMS = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
-# Thread-block clusters (sm_90) of the row kernels that hold a row across several blocks' shared
-# memory: the cluster size is their ITEMS (the portable sizes: 8 blocks take 8 SMs of one GPC).
+# Thread-block clusters (sm_90) of the kernels that hold a row (rows.cu) or a sample (samples.cu)
+# across several blocks' shared memory: the cluster size is their ITEMS (the portable sizes: 8
+# blocks take 8 SMs of one GPC).
 CLUSTER_SIZES = (2, 4, 8)
 KERNELS = {
     "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block", "rows_fwd_multi",
@@ -43,11 +44,13 @@ KERNELS = {
     "finish.cu": ("stats_finalize", "segment_grad_finalize", "apply_bwd",
                   "rows_stats_finalize", "rows_apply_fwd", "rows_grad_finalize"),
     "params.cu": ("param_grad_cols", "param_grad_rows", "param_grad_finish"),
+    "samples.cu": ("cols_fwd_cluster", "cols_bwd_cluster"),
 }
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
           "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS, "rows_fwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
           "rows_bwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
           "rows_fwd_cluster": CLUSTER_SIZES, "rows_bwd_cluster": CLUSTER_SIZES,
+          "cols_fwd_cluster": CLUSTER_SIZES, "cols_bwd_cluster": CLUSTER_SIZES,
           "rows_bwd_block_params": BLOCK_ITEMS,
           "rows_bwd_warp_row_params": WARP_ITEMS, "rows_bwd_block_row_params": BLOCK_ITEMS}
 # The float32 block backwards at ITEMS=16 would spill under their 64-register bound, but for

@@ -485,6 +485,68 @@ def _tile(layout, dtype, copies, row_extra=0, vector_compute=False):
     return width, grid, layout.reduced * (copies * width * itemsize + row_extra)
 
 
+# Columns of at most this many inner positions (8x8 spatial extents) take a cluster a sample
+# where the device has clusters (samples.cu): a tile's rows would be pieces of a few elements
+# (ConvNeXt's 7x7 stage: 98-byte rows cut into 16-byte pieces read element by element, a
+# tile's reductions for every 8 columns, and 448 tiles on 396 resident backward blocks).
+SAMPLE_INNER_MAX = 64
+_SAMPLE_THREADS = 256  # samples.cu's block (SAMPLE_THREADS)
+_SAMPLE_BLOCKS_PER_SM = {"float64": 2}  # its launch bound: 4 blocks of 256 (64 registers), float64 2
+
+
+def sample_part_rows(reduced, inner, itemsize, c) -> int:
+    """samples.cu's sample_part_rows: the rows each of a cluster's ``c`` blocks holds,
+    ceil(reduced / c) rounded up to whole 16-byte vectors of elements."""
+    align = 1
+    while (align * inner * itemsize) % 16:
+        align *= 2
+    return _ceil(_ceil(reduced, c), align) * align
+
+
+def sample_smem(reduced, inner, dtype, c, copies, per_col) -> int:
+    """Dynamic shared memory of cols_fwd_cluster (``copies`` 1) / cols_bwd_cluster (2): the
+    parts (16-byte multiples), then samples.cu's SampleSmem (7 values of A per column, the
+    parameters per column or per row of the part, 2 x 256 partials, 2 x 2 slots per column)."""
+    itemsize, acc = 16 // _VECTOR[dtype], np.dtype(acc_dtype(dtype)).itemsize
+    rows = sample_part_rows(reduced, inner, itemsize, c)
+    npar = inner if per_col else rows
+    return copies * _ceil(rows * inner * itemsize, 16) * 16 + (11 * inner + 2 * npar + 2 * _SAMPLE_THREADS) * acc
+
+
+def _sample_cluster(layout, dtype, copies, param_grads=None):
+    """(C, grid, dynamic smem bytes) of cols_fwd_cluster (``copies`` 1) or cols_bwd_cluster
+    (2; ``param_grads`` not None: with dweight), or None: columns of one statistic each
+    (group 1) and at most SAMPLE_INNER_MAX inner positions, parameters per column or per row
+    (dweight per column only where p = i), on a device with clusters, whose parts fit the
+    share of an SM's shared memory that keeps the blocks its registers allow (4, float64 2:
+    52 KiB on an H100; larger samples, e.g. NHWC 32x56x56x64, keep the tiles, which spread
+    them wider). The smallest C of CLUSTER_SIZES whose C x outer blocks make
+    ``_target_blocks`` (else the largest that fits); a persistent grid of whole clusters, at
+    most the blocks resident at once."""
+    if layout.rows or layout.group != 1 or layout.inner > SAMPLE_INNER_MAX or _device().cluster_max < 2:
+        return None
+    if not tile_params_fit(layout):
+        return None
+    per_col = layout.inner % (layout.p_div * layout.p_len) == 0
+    if param_grads is not None and per_col and not (layout.p_div == 1 and layout.p_len == layout.inner):
+        return None
+    sizes = [c for c in CLUSTER_SIZES if c <= _device().cluster_max]
+    per_sm = _SAMPLE_BLOCKS_PER_SM.get(dtype, 4)
+    budget = (_smem_limit() + _SMEM_RESERVED) // per_sm - _SMEM_RESERVED - _SAMPLE_STATIC_SMEM
+    fits = [c for c in sizes
+            if sample_smem(layout.reduced, layout.inner, dtype, c, copies, per_col) <= budget]
+    if not fits:
+        return None
+    c = next((c for c in fits if layout.outer * c >= _target_blocks()), fits[-1])
+    smem = sample_smem(layout.reduced, layout.inner, dtype, c, copies, per_col)
+    sms = max(1, _target_blocks() // _BLOCKS_PER_SM)
+    clusters = min(layout.outer, max(1, per_sm * sms // c))
+    return c, (clusters * c,), smem
+
+
+_SAMPLE_STATIC_SMEM = 0  # samples.cu: everything is dynamic
+
+
 # Tile backward blocks an SM holds at once: its registers (tiles.cu: TILE_MIN_BLOCKS_BWD,
 # 80 a thread) allow 3 of 256 threads (37.5%), float64's (122) 2.
 _TILE_BWD_BLOCKS = {"float64": 2}
@@ -541,6 +603,13 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
         _step("rows_fwd_cluster", dtype, grid, block,
               (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=c, smem=smem)
+        return
+    sample = None if res is not None else _sample_cluster(layout, dtype, 1)
+    if sample is not None:
+        c, grid, smem = sample
+        _step("cols_fwd_cluster", dtype, grid, (_SAMPLE_THREADS,),
+              (src, _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer), i64(reduced), i64(inner),
+               i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=c, smem=smem)
         return
     tile = _tile(layout, dtype, 1, vector_compute=True)
     if tile is not None:
@@ -710,6 +779,15 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
                 (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, i64(outer), i64(reduced), pdiv, plen,
                  center, pin), items=items, smem=smem)
         return None
+    sample = _sample_cluster(layout, dtype, 2, param_grads)
+    if sample is not None:  # dweight/dbias partials per sample: (part, outer)
+        c, grid, smem = sample
+        part = None if param_grads is None else _workspace((2, outer * layout.p_len), dtype=acc)
+        _step("cols_bwd_cluster", dtype, grid, (_SAMPLE_THREADS,),
+              (dyb, xb, _ptr(w), rstd, dxb, _ptr(None if part is None else part[0]),
+               _ptr(part[1] if param_grads else None), i64(outer), i64(reduced), i64(inner), pdiv, plen,
+               center, pin), items=c, smem=smem)
+        return None if part is None else (part, outer)
     mode = None if param_grads is None or layout.rows else _tile_param_mode(layout)
     # p = r: the block's dweight/dbias sums per row, 2 x reduced A, in shared memory
     tile = _tile(layout, dtype, 2, 2 * np.dtype(acc).itemsize if mode == 1 else 0, vector_compute=True)

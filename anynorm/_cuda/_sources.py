@@ -15,7 +15,7 @@ import re
 
 __all__ = ["kernel_dir", "read_source", "SOURCE_FILES"]
 
-SOURCE_FILES = ("rows.cu", "cols.cu", "tiles.cu", "finish.cu", "params.cu")
+SOURCE_FILES = ("rows.cu", "cols.cu", "tiles.cu", "samples.cu", "finish.cu", "params.cu")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 

@@ -150,6 +150,7 @@ def test_columns_paths(cp, monkeypatch, case, dtype, cap):
 
     monkeypatch.setattr(_schedule, "_TILE_SMEM_CAPS", (cap,))
     monkeypatch.setattr(_schedule, "_target_blocks", lambda: 1)  # widest tile that fits
+    monkeypatch.setattr(_schedule, "_sample_cluster", lambda *a, **k: None)  # tiles, not a cluster a sample
     monkeypatch.setattr(_launcher, "_memo", lambda plan: {})  # nothing bound before the patch kept
     op, shape, kw = case
     x = _data(cp, shape, dtype)
@@ -157,6 +158,41 @@ def test_columns_paths(cp, monkeypatch, case, dtype, cap):
     _check_forward(op, x, w, b, **kw)
     dy = _data(cp, shape, dtype, seed=5, loc=0.0, scale=1.0)
     _check_backward(op, dy, x, w, False, **kw)
+
+
+# Columns of small inner extent: a cluster a sample (samples.cu) on sm_90, as the launcher
+# schedules them (ConvNeXt's last stage at batch 8 and 64; an 8x8 extent; NHWC instance norm
+# with 8 channels; a sample shorter than the cluster's parts; samples off 16-byte alignment).
+SAMPLE_CASES = [
+    ("layer_norm", (8, 768, 7, 7), {"axis": 1}),
+    ("layer_norm", (64, 768, 7, 7), {"axis": 1}),
+    ("layer_norm", (4, 33, 8, 8), {"axis": 1}),
+    ("rms_norm", (3, 96, 7, 7), {"axis": 1}),
+    ("instance_norm", (16, 7, 7, 8), {"channel_axis": -1}),
+    ("layer_norm", (5, 3, 7, 7), {"axis": 1}),
+    ("layer_norm", (6, 5, 3, 7), {"axis": 1}),  # 5 x 21 elements a sample: no 16-byte vectors
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SAMPLE_CASES, ids=_ids)
+def test_sample_clusters(cp, case, dtype):
+    from anynorm._cuda import _launcher, _layout, _schedule
+    from anynorm._plan import make_plan
+
+    op, shape, kw = case
+    x = _data(cp, shape, dtype)
+    w, b = _params(cp, op, shape, kw, dtype)
+    plan = make_plan(op, x, w, b, **kw)
+    layout = _layout.plan_layout(plan, tuple(s // x.itemsize for s in x.strides))
+    schedule = _schedule.schedule_forward(plan, dtype, layout, {"w", "b"},
+                                          device=_launcher.device_info(cp.cuda.Device().id))
+    if _launcher.device_info(cp.cuda.Device().id).cluster_max >= 2:
+        assert schedule.names == ("cols_fwd_cluster",), schedule.names
+    _check_forward(op, x, w, b, **kw)
+    dy = _data(cp, shape, dtype, seed=5, loc=0.0, scale=1.0)
+    _check_backward(op, dy, x, w, False, **kw)
+    _check_backward(op, dy, x, w, True, **kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
