@@ -40,12 +40,14 @@ using namespace anynorm;
 #define SAMPLE_CLUSTERS 1
 #endif
 
-// A block's part of a sample: its rows [r0, r1) as the flat range [lo, hi) of the sample's
-// elements, and the thread's place in it.
+// A block's part of a sample: its rows [r0, r0 + nrows), the flat range [lo, lo + len) of the
+// sample's elements, and the thread's place in it.
 struct SamplePart {
-    int r0, nrows, lo, hi;  // 32-bit: a part fits in shared memory
+    int r0, nrows;  // 32-bit: a part fits in shared memory
     int inner, c, g, lanes;
     bool active;  // a thread of some column (t < lanes * inner)
+    __device__ __forceinline__ int lo() const { return r0 * inner; }
+    __device__ __forceinline__ int len() const { return nrows * inner; }
 };
 
 // Rows a part holds: ceil(reduced / C), rounded up to whole 16-byte vectors of elements
@@ -63,8 +65,6 @@ template <typename T, int C> __device__ __forceinline__ SamplePart sample_part(i
     const int rank = cluster_rank();
     p.r0 = min(reduced, rank * rows);
     p.nrows = min(reduced, p.r0 + rows) - p.r0;
-    p.lo = p.r0 * inner;
-    p.hi = p.lo + p.nrows * inner;
     p.inner = inner;
     p.lanes = SAMPLE_THREADS / inner;
     p.c = threadIdx.x % inner;
@@ -80,10 +80,10 @@ __device__ __forceinline__ void load_part(T* dst, const T* __restrict__ src, lon
                                           bool vec) {
     const int V = VecLen<T>::value;
     if (vec) {
-        for (int f = p.lo + threadIdx.x * V; f < p.hi; f += SAMPLE_THREADS * V) cp_async16(dst + (f - p.lo), src + base + f);
+        for (int f = threadIdx.x * V; f < p.len(); f += SAMPLE_THREADS * V) cp_async16(dst + f, src + base + p.lo() + f);
         cp_async_commit();
     } else {
-        for (int f = p.lo + threadIdx.x; f < p.hi; f += SAMPLE_THREADS) dst[f - p.lo] = src[base + f];
+        for (int f = threadIdx.x; f < p.len(); f += SAMPLE_THREADS) dst[f] = src[base + p.lo() + f];
     }
 }
 
@@ -188,6 +188,29 @@ struct PartAt {
     }
 };
 
+// Sample o's part (x, and dy where given) into shared memory, the columns' shifts beside it
+// (x[o, 0, i]; 0 without center), and the cluster's mean of x - shift in the thread's column
+// (0 without center): the first statistic of both kernels.
+template <typename T, int C>
+__device__ __forceinline__ acc_t<T> load_sample(T* xs, T* gs, const T* __restrict__ x, const T* __restrict__ dy,
+                                                long long base, const SamplePart& p, bool vec, int center,
+                                                acc_t<T> n, const SampleSmem<acc_t<T> >& s, int& phase) {
+    typedef acc_t<T> A;
+    const int I = p.inner;
+    load_part(xs, x, base, p, vec);
+    if (dy) load_part(gs, dy, base, p, vec);
+    if (threadIdx.x < I) s.shift()[threadIdx.x] = center ? to_acc(x[base + threadIdx.x]) : A(0);
+    cp_async_wait_all();
+    __syncthreads();
+    if (!center) return A(0);
+    const A shift = s.shift()[p.c];
+    A a = A(0);
+    if (p.active)
+        for (int r = p.g; r < p.nrows; r += p.lanes) a += to_acc(xs[r * I + p.c]) - shift;
+    cluster_column_sums<C>(a, A(0), p, s.red(), s.slots(), phase, s.tot_a(), s.tot_b());
+    return s.tot_a()[p.c] / n;
+}
+
 // y = ((x - shift) - c) * rstd * w + b, mean = shift + c: the forward of clusters of C blocks
 // over samples o = cluster, + clusters, ... (grid.x = C x clusters). Statistics as tiles.cu's
 // cols_fwd_tile: shift = x[o, 0, i], c1 = mean(x - shift), d = (x - shift) - c1, c2 = mean(d),
@@ -216,19 +239,8 @@ cols_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restr
     int phase = 0;  // cluster_column_sums' calls
     for (long long o = blockIdx.x / C; o < outer; o += gridDim.x / C) {
         const long long base = o * reduced * inner;
-        load_part(xs, x, base, p, vec);
-        if (threadIdx.x < I) s.shift()[threadIdx.x] = center ? to_acc(x[base + threadIdx.x]) : A(0);
-        cp_async_wait_all();
-        __syncthreads();
+        const A c1 = load_sample<T, C>(xs, (T*)0, x, (const T*)0, base, p, vec, center, n, s, phase);
         const A shift = s.shift()[p.c];
-        A c1 = A(0);
-        if (center) {
-            A a = A(0);
-            if (p.active)
-                for (int r = p.g; r < p.nrows; r += p.lanes) a += to_acc(xs[r * I + p.c]) - shift;
-            cluster_column_sums<C>(a, A(0), p, s.red(), s.slots(), phase, s.tot_a(), s.tot_b());
-            c1 = s.tot_a()[p.c] / n;
-        }
         A sd = A(0), ss = A(0);
         if (p.active)
             for (int r = p.g; r < p.nrows; r += p.lanes) {
@@ -250,7 +262,7 @@ cols_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restr
         }
         __syncthreads();
         if (y && vec) {
-            for (int f = threadIdx.x * V; f < p.hi - p.lo; f += SAMPLE_THREADS * V) {
+            for (int f = threadIdx.x * V; f < p.len(); f += SAMPLE_THREADS * V) {
                 const Vec16<T> v = load16(xs + f);
                 PartAt at(f, I);
                 Vec16<T> out;
@@ -260,13 +272,13 @@ cols_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restr
                     out.v[j] = from_acc<T>(((to_acc(v.v[j]) - s.shift()[at.c]) - s.m()[at.c]) * s.rs()[at.c] * s.pw()[q] +
                                            s.pb()[q]);
                 }
-                store16_global(y + base + p.lo + f, out);
+                store16_global(y + base + p.lo() + f, out);
             }
         } else if (y) {
-            for (int f = threadIdx.x; f < p.hi - p.lo; f += SAMPLE_THREADS) {
+            for (int f = threadIdx.x; f < p.len(); f += SAMPLE_THREADS) {
                 const PartAt at(f, I);
                 const int q = per_col ? at.c : at.r;
-                y[base + p.lo + f] = from_acc<T>(((to_acc(xs[f]) - s.shift()[at.c]) - s.m()[at.c]) * s.rs()[at.c] * s.pw()[q] +
+                y[base + p.lo() + f] = from_acc<T>(((to_acc(xs[f]) - s.shift()[at.c]) - s.m()[at.c]) * s.rs()[at.c] * s.pw()[q] +
                                                  s.pb()[q]);
             }
         }
@@ -308,20 +320,8 @@ cols_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ x, const void* 
     int phase = 0;  // cluster_column_sums' calls
     for (long long o = blockIdx.x / C; o < outer; o += gridDim.x / C) {
         const long long base = o * reduced * inner;
-        load_part(xs, x, base, p, vec);
-        load_part(gs, dy, base, p, vec);
-        if (threadIdx.x < I) s.shift()[threadIdx.x] = center ? to_acc(x[base + threadIdx.x]) : A(0);
-        cp_async_wait_all();
-        __syncthreads();
+        const A mu = load_sample<T, C>(xs, gs, x, dy, base, p, vec, center, n, s, phase);
         const A shift = s.shift()[p.c];
-        A mu = A(0);
-        if (center) {
-            A a = A(0);
-            if (p.active)
-                for (int r = p.g; r < p.nrows; r += p.lanes) a += to_acc(xs[r * I + p.c]) - shift;
-            cluster_column_sums<C>(a, A(0), p, s.red(), s.slots(), phase, s.tot_a(), s.tot_b());
-            mu = s.tot_a()[p.c] / n;
-        }
         const A rs = rstd[o * inner + p.c];
         // per column: sum(g), sum(g * xhat); with p = i the weight is the column's, applied
         // after the sums, which are then also its dweight/dbias partials
@@ -358,7 +358,7 @@ cols_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ x, const void* 
             }
         }
         if (vec) {
-            for (int f = threadIdx.x * V; f < p.hi - p.lo; f += SAMPLE_THREADS * V) {
+            for (int f = threadIdx.x * V; f < p.len(); f += SAMPLE_THREADS * V) {
                 const Vec16<T> xv = load16(xs + f), dv = load16(gs + f);
                 PartAt at(f, I);
                 Vec16<T> out;
@@ -368,14 +368,14 @@ cols_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ x, const void* 
                     const A g = to_acc(dv.v[j]) * s.pw()[per_col ? at.c : at.r];
                     out.v[j] = from_acc<T>(s.rs()[at.c] * (g - s.ka()[at.c] - xh * s.kb()[at.c]));
                 }
-                store16_global(dx + base + p.lo + f, out);
+                store16_global(dx + base + p.lo() + f, out);
             }
         } else {
-            for (int f = threadIdx.x; f < p.hi - p.lo; f += SAMPLE_THREADS) {
+            for (int f = threadIdx.x; f < p.len(); f += SAMPLE_THREADS) {
                 const PartAt at(f, I);
                 const A xh = ((to_acc(xs[f]) - s.shift()[at.c]) - s.m()[at.c]) * s.rs()[at.c];
                 const A g = to_acc(gs[f]) * s.pw()[per_col ? at.c : at.r];
-                dx[base + p.lo + f] = from_acc<T>(s.rs()[at.c] * (g - s.ka()[at.c] - xh * s.kb()[at.c]));
+                dx[base + p.lo() + f] = from_acc<T>(s.rs()[at.c] * (g - s.ka()[at.c] - xh * s.kb()[at.c]));
             }
         }
         __syncthreads();  // the parts and the columns' statistics are refilled for the next sample

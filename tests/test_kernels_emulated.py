@@ -296,15 +296,24 @@ def _build_jobs():
 class Kernels:
     """The emulated kernels, fetched as ``kernels("rows_fwd_warp", "float32", items=4)``."""
 
-    def __init__(self):
+    def __init__(self, jobs=None):
         self._by_name = {}
-        for module in emu.build_many(_build_jobs()):
+        for module in emu.build_many(jobs or _build_jobs()):
             for name in module.names:
                 self._by_name[name] = module
 
     def __call__(self, kernel, dtype, items=None):
         name = _compile.name_expression(kernel, dtype, items)
         return self._by_name[name].get_function(name)
+
+
+def kernel_set(files, kernels, tag):
+    """:class:`Kernels` of some files' kernels alone (every ITEMS listed, every dtype): the
+    smaller builds of the test modules of one file."""
+    jobs = [([KERNELS / f for f in files],
+             [_compile.name_expression(k, dtype, i) for k in kernels for i in (_compile.items_of(k, dtype) or (None,))],
+             f"{tag}-{dtype}") for dtype in DTYPES]
+    return Kernels(jobs)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 
 import test_kernels_emulated as K
 emu = K.emu  # the harness instance whose DeviceArrays K.run_* make
-from anynorm._cuda import _compile, _layout, _schedule
+from anynorm._cuda import _layout, _schedule
 from anynorm._plan import make_plan
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
@@ -30,28 +30,11 @@ pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-class _Samples:
-    """``kernels(name, dtype, c)`` over samples.cu (every cluster size) and param_grad_finish."""
-
-    def __init__(self):
-        jobs = []
-        for dtype in DTYPES:
-            names = [_compile.name_expression(k, dtype, c) for k in ("cols_fwd_cluster", "cols_bwd_cluster")
-                     for c in _compile.CLUSTER_SIZES] + [_compile.name_expression("param_grad_finish", dtype)]
-            jobs.append(([K.KERNELS / "samples.cu", K.KERNELS / "params.cu"], names, f"samples-{dtype}"))
-        self._modules = {}
-        for module in emu.build_many(jobs):
-            for name in module.names:
-                self._modules[name] = module
-
-    def __call__(self, kernel, dtype, items=None):
-        name = _compile.name_expression(kernel, dtype, items)
-        return self._modules[name].get_function(name)
-
-
 @pytest.fixture(scope="module")
 def samples():
-    return _Samples()
+    """samples.cu (every cluster size) and param_grad_finish alone."""
+    return K.kernel_set(("samples.cu", "params.cu"), ("cols_fwd_cluster", "cols_bwd_cluster", "param_grad_finish"),
+                        "samples")
 
 
 # (id, case, cluster size, clusters: None one per sample, else fewer)
@@ -137,7 +120,7 @@ def test_the_launcher_takes_a_cluster_a_sample_for_small_inner():
     """ConvNeXt's 7x7 stage (and 8x8 extents) on an H100: clusters of 8 (64 x 8 blocks: 4 an
     SM), forward and backward; 14x14 stays on the tiles; no clusters on an A100, nor for
     group norm (statistics of several columns) or a residual."""
-    from test_schedules import H100, SMALL, STATS, _backward, _forward, _plan
+    from test_schedules import SMALL, STATS, _backward, _forward, _plan
 
     grads = {"w", "rstd", "mean", "dw", "db"}
     plan = _plan("layer_norm", (64, 768, 7, 7), axis=1)

@@ -19,7 +19,6 @@ import pytest
 
 import test_kernels_emulated as K
 emu = K.emu  # the harness instance whose DeviceArrays K.run_* make
-from anynorm._cuda import _compile
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"),
                                 reason="the CUDA emulation needs g++ and fork()")
@@ -27,28 +26,11 @@ pytestmark = pytest.mark.skipif(emu.compiler() is None or not hasattr(os, "fork"
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-class _Tiles:
-    """``kernels(name, dtype)`` over tiles.cu and params.cu alone, every dtype."""
-
-    def __init__(self):
-        jobs = []
-        for dtype in DTYPES:
-            names = [_compile.name_expression(k, dtype) for k in ("cols_fwd_tile", "cols_bwd_tile",
-                                                                 "cols_bwd_tile_vec", "param_grad_finish")]
-            jobs.append(([K.KERNELS / "tiles.cu", K.KERNELS / "params.cu"], names, f"tiles-vectors-{dtype}"))
-        self._modules = {}
-        for module in emu.build_many(jobs):
-            for name in module.names:
-                self._modules[name] = module
-
-    def __call__(self, kernel, dtype, items=None):
-        name = _compile.name_expression(kernel, dtype, items)
-        return self._modules[name].get_function(name)
-
-
 @pytest.fixture(scope="module")
 def tiles():
-    return _Tiles()
+    """The tile kernels and param_grad_finish alone."""
+    return K.kernel_set(("tiles.cu", "params.cu"), ("cols_fwd_tile", "cols_bwd_tile", "cols_bwd_tile_vec",
+                                                    "param_grad_finish"), "tiles-vectors")
 
 
 # (id, case, tile width): the vector width each dtype takes is in the comment (bytes; "-": none).
