@@ -273,8 +273,11 @@ _compile = _private_cuda("_compile")  # the executor's list of kernels and insta
 
 
 def items_built(kernel, dtype):
-    """The ITEMS values of ``kernel`` built for ``dtype`` (empty: no ITEMS parameter)."""
+    """The ITEMS values of ``kernel`` built for ``dtype`` (empty: no ITEMS parameter); every
+    cluster size of the cluster kernels (a launch's grid is whole clusters of its size)."""
     items = _compile.items_of(kernel, dtype)
+    if kernel.endswith("_cluster"):
+        return items
     return tuple(k for k in items if k in BUILD_ITEMS[dtype]) or items[:1]
 
 
@@ -1156,7 +1159,8 @@ def _load_launch(kernels):
     def get_kernel(kernel, dtype, items=None):
         if items is not None:  # a size not built for this dtype: the next larger one
             items = next(k for k in items_built(kernel, dtype) + _compile.items_of(kernel) if k >= items)
-        return kernels(kernel, dtype, items).as_cupy()  # the launch code's argument widths checked
+        # the launch code's argument widths checked; a cluster kernel's ITEMS is its cluster size
+        return kernels(kernel, dtype, items).as_cupy(items if kernel.endswith("_cluster") else 1)
 
     def buffer_arg(buf, slot):
         """The array itself (the emulator checks its dtype), a typed view of the scratch."""
