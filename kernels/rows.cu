@@ -535,8 +535,8 @@ template <typename T, int ITEMS> __device__ __forceinline__ unsigned block_stage
 }
 
 // The stage at byte `offset` of the block's dynamic shared memory where the launch gave it
-// room (the launcher does for 16-bit and float32 rows: _schedule's _block_stage_bytes), else
-// null (rows read as they go).
+// room (the launcher does for 16-bit and float32 rows where it fits: _schedule's _block_bwd),
+// else null (rows read as they go).
 template <typename T, int ITEMS> __device__ __forceinline__ uint4* block_stage(unsigned offset) {
     if (dynamic_smem_bytes() < offset + block_stage_bytes<T, ITEMS>()) return 0;
     return reinterpret_cast<uint4*>(dynamic_shared<unsigned char>() + offset);

@@ -519,8 +519,8 @@ def _sample_cluster(layout, dtype, copies, param_grads=None):
     (group 1) and at most SAMPLE_INNER_MAX inner positions, parameters per column or per row
     (dweight per column only where p = i), on a device with clusters, whose parts fit the
     share of an SM's shared memory that keeps the blocks its registers allow (4, float64 2:
-    52 KiB on an H100; larger samples, e.g. NHWC 32x56x56x64, keep the tiles, which spread
-    them wider). The smallest C of CLUSTER_SIZES whose C x outer blocks make
+    56 KiB on an H100; larger samples, e.g. NHWC 32x56x56x64 float32, keep the tiles, which
+    spread them wider). The smallest C of CLUSTER_SIZES whose C x outer blocks make
     ``_target_blocks`` (else the largest that fits); a persistent grid of whole clusters, at
     most the blocks resident at once."""
     if layout.rows or layout.group != 1 or layout.inner > SAMPLE_INNER_MAX or _device().cluster_max < 2:
