@@ -15,7 +15,9 @@ size against 2.5 copies). Variants:
 - ``block8`` / ``block16``: neither the multi-row kernels nor the two-vector rule, the
   block-per-row kernels at ITEMS 8 / 16 where built for it (``_schedule``'s choice of ITEMS
   replaced);
-- ``warp16``: the warp-per-row kernel at ITEMS 16 (rows of up to 512 elements).
+- ``warp16``: the warp-per-row kernel at ITEMS 16 (rows of up to 512 elements);
+- ``noahead`` (``--train``): the shipped schedule, its block backwards given no room to read
+  the next row ahead (rows.cu's ``block_stage``): the read-ahead's share, in one process.
 
 A lab for choosing ``_schedule``'s rules on a GPU; the results are checked against
 torch.nn.functional before they are timed.
@@ -37,11 +39,16 @@ from anynorm._cuda import _schedule
 @contextlib.contextmanager
 def variant(name):
     """The launcher forced to one kernel choice (no plan, and so no launch, cached from another)."""
-    saved = (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows)
+    saved = (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd)
     _calls.clear()
     _plan.plan_for.cache_clear()
     try:
-        if name != "shipped":
+        if name == "noahead":
+            def no_stage(rows, dtype, threads, items, sums=0, _block_bwd=saved[3]):
+                grid, _ = _block_bwd(rows, dtype, threads, items, sums)
+                return grid, sums
+            _schedule._block_bwd = no_stage
+        elif name != "shipped":
             _schedule._multi_rows = _schedule._two_vector_rows = lambda *a, **k: None
         if name in ("block8", "block16"):
             items = int(name[len("block"):])
@@ -56,7 +63,7 @@ def variant(name):
             _schedule.items_of = lambda kernel, dtype=None: (16,) if kernel.endswith("_warp") else saved[1](kernel, dtype)
         yield
     finally:
-        _schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows = saved
+        _schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd = saved
         _calls.clear()
         _plan.plan_for.cache_clear()
 
@@ -87,7 +94,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--train", action="store_true", help="forward + backward")
     args = parser.parse_args()
-    names = ("shipped", "block8", "block16", "warp16")
+    names = ("shipped", "block8", "block16", "warp16") + (("noahead",) if args.train else ())
     print("| op | dtype | M x N | " + " | ".join(f"{n} of copy" for n in names) + " | torch of copy |")
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for dtype in args.dtypes.split(","):
