@@ -519,10 +519,10 @@ def test_launch_rows_with_a_parameter_per_row_skip_the_multi_kernel(emulated, mo
 
 @pytest.mark.parametrize("dtype, one_pass", [("float32", True), ("bfloat16", True), ("float64", False)])
 def test_launch_row_backward_up_to_16384_in_registers(emulated, monkeypatch, dtype, one_pass):
-    """Rows of 8193-16384: the 16-bit and float32 backward holds them in a block's registers
-    (1024 threads, ITEMS=16, 64 registers), its dweight/dbias sums in shared memory (96 KiB
-    in 16-bit types; float32 only this kernel, rows_bwd_block spills at ITEMS=16, and only
-    with dweight, at least a row an SM); float64 takes the chunked path."""
+    """Rows of 8193-16384 with dweight: rows_bwd_block_params holds them in a block's
+    registers (1024 threads, ITEMS=16, 64 registers), its dweight/dbias sums in shared memory
+    (float32 too, where there is a row an SM at least: the emulated device's target makes one
+    SM); float64 takes the chunked path."""
     names = _record_launches(monkeypatch)
     _check("layer_norm", (3, 12000), {}, dtype)
     chunked = {"rows_grad_partial", "rows_grad_finalize", "apply_bwd"}
