@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from anynorm._cuda import _schedule  # pure: no CuPy needed
+
 _HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("anynorm_emu_harness", _HERE / "emulation" / "emu_harness.py")
 emu = importlib.util.module_from_spec(_spec)
@@ -533,8 +535,6 @@ SAMPLE_BLOCK = 256  # samples.cu: SAMPLE_THREADS
 def sample_kernel(kernels, name, case, dtype, c, copies):
     """(emulated kernel, dynamic smem bytes) of a samples.cu kernel with clusters of ``c``,
     its shared memory as the launcher sizes it (``_schedule.sample_smem``)."""
-    from anynorm._cuda import _schedule  # pure: no CuPy needed
-
     per_col = case.inner % (case.p_div * case.p_len) == 0
     smem = _schedule.sample_smem(case.reduced, case.inner, dtype, c, copies, per_col)
     function = kernels(name, dtype, c)
@@ -546,8 +546,6 @@ def sample_kernel(kernels, name, case, dtype, c, copies):
 def tile_bwd_kernel(case, dtype, width, param_grads=False, param_rows=0):
     """The tile backward the launcher takes at this width: cols_bwd_tile_vec where the
     arithmetic goes in shared-memory vectors (``_schedule.tile_bwd_vector``), else cols_bwd_tile."""
-    from anynorm._cuda import _schedule  # pure: no CuPy needed
-
     itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
     vector = _schedule.tile_bwd_vector(case, width, itemsize, param_grads, param_rows)
     return "cols_bwd_tile_vec" if vector else "cols_bwd_tile"
@@ -586,7 +584,7 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
         threads = ROWS_BLOCK if path == "warp" else row_threads(reduced, items)
         function = kernels(f"rows_bwd_{path}", dtype, items)
-        smem = block_stage_bytes(dtype, items, threads) if ahead else 0
+        smem = _schedule.block_stage_bytes(dtype, items, threads) if ahead else 0
         if smem > 48 * 1024:
             function.max_dynamic_shared_size_bytes = smem
         function((grid,), (threads,), (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len, center, 0),
@@ -647,11 +645,6 @@ def run_param_grads(kernels, case, dtype, dy, x, mean, rstd, *, center=1, with_b
 
 def _items(dtype, count, kernel="rows_fwd_warp", width=32):
     return next(k for k in items_built(kernel, dtype) if width * k >= count)
-
-
-def block_stage_bytes(dtype, items, threads):
-    """rows.cu's block_stage_bytes: x and dy, ``items`` elements a thread each."""
-    return 2 * items * threads * {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dtype]
 
 
 def row_threads(count, items):
@@ -832,7 +825,7 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     # a block's sums per (item, thread) wait in shared memory
     smem = 0 if path != "block" or per_row else 2 * items * threads * np.dtype(A).itemsize
     if ahead:
-        smem += block_stage_bytes(dtype, items, threads)
+        smem += _schedule.block_stage_bytes(dtype, items, threads)
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
     kernel((grid,), (threads,),

@@ -718,6 +718,11 @@ def _row_params(layout, dtype, kernel, grid, block, items):
     return fused, (blocks,), smem, blocks, ()
 
 
+def block_stage_bytes(dtype, items, threads) -> int:
+    """rows.cu's block_stage_bytes: the stage of a row's x and dy, ``items`` elements a thread each."""
+    return 2 * items * threads * (16 // _VECTOR[dtype])
+
+
 def _block_bwd(rows, dtype, threads, items, sums=0):
     """(grid, dynamic smem bytes) of the block backward row kernels (rows_bwd_block,
     _row_params, _params; ``sums`` bytes of the latter's dweight/dbias slots first): room for
@@ -730,8 +735,7 @@ def _block_bwd(rows, dtype, threads, items, sums=0):
     reading ahead on an H200 (rows of 4096)."""
     if dtype == "float64":
         return (_grid_1d(rows, 1),), sums
-    itemsize = 16 // _VECTOR[dtype]
-    smem = sums + 2 * items * threads * itemsize
+    smem = sums + block_stage_bytes(dtype, items, threads)
     if smem > _smem_limit() - _ROW_STATIC_SMEM:  # no room for the stage: rows read as they go
         smem = sums
     per_sm = min(_SMEM_ROW_THREADS // threads, _smem_blocks_per_sm(smem, _ROW_STATIC_SMEM))

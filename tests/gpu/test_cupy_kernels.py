@@ -185,9 +185,9 @@ def test_sample_clusters(cp, case, dtype):
     w, b = _params(cp, op, shape, kw, dtype)
     plan = make_plan(op, x, w, b, **kw)
     layout = _layout.plan_layout(plan, tuple(s // x.itemsize for s in x.strides))
-    schedule = _schedule.schedule_forward(plan, dtype, layout, {"w", "b"},
-                                          device=_launcher.device_info(cp.cuda.Device().id))
-    if _launcher.device_info(cp.cuda.Device().id).cluster_max >= 2:
+    device = _launcher.device_info(cp.cuda.Device().id)
+    schedule = _schedule.schedule_forward(plan, dtype, layout, {"w", "b"}, device=device)
+    if device.cluster_max >= 2:
         assert schedule.names == ("cols_fwd_cluster",), schedule.names
     _check_forward(op, x, w, b, **kw)
     dy = _data(cp, shape, dtype, seed=5, loc=0.0, scale=1.0)
