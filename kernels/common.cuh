@@ -164,13 +164,16 @@ template <typename A> __device__ __forceinline__ A cluster_load(const A* p, int)
 // cp.async of one 16-byte vector from global memory (16-byte aligned) to this thread's shared
 // memory, bypassing registers (and L1): a row can be read ahead at no register cost. Each
 // thread waits for its own copies (cp_async_wait_all) and then reads only what it copied, so no
-// barrier is needed. The emulator copies at once.
+// barrier is needed. The emulator lands a copy at the wait that covers its group.
 // cp_async<B>: B = 4 or 8 bytes (through L1), 16 (cp_async16).
 #ifdef ANYNORM_CUDA_EMU
-template <int B> __device__ __forceinline__ void cp_async(void* smem, const void* gmem) { memcpy(smem, gmem, B); }
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { memcpy(smem, gmem, 16); }
-__device__ __forceinline__ void cp_async_commit() {}
-__device__ __forceinline__ void cp_async_wait_all() {}
+template <int B> __device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+    emu::rt.async_copy(smem, gmem, B);
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { emu::rt.async_copy(smem, gmem, 16); }
+__device__ __forceinline__ void cp_async_commit() { emu::rt.async_commit(); }
+__device__ __forceinline__ void cp_async_wait_all() { emu::rt.async_wait(0); }
+__device__ __forceinline__ void cp_async_wait_pending(int n) { emu::rt.async_wait(n < 0 ? 0 : n); }
 #else
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
@@ -186,6 +189,19 @@ template <int B> __device__ __forceinline__ void cp_async(void* smem, const void
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// Wait until at most n (0-3, the same in every thread) of this thread's commit groups are
+// still in flight: the instruction takes n as an immediate, so a branch picks it.
+__device__ __forceinline__ void cp_async_wait_pending(int n) {
+    if (n <= 0) {
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+    } else if (n == 1) {
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else if (n == 2) {
+        asm volatile("cp.async.wait_group 2;" ::: "memory");
+    } else {
+        asm volatile("cp.async.wait_group 3;" ::: "memory");
+    }
+}
 #endif
 
 // ---- Welford / Chan -------------------------------------------------------------------

@@ -33,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <random>
@@ -131,6 +132,14 @@ struct WarpOp {
     uint64_t value, result;
 };
 
+// A cp.async copy in flight: its source bytes (read at issue: the sources are inputs nothing
+// writes during a launch) and where they land.
+struct AsyncCopy {
+    unsigned char* dst;
+    unsigned char bytes[16];
+    int n;
+};
+
 struct Fiber {
     ucontext_t ctx;
     St state = St::Ready;
@@ -138,6 +147,9 @@ struct Fiber {
     uint3 bid{0, 0, 0};
     WarpOp op{};
     long long barrier_result = 0;
+    // cp.async: copies since the last commit, then the committed groups, oldest first
+    std::vector<AsyncCopy> async_open;
+    std::deque<std::vector<AsyncCopy>> async_groups;
 };
 
 class Runtime {
@@ -157,6 +169,28 @@ class Runtime {
     unsigned char* cluster_shared(const void* p, int rank);
     void sync_cluster();
     int current() const { return cur_; }
+    // cp.async as PTX has it: a copy lands in shared memory only once a wait covers its group
+    // (cp.async.wait_group n: all but the newest n committed groups; copies not yet committed
+    // are in no group and stay in flight), so a read before the right wait sees the poison.
+    void async_copy(void* dst, const void* src, int n) {
+        AsyncCopy c;
+        c.dst = static_cast<unsigned char*>(dst);
+        std::memcpy(c.bytes, src, (size_t)n);
+        c.n = n;
+        th_[cur_].async_open.push_back(c);
+    }
+    void async_commit() {
+        Fiber& f = th_[cur_];
+        f.async_groups.push_back(std::move(f.async_open));
+        f.async_open.clear();
+    }
+    void async_wait(int pending) {
+        Fiber& f = th_[cur_];
+        while ((int)f.async_groups.size() > pending) {
+            for (const AsyncCopy& c : f.async_groups.front()) std::memcpy(c.dst, c.bytes, (size_t)c.n);
+            f.async_groups.pop_front();
+        }
+    }
     [[noreturn]] void fail(const std::string& what);
     long long sync_block(long long pred, int how);  // how: 0 plain, 1 count, 2 and, 3 or
     uint64_t warp_op(WarpKind kind, const char* name, unsigned mask, int mode, int b, int c,
@@ -355,6 +389,8 @@ inline void Runtime::run_cluster(const uint3* bids) {
         f.idx = uint3{(unsigned)(u % blockDim.x), (unsigned)(u / blockDim.x % blockDim.y),
                       (unsigned)(u / (blockDim.x * blockDim.y))};
         f.bid = bids[t / per_];
+        f.async_open.clear();
+        f.async_groups.clear();
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = stacks_[t];
         f.ctx.uc_stack.ss_size = kStack;
