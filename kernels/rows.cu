@@ -186,58 +186,6 @@ __device__ __forceinline__ TeamRow team_row(long long row, long long rows, int c
     return t;
 }
 
-// A row's raw input, read one row ahead by rows_fwd_block: its 16-byte vectors of x (and of
-// the residual) and its first values (the shift). A thread holds one or two vectors of a row,
-// so without it a block waits out the DRAM latency of every row at its sums; with it the next
-// row's reads are in flight meanwhile (4 registers a vector held raw).
-template <typename T, int ITEMS> struct RowAhead {
-    uint4 xv[ITEMS / VecLen<T>::value], rv[ITEMS / VecLen<T>::value];  // bits of Vec16<T>
-    T x0, r0;
-};
-
-template <typename T, int ITEMS>
-__device__ __forceinline__ void fetch_ahead(RowAhead<T, ITEMS>& a, const T* __restrict__ x,
-                                            const T* __restrict__ res, const TeamRow& at, int rank,
-                                            int size) {
-    const int V = VecLen<T>::value;
-    if (!at.active) return;
-    ANYNORM_UNROLL
-    for (int k = 0; k < ITEMS / V; ++k) {
-        const int idx = team_item<V>(k * V, rank, size, true);
-        if (idx < at.len) {
-            a.xv[k] = *reinterpret_cast<const uint4*>(x + at.base + idx);
-            if (res) a.rv[k] = *reinterpret_cast<const uint4*>(res + at.base + idx);
-        }
-    }
-    a.x0 = x[at.base];
-    if (res) a.r0 = res[at.base];
-}
-
-// v = (x, or h = x + res rounded to T and written) - shift from a row read ahead; zeros past
-// the row.
-template <typename T, int ITEMS>
-__device__ __forceinline__ void unpack_ahead(acc_t<T> (&v)[ITEMS], const RowAhead<T, ITEMS>& a,
-                                             const T* __restrict__ res, T* __restrict__ h,
-                                             const TeamRow& at, int rank, int size, acc_t<T> shift) {
-    typedef acc_t<T> A;
-    const int V = VecLen<T>::value;
-    ANYNORM_UNROLL
-    for (int k = 0; k < ITEMS / V; ++k) {
-        const int idx = team_item<V>(k * V, rank, size, true);
-        Vec16<T> xv;
-        memcpy(&xv, &a.xv[k], 16);
-        if (idx < at.len && res) {
-            Vec16<T> rv;
-            memcpy(&rv, &a.rv[k], 16);
-            ANYNORM_UNROLL
-            for (int j = 0; j < V; ++j) xv.v[j] = add_in_dtype(xv.v[j], rv.v[j]);
-            store16(h + at.base + idx, xv);
-        }
-        ANYNORM_UNROLL
-        for (int j = 0; j < V; ++j) v[k * V + j] = idx < at.len ? to_acc(xv.v[j]) - shift : A(0);
-    }
-}
-
 // The forward of a row a team holds as v = x - shift (or h - shift) in registers: two passes
 // of d = v - shift (mean(d), then sum((d - mean(d))^2)), the statistics (rank 0), and y = (v -
 // mean) * rstd * w + b at the row starting at element `base`.
@@ -396,13 +344,34 @@ template <typename T, int ITEMS> struct BwdButterfly {
     static const bool value = ITEMS <= 8 && sizeof(T) <= 4;
 };
 
-// The x and dy vectors of a row a team takes (ITEMS / V a thread), copied ahead into this
-// thread's slots of a stage (cp.async: the copies fly while the previous row is summed, in no
-// register), with the row's rstd and first value (the shift) in registers. Slots
-// [x, dy][vector k][thread], `stride` (the block's threads) apart: 2 * ITEMS / V * stride
-// uint4. A thread reads back only the slots it copied into, so no barrier is needed; it
-// copies the following row over them only after reading them (its shared-memory accesses
-// stay in program order).
+// A row's 16-byte vectors (ITEMS / V a thread) of one or two arrays, copied ahead into this
+// thread's slots of a stage by cp.async (the copies fly while earlier rows are summed, in no
+// register), one commit group a row (an empty one past the last row, so that every thread
+// counts the same groups). Slots [a, b][vector k][thread], `stride` (the block's threads)
+// apart: (b ? 2 : 1) * ITEMS / V * stride uint4. A thread reads back only the slots it copied
+// into, after waiting for its own copies, so no barrier is needed between its copy and its
+// read.
+template <typename T, int ITEMS>
+__device__ __forceinline__ void stage_vectors(uint4* stage, int stride, const T* __restrict__ a,
+                                              const T* __restrict__ b, const TeamRow& at, int rank, int size) {
+    const int V = VecLen<T>::value, K = ITEMS / V;
+    if (at.active) {
+        ANYNORM_UNROLL
+        for (int k = 0; k < K; ++k) {
+            const int idx = team_item<V>(k * V, rank, size, true);
+            if (idx < at.len) {
+                cp_async16(stage + k * stride + threadIdx.x, a + at.base + idx);
+                if (b) cp_async16(stage + (K + k) * stride + threadIdx.x, b + at.base + idx);
+            }
+        }
+    }
+    cp_async_commit();
+}
+
+// A backward's staged row: x and dy (stage_vectors), with the row's rstd and first value (the
+// shift) in registers, for the kernels one row ahead: the BwdOneSlot block backwards copy the
+// following row over a row's slots right after reading them (a thread's copy over its own
+// slots follows its read of them in program order), rows_bwd_multi into the other of two.
 template <typename T> struct StagedRow {
     acc_t<T> r;
     T x0;
@@ -412,34 +381,36 @@ template <typename T, int ITEMS>
 __device__ __forceinline__ void stage_row(uint4* stage, int stride, StagedRow<T>& s, const T* __restrict__ x,
                                           const T* __restrict__ dy, const acc_t<T>* __restrict__ rstd,
                                           const TeamRow& at, int rank, int size) {
-    const int V = VecLen<T>::value, K = ITEMS / V;
     if (!at.active) return;
-    ANYNORM_UNROLL
-    for (int k = 0; k < K; ++k) {
-        const int idx = team_item<V>(k * V, rank, size, true);
-        if (idx < at.len) {
-            cp_async16(stage + k * stride + threadIdx.x, x + at.base + idx);
-            cp_async16(stage + (K + k) * stride + threadIdx.x, dy + at.base + idx);
-        }
-    }
-    cp_async_commit();
+    stage_vectors<T, ITEMS>(stage, stride, x, dy, at, rank, size);
     s.r = rstd[at.row];
     s.x0 = x[at.base];
 }
 
-// v = (the staged vectors `which` (0: x, 1: dy) as A) - shift; zeros past the row.
+// v = (the staged vectors of `slot` as A, or, given `res`, h = slot + the residual's vectors
+// after them rounded to T and written to h) - shift; zeros past the row.
 template <typename T, int ITEMS>
-__device__ __forceinline__ void unstage_row(acc_t<T> (&v)[ITEMS], const uint4* stage, int stride, int which,
-                                            const TeamRow& at, int rank, int size, acc_t<T> shift) {
+__device__ __forceinline__ void unstage_row(acc_t<T> (&v)[ITEMS], const uint4* slot, int stride,
+                                            const TeamRow& at, int rank, int size, acc_t<T> shift,
+                                            const T* __restrict__ res = 0, T* __restrict__ h = 0) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value, K = ITEMS / V;
     ANYNORM_UNROLL
     for (int k = 0; k < K; ++k) {
-        const bool in = team_item<V>(k * V, rank, size, true) < at.len;
+        const int idx = team_item<V>(k * V, rank, size, true);
+        const bool in = idx < at.len;
         Vec16<T> t;
         if (in) {
-            const uint4 bits = stage[(which * K + k) * stride + threadIdx.x];
+            const uint4 bits = slot[k * stride + threadIdx.x];
             memcpy(&t, &bits, 16);
+            if (res) {
+                const uint4 rbits = slot[(K + k) * stride + threadIdx.x];
+                Vec16<T> r;
+                memcpy(&r, &rbits, 16);
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) t.v[j] = add_in_dtype(t.v[j], r.v[j]);
+                store16(h + at.base + idx, t);
+            }
         }
         ANYNORM_UNROLL
         for (int j = 0; j < V; ++j) v[k * V + j] = in ? to_acc(t.v[j]) - shift : A(0);
@@ -528,35 +499,64 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
                                             smem, sums);
 }
 
-// Bytes of the stage the block backward kernels read their next row ahead into (stage_row):
-// x and dy, ITEMS / V vectors a thread each.
+// The block backwards' stage: at most BWD_STAGES row slots (_schedule's _BWD_STAGES).
+#define BWD_STAGES 4
+
+// Bytes of one slot of the stage the block backward kernels read rows ahead into: a row's x
+// and dy, ITEMS / V vectors a thread each.
 template <typename T, int ITEMS> __device__ __forceinline__ unsigned block_stage_bytes() {
     return 2u * (ITEMS / VecLen<T>::value) * blockDim.x * 16u;
 }
 
-// The stage at byte `offset` of the block's dynamic shared memory where the launch gave it
-// room (the launcher does for 16-bit and float32 rows where it fits: _schedule's _block_bwd),
-// else null (rows read as they go).
-template <typename T, int ITEMS> __device__ __forceinline__ uint4* block_stage(unsigned offset) {
-    if (dynamic_smem_bytes() < offset + block_stage_bytes<T, ITEMS>()) return 0;
-    return reinterpret_cast<uint4*>(dynamic_shared<unsigned char>() + offset);
+// A ring of `depth` row slots in shared memory (depth 0, slots null: rows read as they go).
+struct Stage {
+    uint4* slots;
+    int depth;
+};
+
+// The stage at byte `offset` of the block's dynamic shared memory: as many slots (at most
+// BWD_STAGES) as the launch gave room for (the launcher does for 16-bit and float32 rows:
+// _schedule's _block_bwd).
+// Whether a block backward keeps one row in flight, copied over the slot it has just read
+// (float32 and 16-bit ITEMS=16: two vectors a thread of x and of dy, one row ahead is 64 KiB
+// in flight an SM at every block size the launcher takes, and rows_bwd_block_params<16-bit,
+// 16>'s dweight sums leave room for no second slot), or a ring of up to BWD_STAGES slots,
+// refilled a row after they are read (16-bit ITEMS=8: one vector a thread, one row ahead is
+// 32 KiB an SM). With one loop or the other compiled in, not both, ptxas fits them all.
+template <typename T, int ITEMS> struct BwdOneSlot {
+    static const bool value = !(sizeof(T) == 2 && ITEMS == 8);
+};
+
+template <typename T, int ITEMS> __device__ __forceinline__ Stage block_stage(unsigned offset) {
+    const unsigned room = dynamic_smem_bytes(), bytes = block_stage_bytes<T, ITEMS>();
+    int depth = room >= offset + bytes ? 1 : 0;
+    if (!BwdOneSlot<T, ITEMS>::value && depth) depth = min(BWD_STAGES, (int)((room - offset) / bytes));
+    const Stage s = {depth ? reinterpret_cast<uint4*>(dynamic_shared<unsigned char>() + offset) : (uint4*)0, depth};
+    return s;
 }
 
-// The row loop of every backward row kernel. `stage` (block teams, null elsewhere): room for
-// block_stage_bytes in shared memory, where rows of whole 16-byte vectors in 16-bit and float32
-// types are read a row ahead (stage_row): without it a block waits out the DRAM latency of
-// every row at its sums (one or two blocks of the block kernels fit an SM).
+// The row loop of every backward row kernel. `stage` (block teams; none elsewhere): where it
+// has slots and the rows are whole 16-byte vectors in 16-bit and float32 types, the block
+// keeps rows' x and dy in flight ahead of the one it sums (stage_vectors, a commit group a
+// row), as rows_fwd_block does: with depth >= 2 slots the next depth - 1, each copied into the
+// slot read a row earlier before the wait (no row's values live then); BwdOneSlot kernels the
+// next row, copied over this one right after reading it (a thread's copy over its own slots
+// follows its read of them). A row's rstd and first value (the shift) are loaded as the wait
+// begins: L2 hits by then (held a row ahead in registers, they made ptxas spill the kernels
+// at ITEMS=8). Without a stage a block waits out the DRAM latency of every row at its sums
+// (one or two blocks of the block kernels fit an SM).
 template <typename T, int ITEMS, typename Team, typename Sums>
 __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T* __restrict__ x,
                                               const Param<T> w, const acc_t<T>* __restrict__ rstd,
                                               T* __restrict__ dx, long long rows, int count, long long p_div,
                                               long long p_len, int center, acc_t<T>* smem, Sums& sums,
-                                              uint4* stage = 0) {
+                                              Stage stage = Stage()) {
     typedef acc_t<T> A;
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
     const bool vec = rows_vec<T, ITEMS>(count, x, dy, dx);
-    if (!(stage && vec && sizeof(T) < 8)) {
+    const bool one = BwdOneSlot<T, ITEMS>::value;
+    if (!(stage.slots && (one || stage.depth > 1) && vec && sizeof(T) < 8)) {
         for (long long row = Team::first_row(); row < rows; row += Team::row_stride()) {
             backward_row<T, ITEMS, Team, Sums>(dy, x, w, rstd, dx, row, count, map, plain, vec, center, smem,
                                                sums);
@@ -564,23 +564,56 @@ __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T*
         }
         return;
     }
+    const int K = ITEMS / VecLen<T>::value;
     const int rank = Team::rank(), size = Team::size();
     const long long stride = Team::row_stride();
     long long row = Team::first_row();
-    StagedRow<T> next;
-    stage_row<T, ITEMS>(stage, size, next, x, dy, rstd, team_row(row, rows, count), rank, size);
+    if (one) {  // the next row over the slot just read; its rstd and shift a row ahead in registers
+        StagedRow<T> next;
+        stage_row<T, ITEMS>(stage.slots, size, next, x, dy, rstd, team_row(row, rows, count), rank, size);
+        while (row < rows) {
+            const StagedRow<T> now = next;
+            const TeamRow at = team_row(row, rows, count);
+            cp_async_wait_all();  // this row's copies (the only ones in flight)
+            const A shift = center ? to_acc(now.x0) : A(0);
+            A xh[ITEMS], g[ITEMS];
+            unstage_row<T, ITEMS>(xh, stage.slots, size, at, rank, size, shift);
+            unstage_row<T, ITEMS>(g, stage.slots + K * size, size, at, rank, size, A(0));
+            stage_row<T, ITEMS>(stage.slots, size, next, x, dy, rstd, team_row(row + stride, rows, count), rank,
+                                size);
+            backward_held_row<T, ITEMS, Team, Sums>(xh, g, now.r, w, dx, at.base, count, map, plain, true, center,
+                                                    smem, sums);
+            sums.template end_row<Team>(row, smem);
+            row += stride;
+        }
+        return;
+    }
+    const int depth = stage.depth, slot_vecs = 2 * K * size;
+#pragma unroll 1
+    for (int s = 0; s + 1 < depth; ++s)
+        stage_vectors<T, ITEMS>(stage.slots + s * slot_vecs, size, x, dy, team_row(row + s * stride, rows, count),
+                                rank, size);
+    int slot = 0;  // `row`'s
+#pragma unroll 1
     while (row < rows) {
-        const StagedRow<T> now = next;
+        // the slot read a row ago (the sums' barriers since have ordered that read)
+        const int refill = slot == 0 ? depth - 1 : slot - 1;
+        stage_vectors<T, ITEMS>(stage.slots + refill * slot_vecs, size, x, dy,
+                                team_row(row + (depth - 1) * stride, rows, count), rank, size);
+        // this row's rstd and first value, L2 hits by now (held a row ahead in registers, they
+        // made ptxas spill)
+        const A r = rstd[row];
+        const A shift = center ? to_acc(x[row * count]) : A(0);
+        cp_async_wait_pending(depth - 1);  // this row's copies; the depth - 1 rows after it fly on
         const TeamRow at = team_row(row, rows, count);
-        cp_async_wait_all();  // this row's copies (the only ones in flight)
-        const A shift = center ? to_acc(now.x0) : A(0);
+        uint4* const here = stage.slots + slot * slot_vecs;
         A xh[ITEMS], g[ITEMS];
-        unstage_row<T, ITEMS>(xh, stage, size, 0, at, rank, size, shift);
-        unstage_row<T, ITEMS>(g, stage, size, 1, at, rank, size, A(0));
-        stage_row<T, ITEMS>(stage, size, next, x, dy, rstd, team_row(row + stride, rows, count), rank, size);
-        backward_held_row<T, ITEMS, Team, Sums>(xh, g, now.r, w, dx, at.base, count, map, plain, true, center,
+        unstage_row<T, ITEMS>(xh, here, size, at, rank, size, shift);
+        unstage_row<T, ITEMS>(g, here + K * size, size, at, rank, size, A(0));
+        backward_held_row<T, ITEMS, Team, Sums>(xh, g, r, w, dx, at.base, count, map, plain, true, center,
                                                 smem, sums);
         sums.template end_row<Team>(row, smem);
+        slot = slot + 1 == depth ? 0 : slot + 1;
         row += stride;
     }
 }
@@ -627,10 +660,35 @@ __global__ void rows_bwd_warp_row_params(
                                       (acc_t<T>*)0, sums);
 }
 
+// rows_fwd_block's stage: at most FWD_STAGES row slots, FWD_STAGES - 1 rows in flight ahead
+// of the one being summed (_schedule's _FWD_STAGES).
+#define FWD_STAGES 4
+
+// Bytes of one slot of rows_fwd_block's stage: a row's vectors of x (and of the residual),
+// ITEMS / V a thread.
+template <typename T, int ITEMS> __device__ __forceinline__ unsigned fwd_slot_bytes(bool residual) {
+    return (residual ? 2u : 1u) * (ITEMS / VecLen<T>::value) * blockDim.x * 16u;
+}
+
+// Which rows_fwd_block instantiations stage: 16-bit and float32 ones, but 16-bit ITEMS=8,
+// which the launcher never takes (two vectors a thread are ITEMS=16 there) and which spilled
+// on sm_90 with both loops compiled in (each alone fits: 45 and 56 registers).
+template <typename T, int ITEMS> struct FwdStaged {
+    static const bool value = sizeof(T) == 4 || (sizeof(T) == 2 && ITEMS == 16);
+};
+
 // Medium rows: one block per row (blockDim.x threads, a power of two up to ROW_BLOCK_MAX),
 // grid-stride over rows on a persistent grid (the blocks resident). Where every row is whole
-// 16-byte vectors (at most 2 a thread: 16-bit ITEMS 8 and 16, float32 8), each block reads its
-// next row ahead (RowAhead) while it sums this one.
+// 16-byte vectors (16-bit and float32 types) and the launch gives room for depth >= 2 slots
+// of fwd_slot_bytes (the launcher gives up to FWD_STAGES: _schedule's _block_fwd_stage), the
+// block keeps its next depth - 1 rows in flight in a ring of slots (stage_vectors): before
+// each row it copies the row depth - 1 ahead into the slot it read a row earlier (refilling
+// it before the wait, not right after the read, leaves ptxas the registers: right after
+// the read the row's values are live and 16-bit ITEMS=16 spilled), then waits for this row's.
+// A row's first values (the shift) are loaded a row ahead into registers. Reading one row
+// ahead in registers (the kernel before) kept 1-2 vectors a thread in flight, about 32 KiB an
+// SM at 50% occupancy: bfloat16 rows of 512-16384 reached 0.46-0.66 of a copy on an H200,
+// where Triton's (Liger's), at 100% occupancy and twice the rows in flight, reached 0.59-0.97.
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
@@ -638,36 +696,56 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
         acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
         long long p_len, int center, double eps, int param_in_t) {
     typedef acc_t<T> A;
-    const int V = VecLen<T>::value;
     const Param<T> w = {w_arg, param_in_t & 1};
     const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
     __shared__ A smem[64];
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
     const int n = (int)count;
-    const bool vec = rows_fwd_vec<T, ITEMS>(n, x, res, h, y);
-    if (!vec || ITEMS / V > 2) {  // more than 2 vectors a thread held ahead would spill
+    const bool vec = FwdStaged<T, ITEMS>::value && rows_fwd_vec<T, ITEMS>(n, x, res, h, y);
+    const unsigned slot_bytes = fwd_slot_bytes<T, ITEMS>(res != 0);
+    const int depth = vec ? min(FWD_STAGES, (int)(dynamic_smem_bytes() / slot_bytes)) : 0;
+    if (depth < 2) {  // read as it goes
+#pragma unroll 1
         for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
             forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, map, plain, center,
                                              A(eps), smem);
         return;
     }
-    const int rank = threadIdx.x, size = blockDim.x;
-    RowAhead<T, ITEMS> ahead;
-    TeamRow next = {(long long)blockIdx.x, (long long)blockIdx.x * n, n, (long long)blockIdx.x < rows};
-    fetch_ahead(ahead, x, res, next, rank, size);
-    while (next.active) {
-        const TeamRow at = next;
-        const RowAhead<T, ITEMS> now = ahead;
-        next.row += gridDim.x;
-        next.base = next.row * n;
-        next.active = next.row < rows;
-        fetch_ahead(ahead, x, res, next, rank, size);
-        const A shift = center ? to_acc(res ? add_in_dtype(now.x0, now.r0) : now.x0) : A(0);
+    const int rank = threadIdx.x, size = blockDim.x, slot_vecs = (int)(slot_bytes / 16u);
+    uint4* const stage = dynamic_shared<uint4>();
+    const long long stride = gridDim.x;
+    long long row = blockIdx.x;
+#pragma unroll 1
+    for (int s = 0; s + 1 < depth; ++s)
+        stage_vectors<T, ITEMS>(stage + s * slot_vecs, size, x, res, team_row(row + s * stride, rows, n), rank,
+                                size);
+    T x0 = T(0), r0 = T(0);  // the first values of `row`
+    if (center && row < rows) {
+        x0 = x[row * n];
+        if (res) r0 = res[row * n];
+    }
+    int slot = 0;  // `row`'s
+#pragma unroll 1
+    while (row < rows) {
+        // the slot read a row ago (the sums' barriers since have ordered that read)
+        const int refill = slot == 0 ? depth - 1 : slot - 1;
+        stage_vectors<T, ITEMS>(stage + refill * slot_vecs, size, x, res,
+                                team_row(row + (depth - 1) * stride, rows, n), rank, size);
+        const A shift = center ? to_acc(res ? add_in_dtype(x0, r0) : x0) : A(0);
+        const long long next = row + stride;
+        if (center && next < rows) {
+            x0 = x[next * n];
+            if (res) r0 = res[next * n];
+        }
+        cp_async_wait_pending(depth - 1);  // this row's copies; the depth - 1 rows after it fly on
+        const TeamRow at = team_row(row, rows, n);
         A v[ITEMS];
-        unpack_ahead<T, ITEMS>(v, now, res, h, at, rank, size, shift);
-        normalize_row<T, ITEMS, BlockTeam>(v, shift, y, w, b, mean, rstd, at.row, at.base, n, map, plain,
-                                           true, center, A(eps), smem);
+        unstage_row<T, ITEMS>(v, stage + slot * slot_vecs, size, at, rank, size, shift, res, h);
+        normalize_row<T, ITEMS, BlockTeam>(v, shift, y, w, b, mean, rstd, at.row, at.base, n, map, plain, true,
+                                           center, A(eps), smem);
+        slot = slot + 1 == depth ? 0 : slot + 1;
+        row = next;
     }
 }
 
@@ -1334,8 +1412,8 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
                 r = now.r;
                 if (center) shift = to_acc(now.x0);
             }
-            unstage_row<T, ITEMS>(xh, stages[parity], MULTI_BLOCK, 0, at, rank, size, shift);
-            unstage_row<T, ITEMS>(g, stages[parity], MULTI_BLOCK, 1, at, rank, size, A(0));
+            unstage_row<T, ITEMS>(xh, stages[parity], MULTI_BLOCK, at, rank, size, shift);
+            unstage_row<T, ITEMS>(g, stages[parity] + MULTI_BLOCK, MULTI_BLOCK, at, rank, size, A(0));
             if (grp + gridDim.x < groups)
                 stage_row<T, ITEMS>(stages[parity ^ 1], MULTI_BLOCK, next, x, dy, rstd, mt.row_in(grp + gridDim.x, rows, n), rank, size);
         } else {
@@ -1423,7 +1501,7 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block(
     __shared__ acc_t<T> smem[64];
     NoSums none;
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, rstd, dx, rows, (int)count, p_div, p_len, center, smem, none,
-                                       BlockAhead<T, ITEMS, NoSums>::value ? block_stage<T, ITEMS>(0) : (uint4*)0);
+                                       BlockAhead<T, ITEMS, NoSums>::value ? block_stage<T, ITEMS>(0) : Stage());
 }
 
 // As rows_bwd_warp_row_params, one block per row.
@@ -1437,7 +1515,7 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_row_p
     __shared__ acc_t<T> smem[64];
     RowSums<acc_t<T> > sums = {part_w, part_b, acc_t<T>(0), acc_t<T>(0)};
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, rstd, dx, rows, (int)count, count, p_len, center, smem, sums,
-                                       BlockAhead<T, ITEMS, RowSums<acc_t<T> > >::value ? block_stage<T, ITEMS>(0) : (uint4*)0);
+                                       BlockAhead<T, ITEMS, RowSums<acc_t<T> > >::value ? block_stage<T, ITEMS>(0) : Stage());
 }
 
 // Whether rows_bwd_block_params reads rows ahead: not float32 at ITEMS=16, whose stage (128 KiB
@@ -1467,7 +1545,7 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_param
     __syncthreads();
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, rstd, dx, rows, n, 1, count, center, smem, sums,
                                        ParamsAhead<T, ITEMS>::value ? block_stage<T, ITEMS>(2 * slots * sizeof(A))
-                                                                   : (uint4*)0);
+                                                                   : Stage());
     __syncthreads();
     // slot s = (item k, thread t) holds position team_item(k, t): each position is one slot's
     const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);

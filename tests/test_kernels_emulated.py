@@ -458,12 +458,15 @@ def _tile_bytes(case, dtype, width, copies):
 
 
 def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, want_y=True,
-                path="warp", items=None, chunk=None, offset=0, grid=None, schedule=None, params_in_t=False):
+                path="warp", items=None, chunk=None, offset=0, grid=None, schedule=None, params_in_t=False,
+                slots=3):
     """Launch the forward kernels; returns float64 (y, h, mean, rstd) (None where not produced).
 
     ``grid`` replaces every grid extent that a kernel loops over (rows, outer, slices,
     elements): 1 makes each kernel walk its whole range from a single block or warp group.
-    ``params_in_t`` (tile path): weight and bias stored in x's dtype (``param_in_t`` flags)."""
+    ``params_in_t`` (tile path): weight and bias stored in x's dtype (``param_in_t`` flags).
+    ``slots`` (block path): the row slots of stage the launch gives the block (as the launcher
+    does: ``_schedule.fwd_slot_bytes`` each; 0 or 1: no room, rows read as they go)."""
     A = ACC[dtype]
     xd = emu.to_device(x.reshape(-1), dtype, offset)
     rd = None if res is None else emu.to_device(res.reshape(-1), dtype, offset)
@@ -493,10 +496,15 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
         per_row = 32 if path == "warp" else row_threads(reduced, items)
         assert inner == 1 and reduced <= per_row * items
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
-        kernels(f"rows_fwd_{path}", dtype, items)(
-            (grid,), (ROWS_BLOCK if path == "warp" else per_row,),
-            (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps, 0),
-            **launch)
+        function = kernels(f"rows_fwd_{path}", dtype, items)
+        smem = 0
+        if path == "block" and dtype != "float64":
+            smem = slots * _schedule.fwd_slot_bytes(dtype, items, per_row, res is not None)
+            if smem > 48 * 1024:
+                function.max_dynamic_shared_size_bytes = smem
+        function((grid,), (ROWS_BLOCK if path == "warp" else per_row,),
+                 (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps, 0),
+                 shared_mem=smem, **launch)
     else:
         nchunk = _ceil(reduced, chunk)
         ws = [_acc_buf(outer * nchunk * inner, dtype) for _ in range(3)]
@@ -556,7 +564,8 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
     """Launch the dx kernels with the given statistics; returns float64 dx. ``kernel`` (tile
     path): the tile backward to take instead of the launcher's choice (``tile_bwd_kernel``);
     ``params_in_t`` (tile path): the weight stored in x's dtype; ``ahead`` (block path): the
-    launch gives the block room to read its next row ahead (``block_stage_bytes``)."""
+    launch gives the block room for that many slots (True: one) of ``block_stage_bytes`` to
+    read rows ahead into."""
     A = ACC[dtype]
     dyd, xd = emu.to_device(dy.reshape(-1), dtype, offset), emu.to_device(x.reshape(-1), dtype, offset)
     dxd = emu.empty(case.total, dtype, offset)
@@ -584,7 +593,7 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
         threads = ROWS_BLOCK if path == "warp" else row_threads(reduced, items)
         function = kernels(f"rows_bwd_{path}", dtype, items)
-        smem = _schedule.block_stage_bytes(dtype, items, threads) if ahead else 0
+        smem = int(ahead) * _schedule.block_stage_bytes(dtype, items, threads)
         if smem > 48 * 1024:
             function.max_dynamic_shared_size_bytes = smem
         function((grid,), (threads,), (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len, center, 0),
@@ -795,13 +804,37 @@ def test_rows_block_param_stride(kernels, dtype):
     check_backward(kernels, case, dtype, path="block", items=items)
 
 
+# The block forward reading its next rows ahead into a ring of row slots (cp.async): (dtype,
+# rows, count, grid). Blocks with several rows each (the ring wraps), the last one with fewer,
+# blocks with none; one, two and four vectors a thread (float32 ITEMS=16), a row shorter than
+# its block's slots; 16-bit ITEMS=8 and float64 ignore the room (FwdStaged).
+_FWD_AHEAD_ROWS = [("bfloat16", 11, 4096, 3), ("float16", 9, 1000, 2), ("float32", 10, 2048, 4),
+                   ("float32", 7, 12000, 2), ("bfloat16", 6, 16384, 5), ("float32", 5, 520, 1),
+                   ("float64", 5, 700, 2)]
+
+
+@pytest.mark.parametrize("variant", ["ln", "rms", "residual", "stats_only", "misaligned", "random"])
+@pytest.mark.parametrize("slots", [0, 2, 3, 4])
+@pytest.mark.parametrize("dtype,rows,count,grid", _FWD_AHEAD_ROWS)
+def test_rows_block_forward_reads_ahead(kernels, dtype, rows, count, grid, slots, variant):
+    """rows_fwd_block with room for 0 (rows read as they go), 2, 3 or 4 row slots: y, h and the
+    statistics as from rows read as they go, on grids that leave each block several rows;
+    misaligned rows (no 16-byte vectors) read as they go even with the room."""
+    opts = {"ln": {}, "rms": _VARIANTS["rms"], "residual": _VARIANTS["residual"],
+            "stats_only": _VARIANTS["stats_only"], "misaligned": _VARIANTS["misaligned"],
+            "random": dict(schedule=5, residual=True)}[variant]
+    check_forward(kernels, layer_norm_rows(rows, count), dtype, path="block", items=_block_items(dtype, count),
+                  grid=grid, slots=slots, **opts)
+
+
 # ---- rows with dweight/dbias summed on the way (rows_bwd_{warp,block}_[row_]params) ---------------
 
 def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, center=1, with_bias=True,
                           offset=0, schedule=None, ahead=False):
     """The row backward that also sums dweight/dbias (per position and block; per row with
     ``per_row``), then param_grad_finish: dx, dweight and dbias against float64 formulas.
-    ``ahead`` (block path): room to read the next row ahead past the sums."""
+    ``ahead`` (block path): room for that many slots (True: one) to read rows ahead into past
+    the sums."""
     A = ACC[dtype]
     kind = "row_params" if per_row else "params"
     kernel_name = "rows_bwd_multi" if path == "multi" else f"rows_bwd_{path}_{kind}"
@@ -824,8 +857,7 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     kernel = kernels(kernel_name, dtype, items)
     # a block's sums per (item, thread) wait in shared memory
     smem = 0 if path != "block" or per_row else 2 * items * threads * np.dtype(A).itemsize
-    if ahead:
-        smem += _schedule.block_stage_bytes(dtype, items, threads)
+    smem += int(ahead) * _schedule.block_stage_bytes(dtype, items, threads)
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
     kernel((grid,), (threads,),
@@ -894,25 +926,28 @@ _AHEAD_ROWS = [("", "float32", 7, 1000, 3), ("", "bfloat16", 9, 4096, 2), ("", "
 
 
 @pytest.mark.parametrize("variant", ["ln", "rms", "misaligned", "random"])
+@pytest.mark.parametrize("slots", [1, 2, 4])
 @pytest.mark.parametrize("spec", _AHEAD_ROWS, ids=lambda s: "-".join(map(str, s)))
-def test_rows_block_backward_reads_ahead(kernels, spec, variant):
-    """The block backwards with room for a stage (as the launcher launches them): dx (and
-    dweight/dbias) as from rows read as they go, on grids that leave each block several rows;
-    misaligned rows (no 16-byte vectors) read as they go even with the room."""
+def test_rows_block_backward_reads_ahead(kernels, spec, slots, variant):
+    """The block backwards with room for 1, 2 or 4 slots of stage (the launcher gives 1 to the
+    kernels of two vectors a thread, up to 4 to 16-bit ITEMS=8, which take a ring of 2 or more
+    and read as they go with 1): dx (and dweight/dbias) as from rows read as they go, on grids
+    that leave each block several rows; misaligned rows (no 16-byte vectors) read as they go
+    even with the room."""
     opts = {"ln": {}, "rms": dict(center=0), "misaligned": dict(offset=1), "random": dict(schedule=5)}[variant]
     kind, dtype = spec[0], spec[1]
     if kind == "":
         _, _, rows, count, grid = spec
         check_backward(kernels, layer_norm_rows(rows, count), dtype, path="block",
-                       items=_block_items(dtype, count, "rows_bwd_block"), grid=grid, ahead=True, **opts)
+                       items=_block_items(dtype, count, "rows_bwd_block"), grid=grid, ahead=slots, **opts)
     elif kind == "params":
         _, _, rows, count, grid = spec
-        check_row_param_grads(kernels, layer_norm_rows(rows, count), dtype, path="block", grid=grid, ahead=True,
+        check_row_param_grads(kernels, layer_norm_rows(rows, count), dtype, path="block", grid=grid, ahead=slots,
                               **opts)
     else:  # NCHW instance norm rows of h x h, p = row % C
         _, _, n, c, h, grid = spec
         check_row_param_grads(kernels, instance_norm_nchw(n, c, h, h), dtype, path="block", grid=grid,
-                              per_row=True, ahead=True, **opts)
+                              per_row=True, ahead=slots, **opts)
 
 
 # ---- rows, split into chunks (long rows) -----------------------------------------------------------

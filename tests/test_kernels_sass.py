@@ -178,6 +178,24 @@ def test_block_backward_copies_the_next_row_ahead(rows_sass):
                 assert copies >= 4 * items // VEC[dtype], (name, copies)
 
 
+def test_block_forward_copies_its_next_rows_ahead(rows_sass):
+    """rows_fwd_block (sm_90) copies the rows ahead of the one it sums into a ring of slots
+    in shared memory by cp.async (LDGSTS.E.BYPASS.128), one per vector a thread of x and of
+    the residual, before the row loop and in it (4 * ITEMS / V at least), and reads them
+    back as 16-byte vectors (LDS.128), where rows.cu's FwdStaged lets it (16-bit ITEMS=16,
+    float32); 16-bit ITEMS=8 and float64 read as they go (no LDGSTS)."""
+    dtype, code = rows_sass
+    for items in _compile.items_of("rows_fwd_block", dtype):
+        name = _compile.name_expression("rows_fwd_block", dtype, items)
+        copies = len(re.findall(r"\bLDGSTS\.E\.BYPASS\.128\b", code[name]))
+        reads = len(re.findall(r"\bLDS\.128\b", code[name]))
+        if dtype == "float64" or (VEC[dtype] == 8 and items == 8):
+            assert copies == 0, (name, copies)
+        else:
+            vectors = items // VEC[dtype]
+            assert copies >= 4 * vectors and reads >= 2 * vectors, (name, copies, reads)
+
+
 def test_multi_row_backward_loads_the_weight_once(rows_sass):
     """rows_bwd_multi keeps its weight and its dweight/dbias sums in registers for all its
     rows: per row one 16-byte vector each of x and dy (copied a row ahead into shared memory

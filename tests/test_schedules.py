@@ -79,25 +79,53 @@ def test_transformer_rows_are_one_kernel_each_way():
     assert _backward(wide, {"w", "rstd", "mean", "dw", "db"}).names == ("rows_bwd_block_params", "param_grad_finish")
 
 
+def test_block_forward_rows_read_ahead_through_a_ring():
+    """rows_fwd_block gets room for 4 row slots (3 rows in flight ahead of the one summed) for
+    16-bit and float32 rows of 512-16384 elements on an H100, 3 for float32 rows past 8192
+    (64 KiB slots); slots of twice the bytes with a residual, as many as the share of the SM
+    holds (none where fewer than 2 fit); the slots of its resident blocks (1024 / threads an
+    SM) fit the SM's shared memory. float64 and rows not of whole 16-byte vectors get none
+    (rows read as they go)."""
+    for n, dtype, items, slots, with_res in [
+            (512, "bfloat16", 16, 4, 2), (768, "float16", 16, 4, 3), (4096, "bfloat16", 16, 4, 3),
+            (16384, "bfloat16", 16, 4, 3), (512, "float32", 8, 4, 3), (8192, "float32", 8, 4, 3),
+            (16384, "float32", 16, 3, 0), (4096, "float64", 8, 0, 0), (1001, "float32", 8, 0, 0)]:
+        plan = _plan("layer_norm", (2 ** 25 // n, n))
+        for present, residual in (({"w", "b"} | STATS, False), ({"w", "b", "res", "h"}, True)):
+            step = _forward(plan, present, dtype).steps[0]
+            threads = step.block[0]
+            assert (step.name, step.items) == ("rows_fwd_block", items), (n, dtype)
+            slot = _schedule.fwd_slot_bytes(dtype, items, threads, residual) if dtype != "float64" else 0
+            assert step.smem == (with_res if residual else slots) * slot, (n, dtype, residual, step.smem, slot)
+            per_sm = min(1024 // threads, 32)
+            assert step.grid == (min(plan.shape[0], 132 * per_sm),)
+            assert per_sm * (step.smem + _schedule._ROW_STATIC_SMEM + 1024) <= H100.smem_optin + 1024
+
+
 def test_block_backward_rows_read_ahead_on_the_resident_blocks():
     """Rows past rows_bwd_multi's: the block backwards run on the blocks resident at once (64
     registers: 1024 / threads an SM), with room past the dweight/dbias slots for a stage of
-    the next row's x and dy (2 * ITEMS * threads elements of x's dtype); float64 reads as it
-    goes, a block a row."""
+    rows' x and dy (slots of 2 * ITEMS * threads elements of x's dtype): one slot at two
+    vectors a thread, 4 (3 rows ahead) for 16-bit rows at one vector a thread, their shared
+    memory within the share of an SM of the resident blocks; float64 reads as it goes, a
+    block a row."""
     grads, dx_only = {"w", "rstd", "mean", "dw", "db"}, {"rstd", "mean"}
-    for shape, dtype, name, grid, block, items in [
-            ((8192, 4096), "bfloat16", "rows_bwd_block_params", 264, 512, 8),
-            ((2048, 16384), "bfloat16", "rows_bwd_block_params", 132, 1024, 16),
-            ((4096, 8192), "float32", "rows_bwd_block_params", 132, 1024, 8),
-            ((16384, 2048), "float32", "rows_bwd_block_params", 528, 256, 8)]:
+    for shape, dtype, name, grid, block, items, slots in [
+            ((8192, 4096), "bfloat16", "rows_bwd_block_params", 264, 512, 8, 4),
+            ((4096, 8192), "float16", "rows_bwd_block_params", 132, 1024, 8, 4),
+            ((2048, 16384), "bfloat16", "rows_bwd_block_params", 132, 1024, 16, 1),
+            ((4096, 8192), "float32", "rows_bwd_block_params", 132, 1024, 8, 1),
+            ((16384, 2048), "float32", "rows_bwd_block_params", 528, 256, 8, 1)]:
         itemsize = np.dtype(np.float32).itemsize if dtype == "float32" else 2
         plan = _plan("layer_norm", shape)
         step = _backward(plan, grads, dtype=dtype).steps[0]
-        sums = 2 * items * block * 4
+        sums, slot = 2 * items * block * 4, 2 * items * block * itemsize
         assert (step.name, step.grid, step.block, step.items) == (name, (grid,), (block,), items)
-        assert step.smem == sums + 2 * items * block * itemsize  # the slots, then the stage
+        assert step.smem == sums + slots * slot  # the sums, then the stage
+        per_sm = grid // 132
+        assert per_sm * (step.smem + _schedule._ROW_STATIC_SMEM + 1024) <= H100.smem_optin + 1024
         step = _backward(plan, dx_only, dtype=dtype).steps[0]
-        assert (step.name, step.grid, step.smem) == ("rows_bwd_block", (grid,), 2 * items * block * itemsize)
+        assert (step.name, step.grid, step.smem) == ("rows_bwd_block", (grid,), slots * slot)
     # few rows: a block each
     assert _backward(_plan("layer_norm", (64, 4096)), grads).steps[0].grid == (64,)
     # NCHW instance norm rows with dweight: a partial per row, any grid

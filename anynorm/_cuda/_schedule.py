@@ -237,8 +237,8 @@ def _block_row(prefix, rows, count, dtype, min_items=1, items_from=None):
     """(kernel, grid, block, ITEMS) of the block-per-row kernel with the smallest ITEMS of at
     least ``min_items`` (of those ``items_from``, a kernel of the family, is built for) and a
     power of two of threads holding the row, or None. The forward runs on a persistent grid
-    (the blocks resident at 64 registers), each block reading its next row while it sums the
-    current one."""
+    (the blocks resident at 64 registers), each block reading its next rows while it sums the
+    current one (:func:`_block_fwd_stage`)."""
     kernel = f"{prefix}_block"
     for items in items_of(items_from or kernel, dtype):
         threads = 1 << max(5, (_ceil(count, items) - 1).bit_length())
@@ -247,6 +247,34 @@ def _block_row(prefix, rows, count, dtype, min_items=1, items_from=None):
                 return kernel, (min(rows, _device().sm_count * (_SMEM_ROW_THREADS // threads)),), (threads,), items
             return kernel, (_grid_1d(rows, 1),), (threads,), items
     return None
+
+
+_FWD_STAGES = 4  # rows.cu: FWD_STAGES
+_SM_BLOCKS_MAX = 32  # resident blocks an SM holds at most (sm_80, sm_90)
+
+
+def fwd_slot_bytes(dtype, items, threads, residual) -> int:
+    """rows.cu's fwd_slot_bytes: one row of rows_fwd_block's stage, x (and the residual) at
+    ``items`` elements a thread."""
+    return (2 if residual else 1) * items * threads * (16 // _VECTOR[dtype])
+
+
+def _block_fwd_stage(count, dtype, items, threads, residual) -> int:
+    """Dynamic shared memory of rows_fwd_block: a ring of row slots (``fwd_slot_bytes``), as
+    many as the share of an SM's shared memory of its resident blocks (at 64 registers 1024 /
+    threads, at most 32) holds, at most ``_FWD_STAGES``; each block keeps all but one of them
+    in flight ahead of the row it sums. 0 (rows read as they go) where fewer than 2 fit, the
+    rows are not whole 16-byte vectors, or the instantiation does not stage (float64, 16-bit
+    ITEMS=8: rows.cu's FwdStaged). An H100 gets 4 slots for every row of 512-16384 elements
+    in 16-bit types (3 rows ahead: 96 KiB of reads in flight an SM), float32 16384 3."""
+    vector = _VECTOR[dtype]
+    if dtype == "float64" or count % vector or (vector == 8 and items == 8):
+        return 0
+    slot = fwd_slot_bytes(dtype, items, threads, residual)
+    per_sm = min(_SMEM_ROW_THREADS // threads, _SM_BLOCKS_MAX)
+    share = (_smem_limit() + _SMEM_RESERVED) // per_sm - _SMEM_RESERVED - _ROW_STATIC_SMEM
+    depth = min(_FWD_STAGES, share // slot, (_smem_limit() - _ROW_STATIC_SMEM) // slot)
+    return depth * slot if depth >= 2 else 0
 
 
 def _row_kernel(prefix, rows, count, dtype):
@@ -586,9 +614,12 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
         row = _row_kernel("rows_fwd", outer, reduced, dtype)
     if row is not None:
         kernel, grid, block, items = row
+        smem = 0
+        if kernel == "rows_fwd_block":
+            smem = _block_fwd_stage(reduced, dtype, items, block[0], res is not None)
         _step(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
-                 i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items)
+                 i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items, smem=smem)
         return
     smem_row = _smem_row(layout, dtype) if layout.rows else None
     if smem_row is not None:
@@ -719,26 +750,46 @@ def _row_params(layout, dtype, kernel, grid, block, items):
 
 
 def block_stage_bytes(dtype, items, threads) -> int:
-    """rows.cu's block_stage_bytes: the stage of a row's x and dy, ``items`` elements a thread each."""
+    """rows.cu's block_stage_bytes: one slot of the block backwards' stage, a row's x and dy
+    at ``items`` elements a thread each."""
     return 2 * items * threads * (16 // _VECTOR[dtype])
+
+
+_BWD_STAGES = 4  # rows.cu: BWD_STAGES
+
+
+def _bwd_ring(dtype, items) -> bool:
+    """Whether the block backward at ``items`` reads ahead through a ring of slots (16-bit
+    ITEMS=8: one vector a thread) rather than one slot (rows.cu's BwdOneSlot)."""
+    return _VECTOR[dtype] == 8 and items == 8
 
 
 def _block_bwd(rows, dtype, threads, items, sums=0):
     """(grid, dynamic smem bytes) of the block backward row kernels (rows_bwd_block,
     _row_params, _params; ``sums`` bytes of the latter's dweight/dbias slots first): room for
-    a stage of the next row's x and dy (2 * items elements a thread, rows.cu's
-    block_stage_bytes), which each block copies ahead (cp.async) while it sums this one, on
-    a persistent grid of the blocks resident at once (at 64 registers 1024 / threads an SM,
-    fewer where shared memory holds fewer; a block past those would start only when a whole
-    one ends). float64 rows are read as they go, a block a row. The forward's block kernel
-    gained 0.27 -> 0.40 (bfloat16) and 0.44 -> 0.78 (float32) of a copy's bandwidth from
-    reading ahead on an H200 (rows of 4096)."""
+    the stage each block copies rows ahead into (cp.async) while it sums one, on a persistent
+    grid of the blocks resident at once (at 64 registers 1024 / threads an SM, fewer where
+    shared memory holds fewer; a block past those would start only when a whole one ends).
+    Kernels of two vectors a thread get one slot (the next row: 64 KiB of x and dy in flight
+    an SM at any block size); 16-bit rows at one vector a thread (ITEMS=8) as many as the
+    share of an SM of its resident blocks holds past the sums, at most ``_BWD_STAGES`` (3
+    rows in flight: 96 KiB an SM), or none where fewer than 2 fit. float64 rows are read as
+    they go, a block a row. The forward's block kernel gained 0.27 -> 0.40 (bfloat16) and
+    0.44 -> 0.78 (float32) of a copy's bandwidth from reading one row ahead on an H200 (rows
+    of 4096)."""
     if dtype == "float64":
         return (_grid_1d(rows, 1),), sums
-    smem = sums + block_stage_bytes(dtype, items, threads)
+    stage = block_stage_bytes(dtype, items, threads)
+    per_sm = _SMEM_ROW_THREADS // threads
+    depth = 1
+    if _bwd_ring(dtype, items):
+        share = (_smem_limit() + _SMEM_RESERVED) // per_sm - _SMEM_RESERVED - _ROW_STATIC_SMEM
+        depth = min(_BWD_STAGES, max(0, share - sums) // stage)
+        depth = depth if depth >= 2 else 0
+    smem = sums + depth * stage
     if smem > _smem_limit() - _ROW_STATIC_SMEM:  # no room for the stage: rows read as they go
         smem = sums
-    per_sm = min(_SMEM_ROW_THREADS // threads, _smem_blocks_per_sm(smem, _ROW_STATIC_SMEM))
+    per_sm = min(per_sm, _smem_blocks_per_sm(smem, _ROW_STATIC_SMEM))
     return (min(rows, max(1, per_sm) * _device().sm_count),), smem
 
 
