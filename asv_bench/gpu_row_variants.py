@@ -17,7 +17,10 @@ size against 2.5 copies). Variants:
   replaced);
 - ``warp16``: the warp-per-row kernel at ITEMS 16 (rows of up to 512 elements);
 - ``noahead`` (``--train``): the shipped schedule, its block backwards given no room to read
-  the next row ahead (rows.cu's ``block_stage``): the read-ahead's share, in one process.
+  the next row ahead (rows.cu's ``block_stage``): the read-ahead's share, in one process;
+- ``ahead1``: the shipped schedule with room for 2 slots where it gives the block kernels a
+  ring (``_FWD_STAGES``, ``_BWD_STAGES``): one row in flight ahead, as before the rings, where
+  the shipped schedule keeps 3 (rows_fwd_block; 16-bit rows_bwd_block* at ITEMS=8).
 
 A lab for choosing ``_schedule``'s rules on a GPU; the results are checked against
 torch.nn.functional before they are timed.
@@ -39,11 +42,14 @@ from anynorm._cuda import _schedule
 @contextlib.contextmanager
 def variant(name):
     """The launcher forced to one kernel choice (no plan, and so no launch, cached from another)."""
-    saved = (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd)
+    saved = (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd,
+             _schedule._FWD_STAGES, _schedule._BWD_STAGES)
     _calls.clear()
     _plan.plan_for.cache_clear()
     try:
-        if name == "noahead":
+        if name == "ahead1":
+            _schedule._FWD_STAGES = _schedule._BWD_STAGES = 2
+        elif name == "noahead":
             def no_stage(rows, dtype, threads, items, sums=0, _block_bwd=saved[3]):
                 grid, _ = _block_bwd(rows, dtype, threads, items, sums)
                 return grid, sums
@@ -63,7 +69,8 @@ def variant(name):
             _schedule.items_of = lambda kernel, dtype=None: (16,) if kernel.endswith("_warp") else saved[1](kernel, dtype)
         yield
     finally:
-        _schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd = saved
+        (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd,
+         _schedule._FWD_STAGES, _schedule._BWD_STAGES) = saved
         _calls.clear()
         _plan.plan_for.cache_clear()
 
@@ -94,7 +101,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--train", action="store_true", help="forward + backward")
     args = parser.parse_args()
-    names = ("shipped", "block8", "block16", "warp16") + (("noahead",) if args.train else ())
+    names = ("shipped", "block8", "block16", "warp16", "ahead1") + (("noahead",) if args.train else ())
     print("| op | dtype | M x N | " + " | ".join(f"{n} of copy" for n in names) + " | torch of copy |")
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for dtype in args.dtypes.split(","):
