@@ -1229,7 +1229,9 @@ template <int ITEMS> struct MultiTeam {
 template <typename A>
 __device__ __forceinline__ A team_sum(A v, int size, A* smem) {
     const int width = size < 32 ? size : 32;
-    for (int off = width >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    ANYNORM_UNROLL  // the warp's lanes all take or skip each step (width is the block's)
+    for (int off = 16; off > 0; off >>= 1)
+        if (off < width) v += __shfl_xor_sync(0xffffffffu, v, off);
     if (size > 32) {
         const int warp = threadIdx.x >> 5, per = size >> 5;
         if ((threadIdx.x & 31) == 0) smem[warp] = v;
@@ -1249,9 +1251,12 @@ __device__ __forceinline__ A team_sum(A v, int size, A* smem) {
 template <typename A>
 __device__ __forceinline__ void team_sum2(A& a, A& b, int size, A* smem) {
     const int width = size < 32 ? size : 32;
-    for (int off = width >> 1; off > 0; off >>= 1) {
-        a += __shfl_xor_sync(0xffffffffu, a, off);
-        b += __shfl_xor_sync(0xffffffffu, b, off);
+    ANYNORM_UNROLL
+    for (int off = 16; off > 0; off >>= 1) {
+        if (off < width) {
+            a += __shfl_xor_sync(0xffffffffu, a, off);
+            b += __shfl_xor_sync(0xffffffffu, b, off);
+        }
     }
     if (size > 32) {
         const int warp = threadIdx.x >> 5, per = size >> 5;
@@ -1339,11 +1344,20 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
             mu = team_sum(s, size, smem) / fn;
         }
         A ss = A(0);
-        ANYNORM_UNROLL
-        for (int k = 0; k < ITEMS; ++k) {
-            if (team_item<V>(k, rank, size, vec) < len) {
+        if (vec && ITEMS == V) {  // one vector a thread (MULTI_ITEMS): in the row or not as a whole
+            ANYNORM_UNROLL
+            for (int k = 0; k < ITEMS; ++k) {
                 const A d = v[k] - mu;
                 ss += d * d;
+            }
+            if (team_item<V>(0, rank, size, true) >= len) ss = A(0);  // its zeros would add mu^2
+        } else {
+            ANYNORM_UNROLL
+            for (int k = 0; k < ITEMS; ++k) {
+                if (team_item<V>(k, rank, size, false) < len) {
+                    const A d = v[k] - mu;
+                    ss += d * d;
+                }
             }
         }
         const A r = inv_sqrt(team_sum(ss, size, smem) / fn + e);
