@@ -1448,9 +1448,12 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
             mu = team_sum(s, size, smem) / fn;
         }
         A sg = A(0), sgx = A(0);
+        // one vector a thread (MULTI_ITEMS): no bounds per item, as past the row its dy is zero
+        // and so is every term it adds (past the row nothing it holds is written)
+        const bool whole = vec && ITEMS == V;
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; ++k) {
-            if (team_item<V>(k, rank, size, vec) < len) {
+            if (whole || team_item<V>(k, rank, size, vec) < len) {
                 xh[k] = (xh[k] - mu) * r;
                 sw[k] += g[k] * xh[k];  // g is still dy here
                 sb[k] += g[k];
