@@ -20,7 +20,8 @@ size against 2.5 copies). Variants:
   the next row ahead (rows.cu's ``block_stage``): the read-ahead's share, in one process;
 - ``ahead1``: the shipped schedule with room for 2 slots where it gives the block kernels a
   ring (``_FWD_STAGES``, ``_BWD_STAGES``): one row in flight ahead, as before the rings, where
-  the shipped schedule keeps 3 (rows_fwd_block; 16-bit rows_bwd_block* at ITEMS=8).
+  the shipped schedule keeps 3 (rows_fwd_block; 16-bit rows_bwd_block* at ITEMS=8;
+  rows_bwd_multi, a group of rows at a time).
 
 A lab for choosing ``_schedule``'s rules on a GPU; the results are checked against
 torch.nn.functional before they are timed.

@@ -369,9 +369,9 @@ __device__ __forceinline__ void stage_vectors(uint4* stage, int stride, const T*
 }
 
 // A backward's staged row: x and dy (stage_vectors), with the row's rstd and first value (the
-// shift) in registers, for the kernels one row ahead: the BwdOneSlot block backwards copy the
+// shift) in registers, for the BwdOneSlot block backwards, one row ahead: they copy the
 // following row over a row's slots right after reading them (a thread's copy over its own
-// slots follows its read of them in program order), rows_bwd_multi into the other of two.
+// slots follows its read of them in program order).
 template <typename T> struct StagedRow {
     acc_t<T> r;
     T x0;
@@ -514,9 +514,6 @@ struct Stage {
     int depth;
 };
 
-// The stage at byte `offset` of the block's dynamic shared memory: as many slots (at most
-// BWD_STAGES) as the launch gave room for (the launcher does for 16-bit and float32 rows:
-// _schedule's _block_bwd).
 // Whether a block backward keeps one row in flight, copied over the slot it has just read
 // (float32 and 16-bit ITEMS=16: two vectors a thread of x and of dy, one row ahead is 64 KiB
 // in flight an SM at every block size the launcher takes, and rows_bwd_block_params<16-bit,
@@ -527,6 +524,9 @@ template <typename T, int ITEMS> struct BwdOneSlot {
     static const bool value = !(sizeof(T) == 2 && ITEMS == 8);
 };
 
+// The stage at byte `offset` of the block's dynamic shared memory: one slot (BwdOneSlot) or as
+// many (at most BWD_STAGES) as the launch gave room for (the launcher does for 16-bit and
+// float32 rows: _schedule's _block_bwd).
 template <typename T, int ITEMS> __device__ __forceinline__ Stage block_stage(unsigned offset) {
     const unsigned room = dynamic_smem_bytes(), bytes = block_stage_bytes<T, ITEMS>();
     int depth = room >= offset + bytes ? 1 : 0;
@@ -1382,7 +1382,12 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
 // rows_fwd_multi; the grid is persistent (about the resident blocks) so the partial rows
 // stay few. Resident blocks per SM (the launch bound): 16-bit types 3 (80 registers, 24 warps,
 // 37.5%: at 64 their 3 x 8 values a thread of x, dy, w and 2 x 8 sums spill), the others 4
-// (64 registers, 50%).
+// (64 registers, 50%). Where the launch gives dynamic shared memory for depth >= 2 slots of
+// 2 * MULTI_BLOCK 16-byte vectors (the launcher gives up to BWD_STAGES: _schedule's
+// _multi_bwd_stage) and the rows are whole vectors (16-bit, float32), a thread copies its
+// vectors of x and dy of the group depth - 1 ahead into the slot it read a group earlier
+// (cp.async, as backward_rows' ring), so that depth - 1 groups are in flight while it sums one:
+// one group ahead (the kernel before) kept 24 KiB an SM in flight in 16-bit types.
 template <typename T> struct MultiBwdBlocks { static const int value = sizeof(T) == 2 ? 3 : 4; };
 
 template <typename T, int ITEMS>
@@ -1396,23 +1401,30 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     const Param<T> w = {w_arg, param_in_t & 1};
     __shared__ A smem[2 * MULTI_BLOCK / 32];
     __shared__ A sums[2 * ITEMS * MULTI_BLOCK];  // [2][ITEMS][thread]: the teams' sums at the end
-    __shared__ uint4 stages[2][2 * MULTI_BLOCK];  // [row parity][x, dy][thread]: rows read ahead
     const int n = (int)count;
     const MultiTeam<ITEMS> mt(n);
     const int size = mt.size, rank = mt.rank;
     const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);
-    // one vector of x and of dy a thread (float64, not tuned, would spill its 64 registers)
-    const bool ahead = vec && ITEMS == V && sizeof(T) < 8;
+    // the ring: [slot][x, dy][thread]; one vector of x and of dy a thread (float64, not tuned,
+    // would spill its 64 registers)
+    const int slot_vecs = 2 * MULTI_BLOCK;
+    const int depth = min(BWD_STAGES, (int)(dynamic_smem_bytes() / (16u * slot_vecs)));
+    const bool ahead = vec && ITEMS == V && sizeof(T) < 8 && depth >= 2;
+    uint4* const ring = dynamic_shared<uint4>();
     const long long groups = mt.groups(rows);
-    StagedRow<T> next;
-    if (ahead && blockIdx.x < groups) stage_row<T, ITEMS>(stages[0], MULTI_BLOCK, next, x, dy, rstd, mt.row_in(blockIdx.x, rows, n), rank, size);
+    if (ahead) {
+#pragma unroll 1
+        for (int s = 0; s + 1 < depth; ++s)
+            stage_vectors<T, ITEMS>(ring + s * slot_vecs, MULTI_BLOCK, x, dy,
+                                    mt.row_in(blockIdx.x + (long long)s * gridDim.x, rows, n), rank, size);
+    }
+    int slot = 0;  // the group's
     A wv[ITEMS], sw[ITEMS], sb[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) sw[k] = sb[k] = A(0);
     const A fn = A(n);
-    int parity = 0;
-    for (long long grp = blockIdx.x; grp < groups; grp += gridDim.x, parity ^= 1) {
+    for (long long grp = blockIdx.x; grp < groups; grp += gridDim.x) {
         const TeamRow at = mt.row_in(grp, rows, n);
         const long long row = at.row, base = at.base;
         const bool active = at.active;
@@ -1420,16 +1432,18 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
         A xh[ITEMS], g[ITEMS];
         A shift = A(0), r = A(0);
         if (ahead) {
-            const StagedRow<T> now = next;
-            cp_async_wait_all();  // this row's copies (the only ones in flight)
-            if (active) {
-                r = now.r;
-                if (center) shift = to_acc(now.x0);
+            // the group depth - 1 ahead into the slot this thread read a group ago
+            const int refill = slot == 0 ? depth - 1 : slot - 1;
+            stage_vectors<T, ITEMS>(ring + refill * slot_vecs, MULTI_BLOCK, x, dy,
+                                    mt.row_in(grp + (long long)(depth - 1) * gridDim.x, rows, n), rank, size);
+            if (active) {  // L2 hits by now
+                r = rstd[row];
+                if (center) shift = to_acc(x[base]);
             }
-            unstage_row<T, ITEMS>(xh, stages[parity], MULTI_BLOCK, at, rank, size, shift);
-            unstage_row<T, ITEMS>(g, stages[parity] + MULTI_BLOCK, MULTI_BLOCK, at, rank, size, A(0));
-            if (grp + gridDim.x < groups)
-                stage_row<T, ITEMS>(stages[parity ^ 1], MULTI_BLOCK, next, x, dy, rstd, mt.row_in(grp + gridDim.x, rows, n), rank, size);
+            cp_async_wait_pending(depth - 1);  // this group's copies; the depth - 1 after it fly on
+            unstage_row<T, ITEMS>(xh, ring + slot * slot_vecs, MULTI_BLOCK, at, rank, size, shift);
+            unstage_row<T, ITEMS>(g, ring + slot * slot_vecs + MULTI_BLOCK, MULTI_BLOCK, at, rank, size, A(0));
+            slot = slot + 1 == depth ? 0 : slot + 1;
         } else {
             const T* xr = x + base;
             if (active) {

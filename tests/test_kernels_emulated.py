@@ -833,8 +833,8 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
                           offset=0, schedule=None, ahead=False):
     """The row backward that also sums dweight/dbias (per position and block; per row with
     ``per_row``), then param_grad_finish: dx, dweight and dbias against float64 formulas.
-    ``ahead`` (block path): room for that many slots (True: one) to read rows ahead into past
-    the sums."""
+    ``ahead`` (block and multi paths): room for that many slots (True: one) to read rows
+    ahead into (past the sums)."""
     A = ACC[dtype]
     kind = "row_params" if per_row else "params"
     kernel_name = "rows_bwd_multi" if path == "multi" else f"rows_bwd_{path}_{kind}"
@@ -857,7 +857,8 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     kernel = kernels(kernel_name, dtype, items)
     # a block's sums per (item, thread) wait in shared memory
     smem = 0 if path != "block" or per_row else 2 * items * threads * np.dtype(A).itemsize
-    smem += int(ahead) * _schedule.block_stage_bytes(dtype, items, threads)
+    slot = 2 * 256 * 16 if path == "multi" else _schedule.block_stage_bytes(dtype, items, threads)
+    smem += int(ahead) * slot
     if smem > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = smem
     kernel((grid,), (threads,),
@@ -922,28 +923,32 @@ _AHEAD_ROWS = [("", "float32", 7, 1000, 3), ("", "bfloat16", 9, 4096, 2), ("", "
                ("params", "float32", 7, 2049, 2), ("params", "bfloat16", 9, 4096, 4),
                ("params", "float16", 4, 16384, 3), ("params", "float64", 3, 3001, 2),
                ("row_params", "float32", 2, 3, 40, 2), ("row_params", "bfloat16", 3, 2, 64, 4),
-               ("row_params", "float16", 2, 3, 128, 4)]
+               ("row_params", "float16", 2, 3, 128, 4),
+               # rows_bwd_multi: groups of 16 rows of 96 (teams of 16, 4 idle threads each), of
+               # one row of 2048, of 256 rows of 4 (float32); float64 reads as it goes
+               ("multi", "bfloat16", 200, 96, 2), ("multi", "float16", 20, 2048, 2), ("multi", "float32", 2000, 4, 1),
+               ("multi", "float32", 45, 1000, 3), ("multi", "float64", 20, 64, 2)]
 
 
 @pytest.mark.parametrize("variant", ["ln", "rms", "misaligned", "random"])
 @pytest.mark.parametrize("slots", [1, 2, 4])
 @pytest.mark.parametrize("spec", _AHEAD_ROWS, ids=lambda s: "-".join(map(str, s)))
 def test_rows_block_backward_reads_ahead(kernels, spec, slots, variant):
-    """The block backwards with room for 1, 2 or 4 slots of stage (the launcher gives 1 to the
-    kernels of two vectors a thread, up to 4 to 16-bit ITEMS=8, which take a ring of 2 or more
-    and read as they go with 1): dx (and dweight/dbias) as from rows read as they go, on grids
-    that leave each block several rows; misaligned rows (no 16-byte vectors) read as they go
-    even with the room."""
+    """The block backwards and rows_bwd_multi with room for 1, 2 or 4 slots of stage (the
+    launcher gives 1 to the block kernels of two vectors a thread, up to 4 to 16-bit ITEMS=8
+    and rows_bwd_multi, which take a ring of 2 or more and read as they go with 1): dx (and
+    dweight/dbias) as from rows read as they go, on grids that leave each block several rows
+    (groups of rows); misaligned rows (no 16-byte vectors) read as they go even with the room."""
     opts = {"ln": {}, "rms": dict(center=0), "misaligned": dict(offset=1), "random": dict(schedule=5)}[variant]
     kind, dtype = spec[0], spec[1]
     if kind == "":
         _, _, rows, count, grid = spec
         check_backward(kernels, layer_norm_rows(rows, count), dtype, path="block",
                        items=_block_items(dtype, count, "rows_bwd_block"), grid=grid, ahead=slots, **opts)
-    elif kind == "params":
+    elif kind in ("params", "multi"):
         _, _, rows, count, grid = spec
-        check_row_param_grads(kernels, layer_norm_rows(rows, count), dtype, path="block", grid=grid, ahead=slots,
-                              **opts)
+        check_row_param_grads(kernels, layer_norm_rows(rows, count), dtype, path="block" if kind == "params" else kind,
+                              grid=grid, ahead=slots, **opts)
     else:  # NCHW instance norm rows of h x h, p = row % C
         _, _, n, c, h, grid = spec
         check_row_param_grads(kernels, instance_norm_nchw(n, c, h, h), dtype, path="block", grid=grid,

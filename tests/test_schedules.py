@@ -102,6 +102,21 @@ def test_block_forward_rows_read_ahead_through_a_ring():
             assert per_sm * (step.smem + _schedule._ROW_STATIC_SMEM + 1024) <= H100.smem_optin + 1024
 
 
+def test_multi_row_backward_reads_groups_ahead_through_a_ring():
+    """rows_bwd_multi gets room for 4 slots of a group's x and dy (2 x 256 16-byte vectors: 3
+    groups in flight ahead) past its static sums, within the share of an SM of its resident
+    blocks (3 in 16-bit types, 4 in float32); float64 and rows not of whole vectors none."""
+    grads = {"w", "rstd", "mean", "dw", "db"}
+    for shape, dtype, slots in [((32768, 768), "bfloat16", 4), ((65536, 96), "float16", 4),
+                                ((32768, 1024), "float32", 4), ((4096, 512), "float64", 0),
+                                ((4096, 101), "float32", 0), ((4096, 100), "bfloat16", 0)]:
+        step = _backward(_plan("layer_norm", shape), grads, dtype=dtype).steps[0]
+        assert (step.name, step.smem) == ("rows_bwd_multi", slots * 2 * 256 * 16), (shape, dtype, step)
+        per_sm = 3 if dtype in ("float16", "bfloat16") else 4
+        need = step.smem + _schedule.multi_bwd_static_smem(dtype) + 1024
+        assert per_sm * need <= H100.smem_optin + 1024
+
+
 def test_block_backward_rows_read_ahead_on_the_resident_blocks():
     """Rows past rows_bwd_multi's: the block backwards run on the blocks resident at once (64
     registers: 1024 / threads an SM), with room past the dweight/dbias slots for a stage of

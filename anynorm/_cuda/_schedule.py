@@ -271,10 +271,8 @@ def _block_fwd_stage(count, dtype, items, threads, residual) -> int:
     if dtype == "float64" or count % vector or (vector == 8 and items == 8):
         return 0
     slot = fwd_slot_bytes(dtype, items, threads, residual)
-    per_sm = min(_SMEM_ROW_THREADS // threads, _SM_BLOCKS_MAX)
-    share = (_smem_limit() + _SMEM_RESERVED) // per_sm - _SMEM_RESERVED - _ROW_STATIC_SMEM
-    depth = min(_FWD_STAGES, share // slot, (_smem_limit() - _ROW_STATIC_SMEM) // slot)
-    return depth * slot if depth >= 2 else 0
+    share = _smem_share(min(_SMEM_ROW_THREADS // threads, _SM_BLOCKS_MAX), _ROW_STATIC_SMEM)
+    return _ring(min(share, _smem_limit() - _ROW_STATIC_SMEM), slot, _FWD_STAGES) * slot
 
 
 def _row_kernel(prefix, rows, count, dtype):
@@ -318,6 +316,28 @@ def _multi_rows(layout, dtype, has_params, backward=False):
     return "rows_bwd_multi", (blocks,), (_MULTI_BLOCK,), items
 
 
+def multi_bwd_static_smem(dtype) -> int:
+    """rows_bwd_multi's static shared memory: the teams' sums (2 x ITEMS x 256 values of A)
+    and the team sums' 2 x 8."""
+    acc = np.dtype(acc_dtype(dtype)).itemsize
+    return (2 * MULTI_ITEMS[dtype] * _MULTI_BLOCK + 2 * _MULTI_BLOCK // 32) * acc
+
+
+def _multi_bwd_stage(count, dtype) -> int:
+    """Dynamic shared memory of rows_bwd_multi: a ring of slots of one group's x and dy (2 x
+    256 16-byte vectors), as many as the share of an SM of its resident blocks (3 in 16-bit
+    types, 4 otherwise: rows.cu's MultiBwdBlocks) holds past its static sums, at most
+    ``_BWD_STAGES`` (3 groups in flight ahead of the one summed: 96 KiB an SM in 16-bit
+    types, where one group ahead kept 24 KiB); 0 (read as they go) for float64, rows not of
+    whole vectors, or fewer than 2 slots."""
+    vector = _VECTOR[dtype]
+    if dtype == "float64" or count % vector:
+        return 0
+    slot = 2 * _MULTI_BLOCK * 16
+    per_sm = 3 if vector == 8 else 4  # rows.cu: MultiBwdBlocks
+    return _ring(_smem_share(per_sm, multi_bwd_static_smem(dtype)), slot, _BWD_STAGES) * slot
+
+
 def _smem_row(layout, dtype, copies=1):
     """(grid, block, dynamic smem bytes) of rows_fwd_smem (``copies`` 1: x) or rows_bwd_smem
     (2: x and dy), or None: rows too long for the register kernels whose ``copies`` arrays (in
@@ -343,6 +363,19 @@ _SMEM_ROW_THREADS = 1024  # rows_fwd_smem's launch bound (rows.cu: ROW_BLOCK_MAX
 def _smem_blocks_per_sm(smem, static) -> int:
     """Blocks of ``smem`` dynamic and ``static`` static bytes of shared memory an SM holds."""
     return (_smem_limit() + _SMEM_RESERVED) // (smem + static + _SMEM_RESERVED)
+
+
+def _smem_share(blocks, static) -> int:
+    """Dynamic shared memory each of ``blocks`` blocks of ``static`` static bytes may take
+    for all of them to fit one SM (the opt-in limit plus one block's reservation)."""
+    return (_smem_limit() + _SMEM_RESERVED) // blocks - _SMEM_RESERVED - static
+
+
+def _ring(room, slot, most) -> int:
+    """The slots of ``slot`` bytes a ring of rows read ahead takes in ``room`` bytes: as many
+    as fit, at most ``most``, none where fewer than 2 fit (a ring of one reads nothing ahead)."""
+    depth = min(most, max(0, room) // slot)
+    return depth if depth >= 2 else 0
 
 
 def _held_row_blocks(smem, static):
@@ -419,7 +452,7 @@ def _tile_budgets(dtype) -> tuple:
     budgets = []
     for cap in _TILE_SMEM_CAPS:
         if isinstance(cap, _SMShare):
-            cap = (_smem_limit() + _SMEM_RESERVED) // cap.blocks - _SMEM_RESERVED - static
+            cap = _smem_share(cap.blocks, static)
         budgets.append(limit if cap is None else max(0, min(cap, limit)))
     return tuple(budgets)
 
@@ -560,7 +593,7 @@ def _sample_cluster(layout, dtype, copies, param_grads=None):
         return None
     sizes = [c for c in CLUSTER_SIZES if c <= _device().cluster_max]
     per_sm = _SAMPLE_BLOCKS_PER_SM.get(dtype, 4)
-    budget = (_smem_limit() + _SMEM_RESERVED) // per_sm - _SMEM_RESERVED - _SAMPLE_STATIC_SMEM
+    budget = _smem_share(per_sm, _SAMPLE_STATIC_SMEM)
     fits = [c for c in sizes
             if sample_smem(layout.reduced, layout.inner, dtype, c, copies, per_col) <= budget]
     if not fits:
@@ -783,9 +816,7 @@ def _block_bwd(rows, dtype, threads, items, sums=0):
     per_sm = _SMEM_ROW_THREADS // threads
     depth = 1
     if _bwd_ring(dtype, items):
-        share = (_smem_limit() + _SMEM_RESERVED) // per_sm - _SMEM_RESERVED - _ROW_STATIC_SMEM
-        depth = min(_BWD_STAGES, max(0, share - sums) // stage)
-        depth = depth if depth >= 2 else 0
+        depth = _ring(_smem_share(per_sm, _ROW_STATIC_SMEM) - sums, stage, _BWD_STAGES)
     smem = sums + depth * stage
     if smem > _smem_limit() - _ROW_STATIC_SMEM:  # no room for the stage: rows read as they go
         smem = sums
@@ -808,7 +839,7 @@ def _dx(plan, layout, dtype, dyb, xb, w, mean, rstd, dxb, param_grads=None, para
         _step(kernel, dtype, grid, block,
               (dyb, xb, _ptr(w), _ptr(mean), rstd, dxb, _ptr(None if part is None else part[0]),
                _ptr(part[1] if param_grads else None), i64(outer), i64(reduced), center, pin),
-              items=items)
+              items=items, smem=_multi_bwd_stage(reduced, dtype))
         return None if part is None else (part, grid[0])
     row = _row_kernel("rows_bwd", outer, reduced, dtype) if layout.rows else None
     if (row is None and param_grads is not None and layout.rows and layout.p_div == 1 and layout.p_len == reduced
