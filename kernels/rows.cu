@@ -1354,7 +1354,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
         } else {
             ANYNORM_UNROLL
             for (int k = 0; k < ITEMS; ++k) {
-                if (team_item<V>(k, rank, size, false) < len) {
+                if (team_item<V>(k, rank, size, vec) < len) {
                     const A d = v[k] - mu;
                     ss += d * d;
                 }

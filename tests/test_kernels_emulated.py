@@ -809,7 +809,7 @@ def test_rows_block_param_stride(kernels, dtype):
 # blocks with none; one, two and four vectors a thread (float32 ITEMS=16), a row shorter than
 # its block's slots; 16-bit ITEMS=8 and float64 ignore the room (FwdStaged).
 _FWD_AHEAD_ROWS = [("bfloat16", 11, 4096, 3), ("float16", 9, 1000, 2), ("float32", 10, 2048, 4),
-                   ("float32", 7, 12000, 2), ("bfloat16", 6, 16384, 5), ("float32", 5, 520, 1),
+                   ("float32", 7, 12000, 2), ("bfloat16", 3, 16384, 5), ("float32", 5, 520, 1),
                    ("float64", 5, 700, 2)]
 
 
