@@ -20,6 +20,8 @@
 // emu_cluster_shared maps an address of the caller's dynamic shared memory to the same offset
 // in another block's (distributed shared memory). Static __shared__ variables are one per
 // kernel here, so cluster kernels must keep all their shared memory dynamic.
+// cp.async: a thread's copies land in shared memory only at the wait that covers their
+// commit group (Runtime::async_wait), so a read before it sees the poison.
 #pragma once
 #ifndef ANYNORM_CUDA_EMU_H
 #define ANYNORM_CUDA_EMU_H
