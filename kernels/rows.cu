@@ -368,6 +368,21 @@ __device__ __forceinline__ void stage_vectors(uint4* stage, int stride, const T*
     cp_async_commit();
 }
 
+// A thread's place in a ring of `depth` slots of `vecs` 16-byte vectors each (stage_vectors'
+// layout), through which a kernel reads rows (or groups of rows) ahead: the one it sums is in
+// slot at(); before waiting for it (wait(): the depth - 1 after it fly on), the kernel copies
+// the one depth - 1 ahead into refill(), the slot it read a row earlier (the barriers since
+// have ordered that read).
+struct Ring {
+    uint4* base;
+    int vecs, depth, slot;
+    __device__ __forceinline__ uint4* operator[](int s) const { return base + s * vecs; }
+    __device__ __forceinline__ uint4* at() const { return (*this)[slot]; }
+    __device__ __forceinline__ uint4* refill() const { return (*this)[slot == 0 ? depth - 1 : slot - 1]; }
+    __device__ __forceinline__ void wait() const { cp_async_wait_pending(depth - 1); }
+    __device__ __forceinline__ void advance() { slot = slot + 1 == depth ? 0 : slot + 1; }
+};
+
 // A backward's staged row: x and dy (stage_vectors), with the row's rstd and first value (the
 // shift) in registers, for the BwdOneSlot block backwards, one row ahead: they copy the
 // following row over a row's slots right after reading them (a thread's copy over its own
@@ -588,32 +603,27 @@ __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T*
         }
         return;
     }
-    const int depth = stage.depth, slot_vecs = 2 * K * size;
+    Ring ring = {stage.slots, 2 * K * size, stage.depth, 0};
 #pragma unroll 1
-    for (int s = 0; s + 1 < depth; ++s)
-        stage_vectors<T, ITEMS>(stage.slots + s * slot_vecs, size, x, dy, team_row(row + s * stride, rows, count),
-                                rank, size);
-    int slot = 0;  // `row`'s
+    for (int s = 0; s + 1 < ring.depth; ++s)
+        stage_vectors<T, ITEMS>(ring[s], size, x, dy, team_row(row + s * stride, rows, count), rank, size);
 #pragma unroll 1
     while (row < rows) {
-        // the slot read a row ago (the sums' barriers since have ordered that read)
-        const int refill = slot == 0 ? depth - 1 : slot - 1;
-        stage_vectors<T, ITEMS>(stage.slots + refill * slot_vecs, size, x, dy,
-                                team_row(row + (depth - 1) * stride, rows, count), rank, size);
+        stage_vectors<T, ITEMS>(ring.refill(), size, x, dy, team_row(row + (ring.depth - 1) * stride, rows, count),
+                                rank, size);
         // this row's rstd and first value, L2 hits by now (held a row ahead in registers, they
         // made ptxas spill)
         const A r = rstd[row];
         const A shift = center ? to_acc(x[row * count]) : A(0);
-        cp_async_wait_pending(depth - 1);  // this row's copies; the depth - 1 rows after it fly on
+        ring.wait();
         const TeamRow at = team_row(row, rows, count);
-        uint4* const here = stage.slots + slot * slot_vecs;
         A xh[ITEMS], g[ITEMS];
-        unstage_row<T, ITEMS>(xh, here, size, at, rank, size, shift);
-        unstage_row<T, ITEMS>(g, here + K * size, size, at, rank, size, A(0));
+        unstage_row<T, ITEMS>(xh, ring.at(), size, at, rank, size, shift);
+        unstage_row<T, ITEMS>(g, ring.at() + K * size, size, at, rank, size, A(0));
         backward_held_row<T, ITEMS, Team, Sums>(xh, g, r, w, dx, at.base, count, map, plain, true, center,
                                                 smem, sums);
         sums.template end_row<Team>(row, smem);
-        slot = slot + 1 == depth ? 0 : slot + 1;
+        ring.advance();
         row += stride;
     }
 }
@@ -712,39 +722,35 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
                                              A(eps), smem);
         return;
     }
-    const int rank = threadIdx.x, size = blockDim.x, slot_vecs = (int)(slot_bytes / 16u);
-    uint4* const stage = dynamic_shared<uint4>();
+    const int rank = threadIdx.x, size = blockDim.x;
+    Ring ring = {dynamic_shared<uint4>(), (int)(slot_bytes / 16u), depth, 0};
     const long long stride = gridDim.x;
     long long row = blockIdx.x;
 #pragma unroll 1
     for (int s = 0; s + 1 < depth; ++s)
-        stage_vectors<T, ITEMS>(stage + s * slot_vecs, size, x, res, team_row(row + s * stride, rows, n), rank,
-                                size);
+        stage_vectors<T, ITEMS>(ring[s], size, x, res, team_row(row + s * stride, rows, n), rank, size);
     T x0 = T(0), r0 = T(0);  // the first values of `row`
     if (center && row < rows) {
         x0 = x[row * n];
         if (res) r0 = res[row * n];
     }
-    int slot = 0;  // `row`'s
 #pragma unroll 1
     while (row < rows) {
-        // the slot read a row ago (the sums' barriers since have ordered that read)
-        const int refill = slot == 0 ? depth - 1 : slot - 1;
-        stage_vectors<T, ITEMS>(stage + refill * slot_vecs, size, x, res,
-                                team_row(row + (depth - 1) * stride, rows, n), rank, size);
+        stage_vectors<T, ITEMS>(ring.refill(), size, x, res, team_row(row + (depth - 1) * stride, rows, n), rank,
+                                size);
         const A shift = center ? to_acc(res ? add_in_dtype(x0, r0) : x0) : A(0);
         const long long next = row + stride;
         if (center && next < rows) {
             x0 = x[next * n];
             if (res) r0 = res[next * n];
         }
-        cp_async_wait_pending(depth - 1);  // this row's copies; the depth - 1 rows after it fly on
+        ring.wait();
         const TeamRow at = team_row(row, rows, n);
         A v[ITEMS];
-        unstage_row<T, ITEMS>(v, stage + slot * slot_vecs, size, at, rank, size, shift, res, h);
+        unstage_row<T, ITEMS>(v, ring.at(), size, at, rank, size, shift, res, h);
         normalize_row<T, ITEMS, BlockTeam>(v, shift, y, w, b, mean, rstd, at.row, at.base, n, map, plain, true,
                                            center, A(eps), smem);
-        slot = slot + 1 == depth ? 0 : slot + 1;
+        ring.advance();
         row = next;
     }
 }
@@ -1407,18 +1413,16 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);
     // the ring: [slot][x, dy][thread]; one vector of x and of dy a thread (float64, not tuned,
     // would spill its 64 registers)
-    const int slot_vecs = 2 * MULTI_BLOCK;
-    const int depth = min(BWD_STAGES, (int)(dynamic_smem_bytes() / (16u * slot_vecs)));
-    const bool ahead = vec && ITEMS == V && sizeof(T) < 8 && depth >= 2;
-    uint4* const ring = dynamic_shared<uint4>();
+    Ring ring = {dynamic_shared<uint4>(), 2 * MULTI_BLOCK, 0, 0};
+    ring.depth = min(BWD_STAGES, (int)(dynamic_smem_bytes() / (16u * ring.vecs)));
+    const bool ahead = vec && ITEMS == V && sizeof(T) < 8 && ring.depth >= 2;
     const long long groups = mt.groups(rows);
     if (ahead) {
 #pragma unroll 1
-        for (int s = 0; s + 1 < depth; ++s)
-            stage_vectors<T, ITEMS>(ring + s * slot_vecs, MULTI_BLOCK, x, dy,
-                                    mt.row_in(blockIdx.x + (long long)s * gridDim.x, rows, n), rank, size);
+        for (int s = 0; s + 1 < ring.depth; ++s)
+            stage_vectors<T, ITEMS>(ring[s], MULTI_BLOCK, x, dy, mt.row_in(blockIdx.x + (long long)s * gridDim.x, rows, n),
+                                    rank, size);
     }
-    int slot = 0;  // the group's
     A wv[ITEMS], sw[ITEMS], sb[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     ANYNORM_UNROLL
@@ -1432,18 +1436,18 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
         A xh[ITEMS], g[ITEMS];
         A shift = A(0), r = A(0);
         if (ahead) {
-            // the group depth - 1 ahead into the slot this thread read a group ago
-            const int refill = slot == 0 ? depth - 1 : slot - 1;
-            stage_vectors<T, ITEMS>(ring + refill * slot_vecs, MULTI_BLOCK, x, dy,
-                                    mt.row_in(grp + (long long)(depth - 1) * gridDim.x, rows, n), rank, size);
+            // the group depth - 1 ahead into the slot this thread read a group ago (its own
+            // slots: its copy follows its read of them)
+            stage_vectors<T, ITEMS>(ring.refill(), MULTI_BLOCK, x, dy,
+                                    mt.row_in(grp + (long long)(ring.depth - 1) * gridDim.x, rows, n), rank, size);
             if (active) {  // L2 hits by now
                 r = rstd[row];
                 if (center) shift = to_acc(x[base]);
             }
-            cp_async_wait_pending(depth - 1);  // this group's copies; the depth - 1 after it fly on
-            unstage_row<T, ITEMS>(xh, ring + slot * slot_vecs, MULTI_BLOCK, at, rank, size, shift);
-            unstage_row<T, ITEMS>(g, ring + slot * slot_vecs + MULTI_BLOCK, MULTI_BLOCK, at, rank, size, A(0));
-            slot = slot + 1 == depth ? 0 : slot + 1;
+            ring.wait();
+            unstage_row<T, ITEMS>(xh, ring.at(), MULTI_BLOCK, at, rank, size, shift);
+            unstage_row<T, ITEMS>(g, ring.at() + MULTI_BLOCK, MULTI_BLOCK, at, rank, size, A(0));
+            ring.advance();
         } else {
             const T* xr = x + base;
             if (active) {
