@@ -452,6 +452,13 @@ def _opt(flag, make):
     return make() if flag else None
 
 
+def _opt_in(function, smem):
+    """Let ``function`` take ``smem`` bytes of dynamic shared memory (opted in past 48 KiB, as
+    the launcher does)."""
+    if smem > 48 * 1024:
+        function.max_dynamic_shared_size_bytes = smem
+
+
 def _tile_bytes(case, dtype, width, copies):
     """Dynamic shared memory of the tile kernels: ``copies`` (reduced, width) tiles of dtype."""
     return copies * case.reduced * width * (2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize)
@@ -500,8 +507,7 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
         smem = 0
         if path == "block" and dtype != "float64":
             smem = slots * _schedule.fwd_slot_bytes(dtype, items, per_row, res is not None)
-            if smem > 48 * 1024:
-                function.max_dynamic_shared_size_bytes = smem
+            _opt_in(function, smem)
         function((grid,), (ROWS_BLOCK if path == "warp" else per_row,),
                  (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps, 0),
                  shared_mem=smem, **launch)
@@ -546,8 +552,7 @@ def sample_kernel(kernels, name, case, dtype, c, copies):
     per_col = case.inner % (case.p_div * case.p_len) == 0
     smem = _schedule.sample_smem(case.reduced, case.inner, dtype, c, copies, per_col)
     function = kernels(name, dtype, c)
-    if smem > 48 * 1024:
-        function.max_dynamic_shared_size_bytes = smem
+    _opt_in(function, smem)
     return function, smem
 
 
@@ -594,8 +599,7 @@ def run_backward(kernels, case, dtype, dy, x, w, mean, rstd, *, center=1, path="
         threads = ROWS_BLOCK if path == "warp" else row_threads(reduced, items)
         function = kernels(f"rows_bwd_{path}", dtype, items)
         smem = int(ahead) * _schedule.block_stage_bytes(dtype, items, threads)
-        if smem > 48 * 1024:
-            function.max_dynamic_shared_size_bytes = smem
+        _opt_in(function, smem)
         function((grid,), (threads,), (dyd, xd, wd, md, rd, dxd, outer, reduced, case.p_div, case.p_len, center, 0),
                  shared_mem=smem, **launch)
         return dxd.get_float()
@@ -859,8 +863,7 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     smem = 0 if path != "block" or per_row else 2 * items * threads * np.dtype(A).itemsize
     slot = 2 * 256 * 16 if path == "multi" else _schedule.block_stage_bytes(dtype, items, threads)
     smem += int(ahead) * slot
-    if smem > 48 * 1024:
-        kernel.max_dynamic_shared_size_bytes = smem
+    _opt_in(kernel, smem)
     kernel((grid,), (threads,),
            (dyd, xd, emu.to_device(w, A), emu.to_device(mean.astype(A), A) if center else None,
             emu.to_device(rstd.astype(A), A), dxd, parts[0], part_b, case.outer, case.reduced,

@@ -272,7 +272,7 @@ def _block_fwd_stage(count, dtype, items, threads, residual) -> int:
         return 0
     slot = fwd_slot_bytes(dtype, items, threads, residual)
     share = _smem_share(min(_SMEM_ROW_THREADS // threads, _SM_BLOCKS_MAX), _ROW_STATIC_SMEM)
-    return _ring(min(share, _smem_limit() - _ROW_STATIC_SMEM), slot, _FWD_STAGES) * slot
+    return _ring(share, slot, _FWD_STAGES) * slot
 
 
 def _row_kernel(prefix, rows, count, dtype):
