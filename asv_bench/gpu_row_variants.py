@@ -2,7 +2,7 @@
 """Which row kernel is fastest for a row length: the shipped schedule against forced variants.
 
     python asv_bench/gpu_row_variants.py [--widths 512,768,1024,2048,4096] [--dtypes bfloat16,float32]
-                                         [--train]
+                                         [--train] [--variants shipped,ahead1]
 
 For layer_norm and rms_norm over the last axis of M x N (M * N = 2^25) on CUDA torch tensors,
 forward without grad (``--train``: forward + autograd backward with gradients for x, weight
@@ -101,8 +101,14 @@ def main():
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--train", action="store_true", help="forward + backward")
+    parser.add_argument("--variants", help="a comma-separated subset of the variants (default: all)")
     args = parser.parse_args()
     names = ("shipped", "block8", "block16", "warp16", "ahead1") + (("noahead",) if args.train else ())
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(names)
+        if unknown:
+            parser.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(names)}")
+        names = tuple(args.variants.split(","))
     print("| op | dtype | M x N | " + " | ".join(f"{n} of copy" for n in names) + " | torch of copy |")
     print("|---|---|---|" + "---|" * (len(names) + 1))
     for dtype in args.dtypes.split(","):
