@@ -68,9 +68,11 @@ _smem_allowed: dict = {}
 
 
 def opt_in(function, smem) -> None:
-    """Let ``function`` take ``smem`` bytes of dynamic shared memory where that is near or
-    past the default limit (cuFuncSetAttribute), once per function and size."""
-    if smem > _schedule.DEFAULT_SMEM - _schedule.MAX_STATIC_SMEM:
+    """Let ``function`` take ``smem`` bytes of dynamic shared memory (cuFuncSetAttribute),
+    once per function and size. Every launch with dynamic shared memory opts in: without it a
+    block gets 48 KiB of static and dynamic together, and a kernel's static share (16 KiB of
+    sums in rows_bwd_multi) is the compiler's to know, not the schedule's."""
+    if smem > 0:
         # the entry holds the function, so its id cannot be reused
         allowed = _smem_allowed.get(id(function))
         if allowed is None or allowed[0] is not function or allowed[1] < smem:

@@ -34,7 +34,7 @@ import numpy as np
 from ._compile import CLUSTER_SIZES, MULTI_ITEMS, block_threads_max, items_of
 
 __all__ = ["DeviceInfo", "Slot", "Step", "Schedule", "schedule_forward", "schedule_backward", "acc_dtype",
-           "param_in_t", "FORWARD_SLOTS", "BACKWARD_SLOTS", "ALIGN", "DEFAULT_SMEM"]
+           "param_in_t", "FORWARD_SLOTS", "BACKWARD_SLOTS", "ALIGN"]
 
 _ROWS_BLOCK, _BLOCK = 128, 256  # warp-per-row block, others (block-per-row: sized to the row)
 _MAX_Y = 65535  # gridDim.y / gridDim.z limit
@@ -64,7 +64,6 @@ class _SMShare:
 
 # The budgets in turn: an _SMShare, a byte count, or None (the opt-in limit).
 _TILE_SMEM_CAPS = (_SMShare(_TILE_BLOCKS_PER_SM), None)
-DEFAULT_SMEM = 48 * 1024  # static + dynamic shared memory a block gets without opting in
 _SECTOR = 32  # bytes: a tile row narrower than one DRAM sector wastes bandwidth
 _FINISH_BLOCK = (32, 16)  # param_grad_finish: 32 parameters x 16 lanes over the chunks
 # Rows per team, where the row backward also sums dweight/dbias: each block writes one partial
@@ -438,7 +437,6 @@ def _tile_static_smem(dtype) -> int:
     return 4 * _TILE_THREADS * np.dtype(acc_dtype(dtype)).itemsize + 128
 
 
-MAX_STATIC_SMEM = _tile_static_smem("float64")
 _ROW_STATIC_SMEM = 64 * 8 + 128  # rows_bwd_block_params, rows_fwd_smem: block sums and IndexMap
 _ROW_BWD_STATIC_SMEM = 128 * 8 + 128  # rows_bwd_smem: block sums, segment pieces (64 A each), IndexMap
 
