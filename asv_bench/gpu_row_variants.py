@@ -18,10 +18,11 @@ size against 2.5 copies). Variants:
 - ``warp16``: the warp-per-row kernel at ITEMS 16 (rows of up to 512 elements);
 - ``noahead`` (``--train``): the shipped schedule, its block backwards given no room to read
   the next row ahead (rows.cu's ``block_stage``): the read-ahead's share, in one process;
-- ``ahead1`` / ``ahead2``: the shipped schedule with room for 2 / 3 slots where it gives the
-  block kernels a ring (``_FWD_STAGES``, ``_BWD_STAGES``): one / two rows in flight ahead
-  (rows_fwd_block; 16-bit rows_bwd_block* at ITEMS=8; rows_bwd_multi, a group of rows at a
-  time), where the shipped schedule allows 4 slots.
+- ``ahead1`` / ``ahead2`` / ``ahead3``: the shipped schedule with room for 2 / 3 / 4 slots
+  where it gives the block kernels a ring (``_FWD_STAGES``, ``_FWD_STAGES_16BIT``,
+  ``_BWD_STAGES``): one to three rows in flight ahead (rows_fwd_block; 16-bit rows_bwd_block*
+  at ITEMS=8; rows_bwd_multi, a group of rows at a time). The shipped schedule allows 4
+  slots, 2 in rows_fwd_block's 16-bit rows.
 
 A lab for choosing ``_schedule``'s rules on a GPU; the results are checked against
 torch.nn.functional before they are timed.
@@ -44,12 +45,13 @@ from anynorm._cuda import _schedule
 def variant(name):
     """The launcher forced to one kernel choice (no plan, and so no launch, cached from another)."""
     saved = (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd,
-             _schedule._FWD_STAGES, _schedule._BWD_STAGES)
+             _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT)
     _calls.clear()
     _plan.plan_for.cache_clear()
     try:
         if name.startswith("ahead"):
-            _schedule._FWD_STAGES = _schedule._BWD_STAGES = int(name[len("ahead"):]) + 1
+            slots = int(name[len("ahead"):]) + 1
+            _schedule._FWD_STAGES = _schedule._BWD_STAGES = _schedule._FWD_STAGES_16BIT = slots
         elif name == "noahead":
             def no_stage(rows, dtype, threads, items, sums=0, _block_bwd=saved[3]):
                 grid, _ = _block_bwd(rows, dtype, threads, items, sums)
@@ -71,7 +73,7 @@ def variant(name):
         yield
     finally:
         (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd,
-         _schedule._FWD_STAGES, _schedule._BWD_STAGES) = saved
+         _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT) = saved
         _calls.clear()
         _plan.plan_for.cache_clear()
 
@@ -103,7 +105,7 @@ def main():
     parser.add_argument("--train", action="store_true", help="forward + backward")
     parser.add_argument("--variants", help="a comma-separated subset of the variants (default: all)")
     args = parser.parse_args()
-    names = ("shipped", "block8", "block16", "warp16", "ahead1", "ahead2") + (("noahead",) if args.train else ())
+    names = ("shipped", "block8", "block16", "warp16", "ahead1", "ahead2", "ahead3") + (("noahead",) if args.train else ())
     if args.variants:
         unknown = set(args.variants.split(",")) - set(names)
         if unknown:

@@ -64,20 +64,13 @@ def _memo(plan) -> dict:
     return plan.memo
 
 
-_smem_allowed: dict = {}
-
-
 def opt_in(function, smem) -> None:
-    """Let ``function`` take ``smem`` bytes of dynamic shared memory (cuFuncSetAttribute),
-    once per function and size. Every launch with dynamic shared memory opts in: without it a
-    block gets 48 KiB of static and dynamic together, and a kernel's static share (16 KiB of
-    sums in rows_bwd_multi) is the compiler's to know, not the schedule's."""
-    if smem > 0:
-        # the entry holds the function, so its id cannot be reused
-        allowed = _smem_allowed.get(id(function))
-        if allowed is None or allowed[0] is not function or allowed[1] < smem:
-            function.max_dynamic_shared_size_bytes = smem
-            _smem_allowed[id(function)] = (function, smem)
+    """Let ``function`` take ``smem`` bytes of dynamic shared memory (cuFuncSetAttribute)
+    where its limit is lower: the driver's limit starts at 48 KiB less the function's static
+    shared memory, which only the compiler knows (rows_bwd_multi's 16 KiB of sums left its
+    32 KiB ring refused on an H100 when this went by the schedule's figures)."""
+    if smem > function.max_dynamic_shared_size_bytes:
+        function.max_dynamic_shared_size_bytes = smem
 
 
 # ---- bound schedules ---------------------------------------------------------------------------

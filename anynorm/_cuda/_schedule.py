@@ -249,6 +249,10 @@ def _block_row(prefix, rows, count, dtype, min_items=1, items_from=None):
 
 
 _FWD_STAGES = 4  # rows.cu: FWD_STAGES
+# 16-bit rows take 2 slots: on an H100 (2026-11-26, one process) layer norm's bfloat16 rows of
+# 512-16384 reached 0.78-0.83 of a copy with 2 slots, 0.75-0.79 with 3 and 0.73-0.77 with 4;
+# rms_norm's 2 >= 4 too. float32 ran level but for rms_norm 16384 (0.95 with 3-4, 0.88 with 2).
+_FWD_STAGES_16BIT = 2
 _SM_BLOCKS_MAX = 32  # resident blocks an SM holds at most (sm_80, sm_90)
 
 
@@ -264,14 +268,16 @@ def _block_fwd_stage(count, dtype, items, threads, residual) -> int:
     threads, at most 32) holds, at most ``_FWD_STAGES``; each block keeps all but one of them
     in flight ahead of the row it sums. 0 (rows read as they go) where fewer than 2 fit, the
     rows are not whole 16-byte vectors, or the instantiation does not stage (float64, 16-bit
-    ITEMS=8: rows.cu's FwdStaged). An H100 gets 4 slots for every row of 512-16384 elements
-    in 16-bit types (3 rows ahead: 96 KiB of reads in flight an SM), float32 16384 3."""
+    ITEMS=8: rows.cu's FwdStaged). 16-bit types take at most ``_FWD_STAGES_16BIT``: an H100
+    gets 2 slots for every row of 512-16384 elements in 16-bit types (one row ahead), 4 in
+    float32 (3 rows ahead: 96 KiB of reads in flight an SM), float32 16384 3."""
     vector = _VECTOR[dtype]
     if dtype == "float64" or count % vector or (vector == 8 and items == 8):
         return 0
     slot = fwd_slot_bytes(dtype, items, threads, residual)
     share = _smem_share(min(_SMEM_ROW_THREADS // threads, _SM_BLOCKS_MAX), _ROW_STATIC_SMEM)
-    return _ring(share, slot, _FWD_STAGES) * slot
+    most = min(_FWD_STAGES, _FWD_STAGES_16BIT) if vector == 8 else _FWD_STAGES
+    return _ring(share, slot, most) * slot
 
 
 def _row_kernel(prefix, rows, count, dtype):

@@ -267,6 +267,7 @@ def test_runs_on_current_stream(cp):
     with anynorm.use_backend("reference"):
         want = anynorm.layer_norm(x)
     stream = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()  # x was made on the null stream, which a non-blocking one does not wait for
     with stream, anynorm.use_backend("kernels"):
         y = anynorm.layer_norm(x)
     stream.synchronize()
