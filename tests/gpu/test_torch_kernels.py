@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("torch has no CUDA device", allow_module_level=True)
 F = torch.nn.functional
+anynorm._register_torch_ops()  # torch.ops.anynorm: anynorm may have been imported before torch
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 CUDA = "cuda"
