@@ -309,15 +309,22 @@ template <typename A> __device__ __forceinline__ A cross_warp_sum(const A* sums,
     return warp_sum(lane < nwarps ? sums[lane] : A(0));
 }
 
-// Block-wide sum, returned to every thread (1-D block, as block_welford). smem: 32 values of
-// A. Ends with a barrier so smem may be reused. Butterfly: the warps' sums added up by
-// cross_warp_sum; else by sum_of_warps, which takes fewer registers (see block_allsum2).
-template <bool Butterfly = true, typename A> __device__ __forceinline__ A block_allsum(A a, A* smem) {
+// block_allsum without its closing barrier: `smem` may be written again only past a later
+// barrier of every thread (a caller alternating two areas between consecutive sums has one:
+// the other sum's), one barrier a sum where block_allsum takes two.
+template <bool Butterfly = true, typename A> __device__ __forceinline__ A block_allsum_open(A a, A* smem) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     a = warp_sum(a);
     if (lane == 0) smem[warp] = a;
     __syncthreads();
-    a = Butterfly ? cross_warp_sum(smem, nwarps) : sum_of_warps(smem, nwarps);
+    return Butterfly ? cross_warp_sum(smem, nwarps) : sum_of_warps(smem, nwarps);
+}
+
+// Block-wide sum, returned to every thread (1-D block, as block_welford). smem: 32 values of
+// A. Ends with a barrier so smem may be reused. Butterfly: the warps' sums added up by
+// cross_warp_sum; else by sum_of_warps, which takes fewer registers (see block_allsum2).
+template <bool Butterfly = true, typename A> __device__ __forceinline__ A block_allsum(A a, A* smem) {
+    a = block_allsum_open<Butterfly>(a, smem);
     __syncthreads();
     return a;
 }

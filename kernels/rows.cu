@@ -414,21 +414,23 @@ __device__ __forceinline__ void unstage_row(acc_t<T> (&v)[ITEMS], const uint4* s
     for (int k = 0; k < K; ++k) {
         const int idx = team_item<V>(k * V, rank, size, true);
         const bool in = idx < at.len;
+        // a vector past the row reads as zeros less a zero shift: one select a vector, where a
+        // select of every value made the compiler wrap each pair of them in a branch
+        uint4 bits = make_uint4(0u, 0u, 0u, 0u);
+        if (in) bits = slot[k * stride + threadIdx.x];
         Vec16<T> t;
-        if (in) {
-            const uint4 bits = slot[k * stride + threadIdx.x];
-            memcpy(&t, &bits, 16);
-            if (res) {
-                const uint4 rbits = slot[(K + k) * stride + threadIdx.x];
-                Vec16<T> r;
-                memcpy(&r, &rbits, 16);
-                ANYNORM_UNROLL
-                for (int j = 0; j < V; ++j) t.v[j] = add_in_dtype(t.v[j], r.v[j]);
-                store16(h + at.base + idx, t);
-            }
+        memcpy(&t, &bits, 16);
+        if (res && in) {
+            const uint4 rbits = slot[(K + k) * stride + threadIdx.x];
+            Vec16<T> r;
+            memcpy(&r, &rbits, 16);
+            ANYNORM_UNROLL
+            for (int j = 0; j < V; ++j) t.v[j] = add_in_dtype(t.v[j], r.v[j]);
+            store16(h + at.base + idx, t);
         }
+        const A sh = in ? shift : A(0);
         ANYNORM_UNROLL
-        for (int j = 0; j < V; ++j) v[k * V + j] = in ? to_acc(t.v[j]) - shift : A(0);
+        for (int j = 0; j < V; ++j) v[k * V + j] = to_acc(t.v[j]) - sh;
     }
 }
 
@@ -687,45 +689,104 @@ template <typename T, int ITEMS> struct FwdStaged {
     static const bool value = sizeof(T) == 4 || (sizeof(T) == 2 && ITEMS == 16);
 };
 
-// Medium rows: one block per row (blockDim.x threads, a power of two up to ROW_BLOCK_MAX),
-// grid-stride over rows on a persistent grid (the blocks resident). Where every row is whole
-// 16-byte vectors (16-bit and float32 types) and the launch gives room for depth >= 2 slots
-// of fwd_slot_bytes (the launcher gives up to FWD_STAGES: _schedule's _block_fwd_stage), the
-// block keeps its next depth - 1 rows in flight in a ring of slots (stage_vectors): before
-// each row it copies the row depth - 1 ahead into the slot it read a row earlier (refilling
-// it before the wait, not right after the read, leaves ptxas the registers: right after
-// the read the row's values are live and 16-bit ITEMS=16 spilled), then waits for this row's.
-// A row's first values (the shift) are loaded a row ahead into registers. Reading one row
-// ahead in registers (the kernel before) kept 1-2 vectors a thread in flight, about 32 KiB an
-// SM at 50% occupancy: bfloat16 rows of 512-16384 reached 0.46-0.66 of a copy on an H200,
-// where Triton's (Liger's), at 100% occupancy and twice the rows in flight, reached 0.59-0.97.
+// Which of this thread's 16-byte vectors (vector k at element (k * size + rank) * V, team_item's
+// vector mode) lie in a row of `count` elements: the same for every row of a launch.
 template <typename T, int ITEMS>
-__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
-        const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
-        const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
-        acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
-        long long p_len, int center, double eps, int param_in_t) {
+__device__ __forceinline__ void live_vectors(bool (&live)[ITEMS / VecLen<T>::value], int count, int rank,
+                                             int size) {
+    const int V = VecLen<T>::value;
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS / V; ++k) live[k] = team_item<V>(k * V, rank, size, true) < count;
+}
+
+// normalize_row for the rows rows_fwd_block stages (16-byte vectors, unstage_row's zeros past
+// the row; p = the position in the row where `plain`, else one parameter a vector): the
+// variance pass and y skip this thread's vectors past the row by `live` (known before the row
+// loop) where normalize_row tests every element's index, and the block sums alternate between
+// the two halves of `smem` (64 values; `phase` counts the sums), one barrier a sum
+// (block_allsum_open) where block_allsum takes two. `params_vec`: plain rows whose w and b
+// take 16-byte loads.
+// On an H100 (ncu, 2026-11-26) normalize_row's staged bfloat16 rows issued 41 instructions an
+// element, the SM's issue slots 72% busy and the scheduler's warps mostly ready ("not
+// selected"): the kernel was bound by what it issued, not by DRAM.
+template <typename T, int ITEMS>
+__device__ __forceinline__ void normalize_live_row(acc_t<T> (&v)[ITEMS], const bool (&live)[ITEMS / VecLen<T>::value],
+                                                   acc_t<T> shift, T* __restrict__ y, const Param<T>& w,
+                                                   const Param<T>& b, bool params_vec, acc_t<T>* __restrict__ mean,
+                                                   acc_t<T>* __restrict__ rstd, long long row, long long base,
+                                                   int count, const IndexMap& map, bool plain, int center,
+                                                   acc_t<T> eps, acc_t<T>* smem, int& phase) {
     typedef acc_t<T> A;
-    const Param<T> w = {w_arg, param_in_t & 1};
-    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
-    __shared__ A smem[64];
-    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
-    const bool plain = (p_div == 1 && p_len == count);
-    const int n = (int)count;
-    const bool vec = FwdStaged<T, ITEMS>::value && rows_fwd_vec<T, ITEMS>(n, x, res, h, y);
-    const unsigned slot_bytes = fwd_slot_bytes<T, ITEMS>(res != 0);
-    const int depth = vec ? min(FWD_STAGES, (int)(dynamic_smem_bytes() / slot_bytes)) : 0;
-    if (depth < 2) {  // read as it goes
-#pragma unroll 1
-        for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
-            forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, map, plain, center,
-                                             A(eps), smem);
-        return;
+    const int V = VecLen<T>::value, K = ITEMS / V;
+    const int rank = threadIdx.x, size = blockDim.x;
+    const A n = A(count);
+    A mu = A(0);
+    if (center) {
+        A s = A(0);
+        ANYNORM_UNROLL
+        for (int k = 0; k < ITEMS; ++k) s += v[k];
+        mu = block_allsum_open(s, smem + 32 * (phase++ & 1)) / n;
     }
+    A ss = A(0);
+    ANYNORM_UNROLL
+    for (int k = 0; k < K; ++k) {
+        if (live[k]) {
+            ANYNORM_UNROLL
+            for (int j = 0; j < V; ++j) {
+                const A d = v[k * V + j] - mu;
+                ss += d * d;
+            }
+        }
+    }
+    const A r = inv_sqrt(block_allsum_open(ss, smem + 32 * (phase++ & 1)) / n + eps);
+    if (rank == 0) {  // statistics are optional: inference without autograd writes y only
+        if (rstd) rstd[row] = r;
+        if (mean) mean[row] = shift + mu;
+    }
+    if (y == 0) return;
+    ANYNORM_UNROLL
+    for (int k = 0; k < K; ++k) {
+        if (live[k]) {
+            const int idx = team_item<V>(k * V, rank, size, true);
+            A wv[V], bv[V];
+            if (params_vec) {
+                param_vec(w, idx, wv, A(1));
+                param_vec(b, idx, bv, A(0));
+            } else {
+                // plain rows: the parameter of each element; the others (rows_fwd_block stages
+                // them only where p_div is whole vectors) one parameter a vector
+                const long long p = plain ? (long long)idx : param_at(map, base + idx);
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) {
+                    wv[j] = weight_at(w, p + (plain ? j : 0));
+                    bv[j] = bias_at(b, p + (plain ? j : 0));
+                }
+            }
+            Vec16<T> out;
+            ANYNORM_UNROLL
+            for (int j = 0; j < V; ++j) out.v[j] = from_acc<T>((v[k * V + j] - mu) * r * wv[j] + bv[j]);
+            store16(y + base + idx, out);
+        }
+    }
+}
+
+// rows_fwd_block's row loop through its ring of `depth` slots (see rows_fwd_block).
+template <typename T, int ITEMS>
+__device__ __forceinline__ void staged_fwd_rows(const T* __restrict__ x, const T* __restrict__ res,
+                                                T* __restrict__ h, T* __restrict__ y, const Param<T>& w,
+                                                const Param<T>& b, acc_t<T>* __restrict__ mean,
+                                                acc_t<T>* __restrict__ rstd, long long rows, int n,
+                                                const IndexMap& map, bool plain, int center, acc_t<T> eps,
+                                                acc_t<T>* smem, int depth, unsigned slot_bytes) {
+    typedef acc_t<T> A;
     const int rank = threadIdx.x, size = blockDim.x;
     Ring ring = {dynamic_shared<uint4>(), (int)(slot_bytes / 16u), depth, 0};
     const long long stride = gridDim.x;
     long long row = blockIdx.x;
+    bool live[ITEMS / VecLen<T>::value];
+    live_vectors<T, ITEMS>(live, n, rank, size);
+    const bool params_vec = plain && param_vec_ok(w) && param_vec_ok(b);
+    int phase = 0;
 #pragma unroll 1
     for (int s = 0; s + 1 < depth; ++s)
         stage_vectors<T, ITEMS>(ring[s], size, x, res, team_row(row + s * stride, rows, n), rank, size);
@@ -745,14 +806,58 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
             if (res) r0 = res[next * n];
         }
         ring.wait();
-        const TeamRow at = team_row(row, rows, n);
         A v[ITEMS];
-        unstage_row<T, ITEMS>(v, ring.at(), size, at, rank, size, shift, res, h);
-        normalize_row<T, ITEMS, BlockTeam>(v, shift, y, w, b, mean, rstd, at.row, at.base, n, map, plain, true,
-                                           center, A(eps), smem);
+        unstage_row<T, ITEMS>(v, ring.at(), size, team_row(row, rows, n), rank, size, shift, res, h);
+        normalize_live_row<T, ITEMS>(v, live, shift, y, w, b, params_vec, mean, rstd, row, row * n, n, map, plain,
+                                     center, eps, smem, phase);
         ring.advance();
         row = next;
     }
+}
+
+// Medium rows: one block per row (blockDim.x threads, a power of two up to ROW_BLOCK_MAX),
+// grid-stride over rows on a persistent grid (the blocks resident). Where every row is whole
+// 16-byte vectors (16-bit and float32 types), each vector of one parameter (plain rows, or
+// NCHW rows of HW % V == 0) and the launch gives room for depth >= 2 slots
+// of fwd_slot_bytes (the launcher gives up to FWD_STAGES: _schedule's _block_fwd_stage), the
+// block keeps its next depth - 1 rows in flight in a ring of slots (stage_vectors): before
+// each row it copies the row depth - 1 ahead into the slot it read a row earlier (refilling
+// it before the wait, not right after the read, leaves ptxas the registers: right after
+// the read the row's values are live and 16-bit ITEMS=16 spilled), then waits for this row's.
+// A row's first values (the shift) are loaded a row ahead into registers. Reading one row
+// ahead in registers (the kernel before) kept 1-2 vectors a thread in flight, about 32 KiB an
+// SM at 50% occupancy: bfloat16 rows of 512-16384 reached 0.46-0.66 of a copy on an H200,
+// where Triton's (Liger's), at 100% occupancy and twice the rows in flight, reached 0.59-0.97;
+// on an H100 the ring reached 0.78-0.84 with 2 slots (a deeper ring was slower), bound then by
+// the instructions it issued (normalize_live_row).
+template <typename T, int ITEMS>
+__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
+        const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
+        const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
+        acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
+        long long p_len, int center, double eps, int param_in_t) {
+    typedef acc_t<T> A;
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
+    __shared__ A smem[64];
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    const bool plain = (p_div == 1 && p_len == count);
+    const int n = (int)count;
+    // staged: rows of whole vectors whose parameter is one a vector (plain rows, or segments of
+    // whole vectors: NCHW instance and group norm rows of HW % V == 0)
+    const bool staged = FwdStaged<T, ITEMS>::value && rows_fwd_vec<T, ITEMS>(n, x, res, h, y) &&
+                        (plain || p_div % VecLen<T>::value == 0);
+    const unsigned slot_bytes = fwd_slot_bytes<T, ITEMS>(res != 0);
+    const int depth = staged ? min(FWD_STAGES, (int)(dynamic_smem_bytes() / slot_bytes)) : 0;
+    if (depth < 2) {  // read as it goes
+#pragma unroll 1
+        for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
+            forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, map, plain, center,
+                                             A(eps), smem);
+        return;
+    }
+    staged_fwd_rows<T, ITEMS>(x, res, h, y, w, b, mean, rstd, rows, n, map, plain, center, A(eps), smem, depth,
+                              slot_bytes);
 }
 
 // The part of a row each of the C blocks of a cluster holds: ceil(count / C) rounded up to

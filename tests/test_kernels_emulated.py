@@ -831,6 +831,27 @@ def test_rows_block_forward_reads_ahead(kernels, dtype, rows, count, grid, slots
                   grid=grid, slots=slots, **opts)
 
 
+# Rows whose parameter is not the position in the row (NCHW instance and group norm): staged
+# where every 16-byte vector lies in one parameter's segment (one parameter a vector), read as
+# they go where a segment ends inside a vector (HW = 42: rows of whole float32 vectors whose
+# channels end mid-vector).
+_FWD_AHEAD_SEGMENTS = [instance_norm_nchw(3, 4, 16, 32), group_norm_nchw(3, 8, 16, 16, 2),
+                       group_norm_nchw(2, 8, 4, 10, 4), group_norm_nchw(2, 32, 6, 7, 2)]
+
+
+@pytest.mark.parametrize("variant", ["ln", "residual", "random"])
+@pytest.mark.parametrize("slots", [0, 2, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("case", _FWD_AHEAD_SEGMENTS, ids=lambda c: f"{c.name}{'x'.join(map(str, c.shape))}")
+def test_rows_block_forward_reads_ahead_segments(kernels, case, dtype, slots, variant):
+    """rows_fwd_block's ring over rows of several parameters (a weight and bias a channel),
+    on a grid that leaves each block several rows: y and the statistics as from rows read as
+    they go."""
+    opts = {"ln": {}, "residual": _VARIANTS["residual"], "random": dict(schedule=5)}[variant]
+    check_forward(kernels, case, dtype, path="block", items=_block_items(dtype, case.reduced), grid=2,
+                  slots=slots, **opts)
+
+
 # ---- rows with dweight/dbias summed on the way (rows_bwd_{warp,block}_[row_]params) ---------------
 
 def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, center=1, with_bias=True,

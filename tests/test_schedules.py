@@ -100,6 +100,15 @@ def test_block_forward_rows_read_ahead_through_a_ring():
             per_sm = min(1024 // threads, 32)
             assert step.grid == (min(plan.shape[0], 132 * per_sm),)
             assert per_sm * (step.smem + _schedule._ROW_STATIC_SMEM + 1024) <= H100.smem_optin + 1024
+    # rows of a weight and bias a channel: staged where HW is whole vectors (one parameter a
+    # vector), not where a channel ends inside one (the kernel reads those as they go)
+    for shape, groups, dtype, slots in [((4, 64, 16, 16), 8, "bfloat16", 2), ((4, 64, 15, 16), 8, "float32", 4),
+                                        ((4, 64, 15, 15), 8, "float32", 0), ((4, 64, 6, 6), 2, "bfloat16", 0)]:
+        plan = _plan("group_norm", shape, channel_axis=1, num_groups=groups)
+        step = _forward(plan, {"w", "b"} | STATS, dtype).steps[0]
+        assert step.name == "rows_fwd_block", (shape, step.name)
+        slot = _schedule.fwd_slot_bytes(dtype, step.items, step.block[0], False)
+        assert step.smem == slots * slot, (shape, dtype, step.smem, slot)
 
 
 def test_multi_row_backward_reads_groups_ahead_through_a_ring():

@@ -262,17 +262,20 @@ def fwd_slot_bytes(dtype, items, threads, residual) -> int:
     return (2 if residual else 1) * items * threads * (16 // _VECTOR[dtype])
 
 
-def _block_fwd_stage(count, dtype, items, threads, residual) -> int:
+def _block_fwd_stage(count, dtype, items, threads, residual, p_div=1, p_len=None) -> int:
     """Dynamic shared memory of rows_fwd_block: a ring of row slots (``fwd_slot_bytes``), as
     many as the share of an SM's shared memory of its resident blocks (at 64 registers 1024 /
     threads, at most 32) holds, at most ``_FWD_STAGES``; each block keeps all but one of them
     in flight ahead of the row it sums. 0 (rows read as they go) where fewer than 2 fit, the
     rows are not whole 16-byte vectors, or the instantiation does not stage (float64, 16-bit
-    ITEMS=8: rows.cu's FwdStaged). 16-bit types take at most ``_FWD_STAGES_16BIT``: an H100
+    ITEMS=8: rows.cu's FwdStaged), and for rows whose parameter changes within a 16-byte vector
+    (``p_div``, not plain, not a multiple of the vector: NCHW group norm of HW = 49, say; the
+    kernel reads those as they go). 16-bit types take at most ``_FWD_STAGES_16BIT``: an H100
     gets 2 slots for every row of 512-16384 elements in 16-bit types (one row ahead), 4 in
     float32 (3 rows ahead: 96 KiB of reads in flight an SM), float32 16384 3."""
     vector = _VECTOR[dtype]
-    if dtype == "float64" or count % vector or (vector == 8 and items == 8):
+    plain = p_div == 1 and p_len in (None, count)
+    if dtype == "float64" or count % vector or (vector == 8 and items == 8) or not (plain or p_div % vector == 0):
         return 0
     slot = fwd_slot_bytes(dtype, items, threads, residual)
     share = _smem_share(min(_SMEM_ROW_THREADS // threads, _SM_BLOCKS_MAX), _ROW_STATIC_SMEM)
@@ -653,7 +656,7 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
         kernel, grid, block, items = row
         smem = 0
         if kernel == "rows_fwd_block":
-            smem = _block_fwd_stage(reduced, dtype, items, block[0], res is not None)
+            smem = _block_fwd_stage(reduced, dtype, items, block[0], res is not None, layout.p_div, layout.p_len)
         _step(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items, smem=smem)
