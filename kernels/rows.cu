@@ -186,6 +186,14 @@ __device__ __forceinline__ TeamRow team_row(long long row, long long rows, int c
     return t;
 }
 
+// A thread's ITEMS values added up in order.
+template <typename A, int ITEMS> __device__ __forceinline__ A sum_items(const A (&v)[ITEMS]) {
+    A s = A(0);
+    ANYNORM_UNROLL
+    for (int k = 0; k < ITEMS; ++k) s += v[k];
+    return s;
+}
+
 // The forward of a row a team holds as v = x - shift (or h - shift) in registers: two passes
 // of d = v - shift (mean(d), then sum((d - mean(d))^2)), the statistics (rank 0), and y = (v -
 // mean) * rstd * w + b at the row starting at element `base`.
@@ -201,12 +209,7 @@ __device__ __forceinline__ void normalize_row(acc_t<T> (&v)[ITEMS], acc_t<T> shi
     const int rank = Team::rank();
     const A n = A(count);
     A mu = A(0);
-    if (center) {
-        A s = A(0);
-        ANYNORM_UNROLL
-        for (int k = 0; k < ITEMS; ++k) s += v[k];
-        mu = Team::allsum(s, smem) / n;
-    }
+    if (center) mu = Team::allsum(sum_items(v), smem) / n;
     A ss = A(0);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) {
@@ -450,15 +453,10 @@ __device__ __forceinline__ void backward_held_row(acc_t<T> (&xh)[ITEMS], acc_t<T
     // registers: x - mean from the saved mean (float32, rounded) would put half an ulp of
     // the row's offset into every xhat, and through mean(g * xhat) into dx (as in the forward).
     A mu = A(0);
-    if (center) {
-        A s = A(0);
-        ANYNORM_UNROLL
-        for (int k = 0; k < ITEMS; ++k) s += xh[k];
-        // the loop over the warps' sums at ITEMS=16 and in float64, not the butterfly: with x
-        // and dy held, the butterfly made ptxas spill the 16-bit block kernels on sm_80 (and
-        // took float64's ITEMS=8 block kernel from 37.5% to 25% occupancy)
-        mu = Team::template allsum<BwdButterfly<T, ITEMS>::value>(s, smem) / A(count);
-    }
+    // the loop over the warps' sums at ITEMS=16 and in float64, not the butterfly: with x and
+    // dy held, the butterfly made ptxas spill the 16-bit block kernels on sm_80 (and took
+    // float64's ITEMS=8 block kernel from 37.5% to 25% occupancy)
+    if (center) mu = Team::template allsum<BwdButterfly<T, ITEMS>::value>(sum_items(xh), smem) / A(count);
     A sg = A(0), sgx = A(0);
     if (WeightVec<Sums, ITEMS>::value && vec && plain && param_vec_ok(w)) {  // w in 16-byte vectors too
         ANYNORM_UNROLL
@@ -721,12 +719,7 @@ __device__ __forceinline__ void normalize_live_row(acc_t<T> (&v)[ITEMS], const b
     const int rank = threadIdx.x, size = blockDim.x;
     const A n = A(count);
     A mu = A(0);
-    if (center) {
-        A s = A(0);
-        ANYNORM_UNROLL
-        for (int k = 0; k < ITEMS; ++k) s += v[k];
-        mu = block_allsum_open(s, smem + 32 * (phase++ & 1)) / n;
-    }
+    if (center) mu = block_allsum_open(sum_items(v), smem + 32 * (phase++ & 1)) / n;
     A ss = A(0);
     ANYNORM_UNROLL
     for (int k = 0; k < K; ++k) {
@@ -1448,12 +1441,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
         A v[ITEMS];
         load_row<T, ITEMS>(v, xr, rr, hr, len, rank, size, vec, shift);
         A mu = A(0);
-        if (center) {
-            A s = A(0);
-            ANYNORM_UNROLL
-            for (int k = 0; k < ITEMS; ++k) s += v[k];
-            mu = team_sum(s, size, smem) / fn;
-        }
+        if (center) mu = team_sum(sum_items(v), size, smem) / fn;
         A ss = A(0);
         if (vec && ITEMS == V) {  // one vector a thread (MULTI_ITEMS): in the row or not as a whole
             ANYNORM_UNROLL
@@ -1564,12 +1552,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
         }
         // xhat about the row's exact mean, as backward_row: mean(d) of d = x - shift again
         A mu = A(0);
-        if (center) {
-            A s = A(0);
-            ANYNORM_UNROLL
-            for (int k = 0; k < ITEMS; ++k) s += xh[k];
-            mu = team_sum(s, size, smem) / fn;
-        }
+        if (center) mu = team_sum(sum_items(xh), size, smem) / fn;
         A sg = A(0), sgx = A(0);
         // one vector a thread (MULTI_ITEMS): no bounds per item, as past the row its dy is zero
         // and so is every term it adds (past the row nothing it holds is written)
