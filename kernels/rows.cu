@@ -386,6 +386,27 @@ struct Ring {
     __device__ __forceinline__ void advance() { slot = slot + 1 == depth ? 0 : slot + 1; }
 };
 
+// A staged backward row's rstd and first 4 bytes (its first value, the shift, in the low half
+// for 16-bit types), copied by cp.async into this thread's places of `words` (2 x `stride`
+// 32-bit words past the slot's vectors) in the row's commit group: call before stage_vectors,
+// read back after the wait (staged_scalars). Loaded at use time instead, their L2 latency
+// opened every row: ncu on an H100 put 15% (rows_bwd_block_params) and 21% (rows_bwd_multi)
+// of the warps' stall samples on their first use.
+template <typename T>
+__device__ __forceinline__ void stage_scalars(unsigned* words, int stride, const acc_t<T>* __restrict__ rstd,
+                                              const T* __restrict__ x, const TeamRow& at) {
+    if (!at.active) return;
+    cp_async<4>(words + threadIdx.x, rstd + at.row);
+    cp_async<4>(words + stride + threadIdx.x, x + at.base);
+}
+
+template <typename T>
+__device__ __forceinline__ void staged_scalars(const unsigned* words, int stride, acc_t<T>& r, T& x0) {
+    const unsigned rbits = words[threadIdx.x], xbits = words[stride + threadIdx.x];
+    memcpy(&r, &rbits, 4);
+    memcpy(&x0, &xbits, sizeof(T));
+}
+
 // A backward's staged row: x and dy (stage_vectors), with the row's rstd and first value (the
 // shift) in registers, for the BwdOneSlot block backwards, one row ahead: they copy the
 // following row over a row's slots right after reading them (a thread's copy over its own
@@ -517,11 +538,6 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
 // The block backwards' stage: at most BWD_STAGES row slots (_schedule's _BWD_STAGES).
 #define BWD_STAGES 4
 
-// Bytes of one slot of the stage the block backward kernels read rows ahead into: a row's x
-// and dy, ITEMS / V vectors a thread each.
-template <typename T, int ITEMS> __device__ __forceinline__ unsigned block_stage_bytes() {
-    return 2u * (ITEMS / VecLen<T>::value) * blockDim.x * 16u;
-}
 
 // A ring of `depth` row slots in shared memory (depth 0, slots null: rows read as they go).
 struct Stage {
@@ -538,6 +554,13 @@ struct Stage {
 template <typename T, int ITEMS> struct BwdOneSlot {
     static const bool value = !(sizeof(T) == 2 && ITEMS == 8);
 };
+
+// Bytes of one slot of the stage the block backward kernels read rows ahead into: a row's x
+// and dy, ITEMS / V vectors a thread each, and in a ring (not BwdOneSlot) the row's rstd and
+// first value, a 32-bit word each a thread (stage_scalars).
+template <typename T, int ITEMS> __device__ __forceinline__ unsigned block_stage_bytes() {
+    return 2u * (ITEMS / VecLen<T>::value) * blockDim.x * 16u + (BwdOneSlot<T, ITEMS>::value ? 0u : 8u * blockDim.x);
+}
 
 // The stage at byte `offset` of the block's dynamic shared memory: one slot (BwdOneSlot) or as
 // many (at most BWD_STAGES) as the launch gave room for (the launcher does for 16-bit and
@@ -556,10 +579,11 @@ template <typename T, int ITEMS> __device__ __forceinline__ Stage block_stage(un
 // row), as rows_fwd_block does: with depth >= 2 slots the next depth - 1, each copied into the
 // slot read a row earlier before the wait (no row's values live then); BwdOneSlot kernels the
 // next row, copied over this one right after reading it (a thread's copy over its own slots
-// follows its read of them). A row's rstd and first value (the shift) are loaded as the wait
-// begins: L2 hits by then (held a row ahead in registers, they made ptxas spill the kernels
-// at ITEMS=8). Without a stage a block waits out the DRAM latency of every row at its sums
-// (one or two blocks of the block kernels fit an SM).
+// follows its read of them). The ring also carries each row's rstd and first value (the
+// shift: stage_scalars; held a row ahead in registers, they made ptxas spill the kernels at
+// ITEMS=8); BwdOneSlot kernels hold them a row ahead in registers (StagedRow). Without a stage
+// a block waits out the DRAM latency of every row at its sums (one or two blocks of the block
+// kernels fit an SM).
 template <typename T, int ITEMS, typename Team, typename Sums>
 __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T* __restrict__ x,
                                               const Param<T> w, const acc_t<T>* __restrict__ rstd,
@@ -603,19 +627,24 @@ __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T*
         }
         return;
     }
-    Ring ring = {stage.slots, 2 * K * size, stage.depth, 0};
+    // a slot: [x, dy][vector][thread], then [rstd, first value][thread] (stage_scalars)
+    Ring ring = {stage.slots, 2 * K * size + size / 2, stage.depth, 0};
 #pragma unroll 1
-    for (int s = 0; s + 1 < ring.depth; ++s)
-        stage_vectors<T, ITEMS>(ring[s], size, x, dy, team_row(row + s * stride, rows, count), rank, size);
+    for (int s = 0; s + 1 < ring.depth; ++s) {
+        const TeamRow ahead = team_row(row + s * stride, rows, count);
+        stage_scalars<T>(reinterpret_cast<unsigned*>(ring[s] + 2 * K * size), size, rstd, x, ahead);
+        stage_vectors<T, ITEMS>(ring[s], size, x, dy, ahead, rank, size);
+    }
 #pragma unroll 1
     while (row < rows) {
-        stage_vectors<T, ITEMS>(ring.refill(), size, x, dy, team_row(row + (ring.depth - 1) * stride, rows, count),
-                                rank, size);
-        // this row's rstd and first value, L2 hits by now (held a row ahead in registers, they
-        // made ptxas spill)
-        const A r = rstd[row];
-        const A shift = center ? to_acc(x[row * count]) : A(0);
+        const TeamRow ahead = team_row(row + (ring.depth - 1) * stride, rows, count);
+        stage_scalars<T>(reinterpret_cast<unsigned*>(ring.refill() + 2 * K * size), size, rstd, x, ahead);
+        stage_vectors<T, ITEMS>(ring.refill(), size, x, dy, ahead, rank, size);
         ring.wait();
+        A r;
+        T x0;
+        staged_scalars<T>(reinterpret_cast<const unsigned*>(ring.at() + 2 * K * size), size, r, x0);
+        const A shift = center ? to_acc(x0) : A(0);
         const TeamRow at = team_row(row, rows, count);
         A xh[ITEMS], g[ITEMS];
         unstage_row<T, ITEMS>(xh, ring.at(), size, at, rank, size, shift);
@@ -1504,17 +1533,19 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     const MultiTeam<ITEMS> mt(n);
     const int size = mt.size, rank = mt.rank;
     const bool vec = rows_vec<T, ITEMS>(n, x, dy, dx);
-    // the ring: [slot][x, dy][thread]; one vector of x and of dy a thread (float64, not tuned,
-    // would spill its 64 registers)
-    Ring ring = {dynamic_shared<uint4>(), 2 * MULTI_BLOCK, 0, 0};
+    // the ring: [slot][x, dy][thread], then [rstd, first value][thread] (stage_scalars); one
+    // vector of x and of dy a thread (float64, not tuned, would spill its 64 registers)
+    Ring ring = {dynamic_shared<uint4>(), 2 * MULTI_BLOCK + MULTI_BLOCK / 2, 0, 0};
     ring.depth = min(BWD_STAGES, (int)(dynamic_smem_bytes() / (16u * ring.vecs)));
     const bool ahead = vec && ITEMS == V && sizeof(T) < 8 && ring.depth >= 2;
     const long long groups = mt.groups(rows);
     if (ahead) {
 #pragma unroll 1
-        for (int s = 0; s + 1 < ring.depth; ++s)
-            stage_vectors<T, ITEMS>(ring[s], MULTI_BLOCK, x, dy, mt.row_in(blockIdx.x + (long long)s * gridDim.x, rows, n),
-                                    rank, size);
+        for (int s = 0; s + 1 < ring.depth; ++s) {
+            const TeamRow ahead = mt.row_in(blockIdx.x + (long long)s * gridDim.x, rows, n);
+            stage_scalars<T>(reinterpret_cast<unsigned*>(ring[s] + 2 * MULTI_BLOCK), MULTI_BLOCK, rstd, x, ahead);
+            stage_vectors<T, ITEMS>(ring[s], MULTI_BLOCK, x, dy, ahead, rank, size);
+        }
     }
     A wv[ITEMS], sw[ITEMS], sb[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
@@ -1531,13 +1562,16 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
         if (ahead) {
             // the group depth - 1 ahead into the slot this thread read a group ago (its own
             // slots: its copy follows its read of them)
-            stage_vectors<T, ITEMS>(ring.refill(), MULTI_BLOCK, x, dy,
-                                    mt.row_in(grp + (long long)(ring.depth - 1) * gridDim.x, rows, n), rank, size);
-            if (active) {  // L2 hits by now
-                r = rstd[row];
-                if (center) shift = to_acc(x[base]);
-            }
+            const TeamRow ahead = mt.row_in(grp + (long long)(ring.depth - 1) * gridDim.x, rows, n);
+            stage_scalars<T>(reinterpret_cast<unsigned*>(ring.refill() + 2 * MULTI_BLOCK), MULTI_BLOCK, rstd, x,
+                             ahead);
+            stage_vectors<T, ITEMS>(ring.refill(), MULTI_BLOCK, x, dy, ahead, rank, size);
             ring.wait();
+            if (active) {
+                T x0;
+                staged_scalars<T>(reinterpret_cast<const unsigned*>(ring.at() + 2 * MULTI_BLOCK), MULTI_BLOCK, r, x0);
+                if (center) shift = to_acc(x0);
+            }
             unstage_row<T, ITEMS>(xh, ring.at(), MULTI_BLOCK, at, rank, size, shift);
             unstage_row<T, ITEMS>(g, ring.at() + MULTI_BLOCK, MULTI_BLOCK, at, rank, size, A(0));
             ring.advance();

@@ -882,7 +882,7 @@ def check_row_param_grads(kernels, case, dtype, *, path, grid, per_row=False, ce
     kernel = kernels(kernel_name, dtype, items)
     # a block's sums per (item, thread) wait in shared memory
     smem = 0 if path != "block" or per_row else 2 * items * threads * np.dtype(A).itemsize
-    slot = 2 * 256 * 16 if path == "multi" else _schedule.block_stage_bytes(dtype, items, threads)
+    slot = _schedule.MULTI_BWD_SLOT if path == "multi" else _schedule.block_stage_bytes(dtype, items, threads)
     smem += int(ahead) * slot
     _opt_in(kernel, smem)
     kernel((grid,), (threads,),

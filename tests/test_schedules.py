@@ -120,7 +120,7 @@ def test_multi_row_backward_reads_groups_ahead_through_a_ring():
                                 ((32768, 1024), "float32", 4), ((4096, 512), "float64", 0),
                                 ((4096, 101), "float32", 0), ((4096, 100), "bfloat16", 0)]:
         step = _backward(_plan("layer_norm", shape), grads, dtype=dtype).steps[0]
-        assert (step.name, step.smem) == ("rows_bwd_multi", slots * 2 * 256 * 16), (shape, dtype, step)
+        assert (step.name, step.smem) == ("rows_bwd_multi", slots * _schedule.MULTI_BWD_SLOT), (shape, dtype, step)
         per_sm = 3 if dtype in ("float16", "bfloat16") else 4
         need = step.smem + _schedule.multi_bwd_static_smem(dtype) + 1024
         assert per_sm * need <= H100.smem_optin + 1024
@@ -130,9 +130,9 @@ def test_block_backward_rows_read_ahead_on_the_resident_blocks():
     """Rows past rows_bwd_multi's: the block backwards run on the blocks resident at once (64
     registers: 1024 / threads an SM), with room past the dweight/dbias slots for a stage of
     rows' x and dy (slots of 2 * ITEMS * threads elements of x's dtype): one slot at two
-    vectors a thread, 4 (3 rows ahead) for 16-bit rows at one vector a thread, their shared
-    memory within the share of an SM of the resident blocks; float64 reads as it goes, a
-    block a row."""
+    vectors a thread, 4 (3 rows ahead) for 16-bit rows at one vector a thread, whose slots
+    also carry each row's rstd and first value (8 bytes a thread), their shared memory within
+    the share of an SM of the resident blocks; float64 reads as it goes, a block a row."""
     grads, dx_only = {"w", "rstd", "mean", "dw", "db"}, {"rstd", "mean"}
     for shape, dtype, name, grid, block, items, slots in [
             ((8192, 4096), "bfloat16", "rows_bwd_block_params", 264, 512, 8, 4),
@@ -143,7 +143,8 @@ def test_block_backward_rows_read_ahead_on_the_resident_blocks():
         itemsize = np.dtype(np.float32).itemsize if dtype == "float32" else 2
         plan = _plan("layer_norm", shape)
         step = _backward(plan, grads, dtype=dtype).steps[0]
-        sums, slot = 2 * items * block * 4, 2 * items * block * itemsize
+        ring = itemsize == 2 and items == 8
+        sums, slot = 2 * items * block * 4, 2 * items * block * itemsize + (8 * block if ring else 0)
         assert (step.name, step.grid, step.block, step.items) == (name, (grid,), (block,), items)
         assert step.smem == sums + slots * slot  # the sums, then the stage
         per_sm = grid // 132

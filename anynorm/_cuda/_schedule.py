@@ -331,9 +331,14 @@ def multi_bwd_static_smem(dtype) -> int:
     return (2 * MULTI_ITEMS[dtype] * _MULTI_BLOCK + 2 * _MULTI_BLOCK // 32) * acc
 
 
+# rows_bwd_multi's ring slot: a group's x and dy (2 x 256 16-byte vectors), then each thread's
+# row's rstd and first value (a 4-byte word each a thread)
+MULTI_BWD_SLOT = (2 * _MULTI_BLOCK + _MULTI_BLOCK // 2) * 16
+
+
 def _multi_bwd_stage(count, dtype) -> int:
-    """Dynamic shared memory of rows_bwd_multi: a ring of slots of one group's x and dy (2 x
-    256 16-byte vectors), as many as the share of an SM of its resident blocks (3 in 16-bit
+    """Dynamic shared memory of rows_bwd_multi: a ring of slots of one group's rows
+    (``MULTI_BWD_SLOT``), as many as the share of an SM of its resident blocks (3 in 16-bit
     types, 4 otherwise: rows.cu's MultiBwdBlocks) holds past its static sums, at most
     ``_BWD_STAGES`` (3 groups in flight ahead of the one summed: 96 KiB an SM in 16-bit
     types, where one group ahead kept 24 KiB); 0 (read as they go) for float64, rows not of
@@ -341,7 +346,7 @@ def _multi_bwd_stage(count, dtype) -> int:
     vector = _VECTOR[dtype]
     if dtype == "float64" or count % vector:
         return 0
-    slot = 2 * _MULTI_BLOCK * 16
+    slot = MULTI_BWD_SLOT
     per_sm = 3 if vector == 8 else 4  # rows.cu: MultiBwdBlocks
     return _ring(_smem_share(per_sm, multi_bwd_static_smem(dtype)), slot, _BWD_STAGES) * slot
 
@@ -791,8 +796,9 @@ def _row_params(layout, dtype, kernel, grid, block, items):
 
 def block_stage_bytes(dtype, items, threads) -> int:
     """rows.cu's block_stage_bytes: one slot of the block backwards' stage, a row's x and dy
-    at ``items`` elements a thread each."""
-    return 2 * items * threads * (16 // _VECTOR[dtype])
+    at ``items`` elements a thread each, and in a ring (``_bwd_ring``) the row's rstd and
+    first value, a 4-byte word each a thread."""
+    return 2 * items * threads * (16 // _VECTOR[dtype]) + (8 * threads if _bwd_ring(dtype, items) else 0)
 
 
 _BWD_STAGES = 4  # rows.cu: BWD_STAGES
