@@ -538,7 +538,6 @@ __device__ __forceinline__ void backward_row(const T* __restrict__ dy, const T* 
 // The block backwards' stage: at most BWD_STAGES row slots (_schedule's _BWD_STAGES).
 #define BWD_STAGES 4
 
-
 // A ring of `depth` row slots in shared memory (depth 0, slots null: rows read as they go).
 struct Stage {
     uint4* slots;
