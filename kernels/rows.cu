@@ -194,6 +194,15 @@ template <typename A, int ITEMS> __device__ __forceinline__ A sum_items(const A 
     return s;
 }
 
+// A row's statistics where they are wanted (mean/rstd nullable: inference without autograd
+// writes y only): mean = shift + mean(d), rstd.
+template <typename A>
+__device__ __forceinline__ void store_row_stats(A* __restrict__ mean, A* __restrict__ rstd, long long row, A mean_row,
+                                                A r) {
+    if (rstd) rstd[row] = r;
+    if (mean) mean[row] = mean_row;
+}
+
 // The forward of a row a team holds as v = x - shift (or h - shift) in registers: two passes
 // of d = v - shift (mean(d), then sum((d - mean(d))^2)), the statistics (rank 0), and y = (v -
 // mean) * rstd * w + b at the row starting at element `base`.
@@ -219,10 +228,7 @@ __device__ __forceinline__ void normalize_row(acc_t<T> (&v)[ITEMS], acc_t<T> shi
         }
     }
     const A r = inv_sqrt(Team::allsum(ss, smem) / n + eps);
-    if (rank == 0) {  // statistics are optional: inference without autograd writes y only
-        if (rstd) rstd[row] = r;
-        if (mean) mean[row] = shift + mu;
-    }
+    if (rank == 0) store_row_stats(mean, rstd, row, shift + mu, r);
     if (y == 0) return;
     if (vec && plain && param_vec_ok(w) && param_vec_ok(b)) {  // w, b in 16-byte vectors too
         ANYNORM_UNROLL
@@ -760,10 +766,7 @@ __device__ __forceinline__ void normalize_live_row(acc_t<T> (&v)[ITEMS], const b
         }
     }
     const A r = inv_sqrt(block_allsum_open(ss, smem + 32 * (phase++ & 1)) / n + eps);
-    if (rank == 0) {  // statistics are optional: inference without autograd writes y only
-        if (rstd) rstd[row] = r;
-        if (mean) mean[row] = shift + mu;
-    }
+    if (rank == 0) store_row_stats(mean, rstd, row, shift + mu, r);
     if (y == 0) return;
     ANYNORM_UNROLL
     for (int k = 0; k < K; ++k) {
@@ -1022,10 +1025,7 @@ __device__ __forceinline__ void forward_rows_held(
             }
         }
         const A r = inv_sqrt(span_allsum<C>(ss, smem, slots, phase) / n + A(eps));
-        if (tid == 0 && rank == 0) {  // statistics are optional: inference without autograd writes y only
-            if (rstd) rstd[row] = r;
-            if (mean) mean[row] = shift + mu;
-        }
+        if (tid == 0 && rank == 0) store_row_stats(mean, rstd, row, shift + mu, r);
         if (yr == 0) continue;
         if (vec && plain && param_vec_ok(w) && param_vec_ok(b)) {  // w, b in 16-byte vectors too
             for (int j = lo + tid * V; j < len; j += threads * V) {
@@ -1488,10 +1488,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
             }
         }
         const A r = inv_sqrt(team_sum(ss, size, smem) / fn + e);
-        if (active && rank == 0) {
-            if (rstd) rstd[row] = r;
-            if (mean) mean[row] = shift + mu;
-        }
+        if (active && rank == 0) store_row_stats(mean, rstd, row, shift + mu, r);
         if (y) {
             ANYNORM_UNROLL
             for (int k = 0; k < ITEMS; ++k) v[k] = (v[k] - mu) * r * wv[k] + bv[k];
