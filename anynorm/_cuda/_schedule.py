@@ -262,7 +262,7 @@ def fwd_slot_bytes(dtype, items, threads, residual) -> int:
     return (2 if residual else 1) * items * threads * (16 // _VECTOR[dtype])
 
 
-def _block_fwd_stage(count, dtype, items, threads, residual, p_div=1, p_len=None) -> int:
+def _block_fwd_stage(count, dtype, items, threads, residual, p_div, p_len) -> int:
     """Dynamic shared memory of rows_fwd_block: a ring of row slots (``fwd_slot_bytes``), as
     many as the share of an SM's shared memory of its resident blocks (at 64 registers 1024 /
     threads, at most 32) holds, at most ``_FWD_STAGES``; each block keeps all but one of them
@@ -274,7 +274,7 @@ def _block_fwd_stage(count, dtype, items, threads, residual, p_div=1, p_len=None
     gets 2 slots for every row of 512-16384 elements in 16-bit types (one row ahead), 4 in
     float32 (3 rows ahead: 96 KiB of reads in flight an SM), float32 16384 3."""
     vector = _VECTOR[dtype]
-    plain = p_div == 1 and p_len in (None, count)
+    plain = p_div == 1 and p_len == count  # rows.cu: p = the position in the row
     if dtype == "float64" or count % vector or (vector == 8 and items == 8) or not (plain or p_div % vector == 0):
         return 0
     slot = fwd_slot_bytes(dtype, items, threads, residual)
