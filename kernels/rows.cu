@@ -393,21 +393,23 @@ struct Ring {
 };
 
 // A staged backward row's rstd and first 4 bytes (its first value, the shift, in the low half
-// for 16-bit types), copied by cp.async into this thread's places of `words` (2 x `stride`
-// 32-bit words past the slot's vectors) in the row's commit group: call before stage_vectors,
-// read back after the wait (staged_scalars). Loaded at use time instead, their L2 latency
-// opened every row: ncu on an H100 put 15% (rows_bwd_block_params) and 21% (rows_bwd_multi)
-// of the warps' stall samples on their first use.
+// for 16-bit types), copied by cp.async into this thread's places of the 2 x `stride` 32-bit
+// words past the first `vecs` 16-byte vectors of `slot`, in the row's commit group: call
+// before stage_vectors, read back after the wait (staged_scalars). Loaded at use time instead,
+// their L2 latency opened every row: ncu on an H100 put 15% (rows_bwd_block_params) and 21%
+// (rows_bwd_multi) of the warps' stall samples on their first use.
 template <typename T>
-__device__ __forceinline__ void stage_scalars(unsigned* words, int stride, const acc_t<T>* __restrict__ rstd,
+__device__ __forceinline__ void stage_scalars(uint4* slot, int vecs, int stride, const acc_t<T>* __restrict__ rstd,
                                               const T* __restrict__ x, const TeamRow& at) {
     if (!at.active) return;
+    unsigned* const words = reinterpret_cast<unsigned*>(slot + vecs);
     cp_async<4>(words + threadIdx.x, rstd + at.row);
     cp_async<4>(words + stride + threadIdx.x, x + at.base);
 }
 
 template <typename T>
-__device__ __forceinline__ void staged_scalars(const unsigned* words, int stride, acc_t<T>& r, T& x0) {
+__device__ __forceinline__ void staged_scalars(const uint4* slot, int vecs, int stride, acc_t<T>& r, T& x0) {
+    const unsigned* const words = reinterpret_cast<const unsigned*>(slot + vecs);
     const unsigned rbits = words[threadIdx.x], xbits = words[stride + threadIdx.x];
     memcpy(&r, &rbits, 4);
     memcpy(&x0, &xbits, sizeof(T));
@@ -637,18 +639,18 @@ __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T*
 #pragma unroll 1
     for (int s = 0; s + 1 < ring.depth; ++s) {
         const TeamRow ahead = team_row(row + s * stride, rows, count);
-        stage_scalars<T>(reinterpret_cast<unsigned*>(ring[s] + 2 * K * size), size, rstd, x, ahead);
+        stage_scalars<T>(ring[s], 2 * K * size, size, rstd, x, ahead);
         stage_vectors<T, ITEMS>(ring[s], size, x, dy, ahead, rank, size);
     }
 #pragma unroll 1
     while (row < rows) {
         const TeamRow ahead = team_row(row + (ring.depth - 1) * stride, rows, count);
-        stage_scalars<T>(reinterpret_cast<unsigned*>(ring.refill() + 2 * K * size), size, rstd, x, ahead);
+        stage_scalars<T>(ring.refill(), 2 * K * size, size, rstd, x, ahead);
         stage_vectors<T, ITEMS>(ring.refill(), size, x, dy, ahead, rank, size);
         ring.wait();
         A r;
         T x0;
-        staged_scalars<T>(reinterpret_cast<const unsigned*>(ring.at() + 2 * K * size), size, r, x0);
+        staged_scalars<T>(ring.at(), 2 * K * size, size, r, x0);
         const A shift = center ? to_acc(x0) : A(0);
         const TeamRow at = team_row(row, rows, count);
         A xh[ITEMS], g[ITEMS];
@@ -1539,7 +1541,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
 #pragma unroll 1
         for (int s = 0; s + 1 < ring.depth; ++s) {
             const TeamRow ahead = mt.row_in(blockIdx.x + (long long)s * gridDim.x, rows, n);
-            stage_scalars<T>(reinterpret_cast<unsigned*>(ring[s] + 2 * MULTI_BLOCK), MULTI_BLOCK, rstd, x, ahead);
+            stage_scalars<T>(ring[s], 2 * MULTI_BLOCK, MULTI_BLOCK, rstd, x, ahead);
             stage_vectors<T, ITEMS>(ring[s], MULTI_BLOCK, x, dy, ahead, rank, size);
         }
     }
@@ -1559,13 +1561,12 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
             // the group depth - 1 ahead into the slot this thread read a group ago (its own
             // slots: its copy follows its read of them)
             const TeamRow ahead = mt.row_in(grp + (long long)(ring.depth - 1) * gridDim.x, rows, n);
-            stage_scalars<T>(reinterpret_cast<unsigned*>(ring.refill() + 2 * MULTI_BLOCK), MULTI_BLOCK, rstd, x,
-                             ahead);
+            stage_scalars<T>(ring.refill(), 2 * MULTI_BLOCK, MULTI_BLOCK, rstd, x, ahead);
             stage_vectors<T, ITEMS>(ring.refill(), MULTI_BLOCK, x, dy, ahead, rank, size);
             ring.wait();
             if (active) {
                 T x0;
-                staged_scalars<T>(reinterpret_cast<const unsigned*>(ring.at() + 2 * MULTI_BLOCK), MULTI_BLOCK, r, x0);
+                staged_scalars<T>(ring.at(), 2 * MULTI_BLOCK, MULTI_BLOCK, r, x0);
                 if (center) shift = to_acc(x0);
             }
             unstage_row<T, ITEMS>(xh, ring.at(), MULTI_BLOCK, at, rank, size, shift);
