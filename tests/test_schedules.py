@@ -126,6 +126,30 @@ def test_multi_row_backward_reads_groups_ahead_through_a_ring():
         assert per_sm * need <= H100.smem_optin + 1024
 
 
+def test_param_partials_fill_the_sms_within_a_quarter_of_the_traffic():
+    """The row backwards that sum dweight/dbias run on as many blocks as keep their partial
+    rows (2 x count float32 sums a block, written and read back) within a quarter of the
+    backward's traffic (x, dy, dx), in whole blocks per SM, at least one each, at most the
+    resident ones. ConvNeXt-T's last stage in channels_last memory (3136 rows of 768) took
+    132 blocks (8 warps an SM) and was slower than torch on an H100; now 2 (16-bit) and 4
+    (float32) an SM."""
+    grads = {"w", "rstd", "mean", "dw", "db"}
+    last_stage = _plan("layer_norm", (3136, 768))
+    # 16-bit: 3 resident an SM, but 3 x 132 partial rows would be 34% of the traffic
+    assert _backward(last_stage, grads).steps[0].grid == (2 * 132,)
+    assert _backward(last_stage, grads, dtype="float32").steps[0].grid == (4 * 132,)
+    assert _backward(_plan("layer_norm", (1024, 768)), grads).steps[0].grid == (132,)  # 34%: one an SM
+    for rows, count in [(3136, 768), (1024, 768), (12544, 384), (8192, 1024), (2048, 4096),
+                        (20000, 2048), (600, 4096), (8192, 4096), (2048, 16384)]:
+        for dtype, item in [("bfloat16", 2), ("float16", 2), ("float32", 4)]:
+            step = _backward(_plan("layer_norm", (rows, count)), grads, dtype=dtype).steps[0]
+            blocks = step.grid[0]
+            assert step.name in ("rows_bwd_multi", "rows_bwd_block_params"), step
+            assert blocks % 132 == 0, (rows, count, dtype, step)
+            partial, traffic = 2 * 2 * blocks * count * 4, 3 * rows * count * item
+            assert blocks == 132 or partial <= traffic / 4, (rows, count, dtype, blocks)
+
+
 def test_block_backward_rows_read_ahead_on_the_resident_blocks():
     """Rows past rows_bwd_multi's: the block backwards run on the blocks resident at once (64
     registers: 1024 / threads an SM), with room past the dweight/dbias slots for a stage of

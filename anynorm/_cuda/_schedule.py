@@ -66,10 +66,10 @@ class _SMShare:
 _TILE_SMEM_CAPS = (_SMShare(_TILE_BLOCKS_PER_SM), None)
 _SECTOR = 32  # bytes: a tile row narrower than one DRAM sector wastes bandwidth
 _FINISH_BLOCK = (32, 16)  # param_grad_finish: 32 parameters x 16 lanes over the chunks
-# Rows per team, where the row backward also sums dweight/dbias: each block writes one partial
-# row of 2 x count sums, which must stay small next to the dy and x it saves reading again
-# (16 rows per team, bfloat16: 1/8 of them). Few rows still get a block per SM.
-_PARAM_ROWS_PER_TEAM = 16
+# Where the row backward also sums dweight/dbias, each block writes one partial row of 2 x count
+# sums (param_grad_finish reads it back): their bytes stay within this share of the
+# backward's own traffic (x and dy read, dx written). See _param_row_blocks.
+_PARTIAL_TRAFFIC = 0.25
 
 
 def acc_dtype(dtype: str):
@@ -210,6 +210,21 @@ def _ceil(a, b):
     return -(-a // b)
 
 
+def _param_row_blocks(rows, dtype) -> int:
+    """The most blocks a row backward that sums dweight/dbias runs ``rows`` rows on: each
+    block's partial row (2 x count sums of the accumulation dtype, written, then read by
+    param_grad_finish: 4 x count values) within ``_PARTIAL_TRAFFIC`` of the rows' own traffic
+    (3 x count elements a row), in whole blocks per SM (an SM with one block more than the
+    others would set the pace), at least one. Fewer blocks than the resident ones leave each
+    SM few warps to hide a row's latencies with: the 16-bit backward of ConvNeXt-T's last
+    stage in channels_last memory (3136 rows of 768) on 132 blocks, 8 warps an SM, ran at 0.26
+    of a copy's bandwidth (an H100; 1.17x torch's time), where the same kernel on the blocks
+    resident reached 0.64-0.66 for rows of 512-1024."""
+    item, acc = 16 // _VECTOR[dtype], np.dtype(acc_dtype(dtype)).itemsize
+    sms = _target_blocks() // _BLOCKS_PER_SM
+    return sms * max(1, int(_PARTIAL_TRAFFIC * 3 * rows * item / (4 * acc)) // sms)
+
+
 def _grid_1d(n, per_block, cap=None):
     blocks = max(1, _ceil(n, per_block))
     return min(blocks, cap or 64 * _target_blocks(), _MAX_X)
@@ -305,8 +320,7 @@ def _multi_rows(layout, dtype, has_params, backward=False):
     grid: at most the blocks resident at once (4 per SM: 32 warps at 64 registers; the 16-bit
     backward 3: 24 warps at 80), each taking groups of ``256 / team`` rows in turn, its
     weight and bias loaded once. The backward's blocks each write a row of dweight/dbias
-    partials: at least one block per SM, and no more than keeps ``_PARAM_ROWS_PER_TEAM`` rows
-    per team."""
+    partials: at most ``_param_row_blocks``."""
     count = layout.reduced
     if not layout.rows or (has_params and (layout.p_div != 1 or layout.p_len != count)):
         return None
@@ -320,7 +334,7 @@ def _multi_rows(layout, dtype, has_params, backward=False):
         return "rows_fwd_multi", (min(groups, _target_blocks()),), (_MULTI_BLOCK,), items
     sms = _target_blocks() // _BLOCKS_PER_SM
     resident = (3 if _VECTOR[dtype] == 8 else 4) * sms  # rows.cu: MultiBwdBlocks
-    blocks = min(groups, resident, max(sms, _ceil(groups, _PARAM_ROWS_PER_TEAM)))
+    blocks = min(groups, resident, _param_row_blocks(layout.outer, dtype))
     return "rows_bwd_multi", (blocks,), (_MULTI_BLOCK,), items
 
 
@@ -785,7 +799,7 @@ def _row_params(layout, dtype, kernel, grid, block, items):
     if sums > _smem_limit() - _ROW_STATIC_SMEM:
         return None
     target = _target_blocks()
-    wanted = max(target // _BLOCKS_PER_SM, _ceil(layout.outer, _PARAM_ROWS_PER_TEAM))
+    wanted = _param_row_blocks(layout.outer, dtype)
     if dtype == "float64":  # rows read as they go
         blocks = min(grid[0], target, wanted)
         return fused, (blocks,), sums, blocks, ()
