@@ -1356,58 +1356,72 @@ template <int ITEMS> struct MultiTeam {
     }
 };
 
-// Sum of v over the team of `size` threads (a power of two, at most blockDim.x) that holds
-// threads [t * size, (t + 1) * size), returned to all of them. Every thread of the block must
-// call it with the same size: teams wider than a warp meet in `smem` (blockDim.x / 32 values
-// of A, between two barriers).
-template <typename A>
-__device__ __forceinline__ A team_sum(A v, int size, A* smem) {
-    const int width = size < 32 ? size : 32;
-    ANYNORM_UNROLL  // the warp's lanes all take or skip each step (width is the block's)
-    for (int off = 16; off > 0; off >>= 1)
-        if (off < width) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (size > 32) {
-        const int warp = threadIdx.x >> 5, per = size >> 5;
-        if ((threadIdx.x & 31) == 0) smem[warp] = v;
-        __syncthreads();
-        const int first = warp & ~(per - 1);
-        v = smem[first];
-        for (int k = 1; k < per; ++k) v += smem[first + k];
-        __syncthreads();
+// The W interleaved sums of the warps' values s[W * k + j] (k < PER warps of a team, j < W) in
+// out[j], added in warp order: one or two 16-byte shared loads (8 bytes for two floats) where
+// a loop over PER took a load each behind a generic unrolled loop's setup and branches. s is
+// aligned to its W * PER values (the team's first warp is a multiple of PER; smem 16-byte
+// aligned).
+template <int PER, int W, typename A>
+__device__ __forceinline__ void sum_team_warps(const A* s, A (&out)[W]) {
+    const int N = PER * W;
+    struct alignas(N * sizeof(A) < 16 ? N * sizeof(A) : 16) Run { A v[N]; };
+    const Run t = *reinterpret_cast<const Run*>(s);
+    ANYNORM_UNROLL
+    for (int j = 0; j < W; ++j) {
+        A acc = t.v[j];
+        ANYNORM_UNROLL
+        for (int k = 1; k < PER; ++k) acc += t.v[k * W + j];
+        out[j] = acc;
     }
-    return v;
 }
 
-// One parameter (w, or b: `none` where absent) at the positions a thread of a multi-row team
-// meets in every row (16-byte vectors where `vec` and the parameter allow), `none` past the row.
-// team_sum of two values at once (one pair of barriers for teams wider than a warp; `smem`:
-// 2 * blockDim.x / 32 values of A).
-template <typename A>
-__device__ __forceinline__ void team_sum2(A& a, A& b, int size, A* smem) {
-    const int width = size < 32 ? size : 32;
-    ANYNORM_UNROLL
-    for (int off = 16; off > 0; off >>= 1) {
-        if (off < width) {
-            a += __shfl_xor_sync(0xffffffffu, a, off);
-            b += __shfl_xor_sync(0xffffffffu, b, off);
+// Sums of W values over the team of `size` threads (a power of two, at most MULTI_BLOCK) that
+// holds threads [t * size, (t + 1) * size), returned to all of them. Every thread of the block
+// must call it with the same size: a full warp's butterfly takes no branch (teams of 32 or
+// more, every row of 256 16-bit elements or more); teams wider than a warp then meet in
+// `smem` (W * blockDim.x / 32 values of A, 16-byte aligned, between two barriers).
+template <int W, typename A>
+__device__ __forceinline__ void team_sums(A (&v)[W], int size, A* smem) {
+    if (size >= 32) {
+        ANYNORM_UNROLL
+        for (int j = 0; j < W; ++j) v[j] = warp_sum(v[j]);
+    } else {
+        ANYNORM_UNROLL  // the warp's lanes all take or skip each step (size is the block's)
+        for (int off = 16; off > 0; off >>= 1) {
+            if (off < size) {
+                ANYNORM_UNROLL
+                for (int j = 0; j < W; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], off);
+            }
         }
     }
     if (size > 32) {
         const int warp = threadIdx.x >> 5, per = size >> 5;
         if ((threadIdx.x & 31) == 0) {
-            smem[2 * warp] = a;
-            smem[2 * warp + 1] = b;
+            ANYNORM_UNROLL
+            for (int j = 0; j < W; ++j) smem[W * warp + j] = v[j];
         }
         __syncthreads();
-        const int first = warp & ~(per - 1);
-        a = smem[2 * first];
-        b = smem[2 * first + 1];
-        for (int k = 1; k < per; ++k) {
-            a += smem[2 * (first + k)];
-            b += smem[2 * (first + k) + 1];
-        }
+        const A* first = smem + W * (warp & ~(per - 1));
+        if (per == 2) sum_team_warps<2, W>(first, v);
+        else if (per == 4) sum_team_warps<4, W>(first, v);
+        else sum_team_warps<8, W>(first, v);  // MULTI_BLOCK / 32
         __syncthreads();
     }
+}
+
+template <typename A>
+__device__ __forceinline__ A team_sum(A v, int size, A* smem) {
+    A t[1] = {v};
+    team_sums<1>(t, size, smem);
+    return t[0];
+}
+
+template <typename A>
+__device__ __forceinline__ void team_sum2(A& a, A& b, int size, A* smem) {
+    A t[2] = {a, b};
+    team_sums<2>(t, size, smem);
+    a = t[0];
+    b = t[1];
 }
 
 template <typename T, int ITEMS>
@@ -1448,7 +1462,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
     const int V = VecLen<T>::value;
     const Param<T> w = {w_arg, param_in_t & 1};
     const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
-    __shared__ A smem[MULTI_BLOCK / 32];
+    __shared__ __align__(16) A smem[MULTI_BLOCK / 32];
     const int n = (int)count;
     const MultiTeam<ITEMS> mt(n);
     const int size = mt.size, rank = mt.rank;
@@ -1525,7 +1539,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const Param<T> w = {w_arg, param_in_t & 1};
-    __shared__ A smem[2 * MULTI_BLOCK / 32];
+    __shared__ __align__(16) A smem[2 * MULTI_BLOCK / 32];
     __shared__ A sums[2 * ITEMS * MULTI_BLOCK];  // [2][ITEMS][thread]: the teams' sums at the end
     const int n = (int)count;
     const MultiTeam<ITEMS> mt(n);

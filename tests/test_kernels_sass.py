@@ -216,6 +216,42 @@ def test_multi_row_backward_loads_the_weight_once(rows_sass):
     assert not re.search(r"\b(LDL|STL)\b", text), name
 
 
+def _barrier_spans(text):
+    """The instructions between each pair of consecutive BAR.SYNC, as (address, line) lists."""
+    spans, span = [], None
+    for line in text.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not m:
+            continue
+        if "BAR.SYNC" in m.group(2):
+            if span is not None:
+                spans.append(span)
+            span = []
+        elif span is not None:
+            span.append((int(m.group(1), 16), m.group(2)))
+    return spans
+
+
+def test_multi_row_team_sums_take_no_loop(rows_sass):
+    """The multi-row kernels' team sums (teams of 64-256 threads meet in shared memory
+    between two barriers) read the team's warp sums in one or two vector loads (LDS.64 /
+    LDS.128) for each team size, with no loop: no branch back between the two barriers of a
+    team sum (a span with no shuffle, global store or copy: between two sums, and around the
+    row loop's own branch back, come the next sum's shuffles and the row's stores). The loop
+    they had (a load, an add and a generic unrolled loop's setup and branches a team sum) was
+    ~25 instructions of a backward row's ~490 a thread."""
+    dtype, code = rows_sass
+    for kernel in ("rows_fwd_multi", "rows_bwd_multi"):
+        name = _compile.name_expression(kernel, dtype, _compile.MULTI_ITEMS[dtype])
+        sums = [span for span in _barrier_spans(code[name])
+                if not any(re.search(r"\b(SHFL|STG|LDGSTS)\b", text) for _, text in span)]
+        assert len(sums) >= (1 if kernel == "rows_fwd_multi" else 2), (name, len(sums))
+        for span in sums:
+            for address, text in span:
+                m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+                assert not (m and int(m.group(1), 16) < address), (name, hex(address), text)
+
+
 def test_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
     """rows_fwd_smem: x into shared memory by cp.async (LDGSTS.E.BYPASS.128; with a residual
     LDG.E.128 and STS.128, h = x + res), back out of it (LDS.128: the statistics passes and
