@@ -311,31 +311,72 @@ template <typename A> __device__ __forceinline__ A cross_warp_sum(const A* sums,
 
 // block_allsum without its closing barrier: `smem` may be written again only past a later
 // barrier of every thread (a caller alternating two areas between consecutive sums has one:
-// the other sum's), one barrier a sum where block_allsum takes two.
-template <bool Butterfly = true, typename A> __device__ __forceinline__ A block_allsum_open(A a, A* smem) {
+// the other sum's), one barrier a sum where block_allsum takes two. The warps' sums added by
+// cross_warp_sum in every warp.
+template <typename A> __device__ __forceinline__ A block_allsum_open(A a, A* smem) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     a = warp_sum(a);
     if (lane == 0) smem[warp] = a;
     __syncthreads();
-    return Butterfly ? cross_warp_sum(smem, nwarps) : sum_of_warps(smem, nwarps);
+    return cross_warp_sum(smem, nwarps);
 }
 
-// Block-wide sum, returned to every thread (1-D block, as block_welford). smem: 32 values of
-// A. Ends with a barrier so smem may be reused. Butterfly: the warps' sums added up by
-// cross_warp_sum; else by sum_of_warps, which takes fewer registers (see block_allsum2).
-template <bool Butterfly = true, typename A> __device__ __forceinline__ A block_allsum(A a, A* smem) {
-    a = block_allsum_open<Butterfly>(a, smem);
+// The W block-wide sums of a[j] (1-D block), returned to every thread, where the warps' sums
+// are added by warp 0 alone (lane k takes warp k's, zero past nwarps, then a butterfly) and
+// read back by all from smem[64 + j]: between the block's two barriers a thread issues ~5
+// instructions a sum past its own warp's butterfly, where every thread's loop over the warps'
+// sums took 2 * nwarps (64 at 1024 threads, a quarter of a 16-element row's instructions)
+// and cross_warp_sum in every warp makes ptxas spill the kernels that hold x and dy at
+// ITEMS=16 (sm_80). smem: 66 values of A. No closing barrier is needed before the next such
+// sum on the same smem (its writes of smem[0 .. 64) wait for this one's second barrier, its
+// totals for its first, which every thread reaches only after reading these).
+template <int W, typename A> __device__ __forceinline__ void block_allsums_by_warp0(A (&a)[W], A* smem) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    ANYNORM_UNROLL
+    for (int j = 0; j < W; ++j) a[j] = warp_sum(a[j]);
+    if (lane == 0) {
+        ANYNORM_UNROLL
+        for (int j = 0; j < W; ++j) smem[32 * j + warp] = a[j];
+    }
+    __syncthreads();
+    if (warp == 0) {
+        ANYNORM_UNROLL
+        for (int j = 0; j < W; ++j) {
+            const A v = warp_sum(lane < nwarps ? smem[32 * j + lane] : A(0));
+            if (lane == 0) smem[64 + j] = v;
+        }
+    }
+    __syncthreads();
+    ANYNORM_UNROLL
+    for (int j = 0; j < W; ++j) a[j] = smem[64 + j];
+}
+
+// Block-wide sum, returned to every thread (1-D block, as block_welford). EveryWarp: the warps'
+// sums added up by cross_warp_sum in every warp (smem: 32 values of A; ends with a barrier so
+// smem may be reused); else by warp 0 (block_allsums_by_warp0; smem: 66 values).
+template <bool EveryWarp = true, typename A> __device__ __forceinline__ A block_allsum(A a, A* smem) {
+    if (!EveryWarp) {
+        A t[1] = {a};
+        block_allsums_by_warp0<1>(t, smem);
+        return t[0];
+    }
+    a = block_allsum_open(a, smem);
     __syncthreads();
     return a;
 }
 
 // Block-wide sums of two values, returned to every thread (1-D block, as block_welford).
-// smem: 2 * 32 values of A. Ends with a barrier so smem may be reused. Butterfly: the warps'
-// sums added up by cross_warp_sum; else by a loop, which takes fewer registers (the
-// backward's 16-bit block kernels at ITEMS=16 hold every item of x and dy here, and two
-// butterflies at once made ptxas spill them at 64 registers on sm_80).
-template <bool Butterfly = true, typename A>
+// EveryWarp: the warps' sums added up by cross_warp_sum (smem: 2 * 32 values of A; ends with a
+// barrier so smem may be reused); else by warp 0 (block_allsums_by_warp0; smem: 66 values).
+template <bool EveryWarp = true, typename A>
 __device__ __forceinline__ void block_allsum2(A& a, A& b, A* smem) {
+    if (!EveryWarp) {
+        A t[2] = {a, b};
+        block_allsums_by_warp0<2>(t, smem);
+        a = t[0];
+        b = t[1];
+        return;
+    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     a = warp_sum(a);
     b = warp_sum(b);
@@ -344,17 +385,8 @@ __device__ __forceinline__ void block_allsum2(A& a, A& b, A* smem) {
         smem[32 + warp] = b;
     }
     __syncthreads();
-    if (Butterfly) {
-        a = cross_warp_sum(smem, nwarps);
-        b = cross_warp_sum(smem + 32, nwarps);
-    } else {  // sum_of_warps of both in one loop: two loops made ptxas spill there too
-        a = smem[0];
-        b = smem[32];
-        for (int k = 1; k < nwarps; ++k) {
-            a += smem[k];
-            b += smem[32 + k];
-        }
-    }
+    a = cross_warp_sum(smem, nwarps);
+    b = cross_warp_sum(smem + 32, nwarps);
     __syncthreads();
 }
 

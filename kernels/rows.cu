@@ -42,9 +42,9 @@ struct WarpTeam {
     __device__ __forceinline__ static long long row_stride() {
         return (long long)gridDim.x * (blockDim.x >> 5);
     }
-    template <bool Butterfly = true, typename A>
+    template <bool EveryWarp = true, typename A>
     __device__ __forceinline__ static A allsum(A v, A*) { return warp_sum(v); }
-    template <bool Butterfly = true, typename A>
+    template <bool EveryWarp = true, typename A>
     __device__ __forceinline__ static void allsum2(A& a, A& b, A*) {
         a = warp_sum(a);
         b = warp_sum(b);
@@ -56,13 +56,13 @@ struct BlockTeam {
     __device__ __forceinline__ static int rank() { return threadIdx.x; }
     __device__ __forceinline__ static long long first_row() { return blockIdx.x; }
     __device__ __forceinline__ static long long row_stride() { return gridDim.x; }
-    template <bool Butterfly = true, typename A>
+    template <bool EveryWarp = true, typename A>
     __device__ __forceinline__ static A allsum(A v, A* smem) {
-        return block_allsum<Butterfly>(v, smem);
+        return block_allsum<EveryWarp>(v, smem);
     }
-    template <bool Butterfly = true, typename A>
+    template <bool EveryWarp = true, typename A>
     __device__ __forceinline__ static void allsum2(A& a, A& b, A* smem) {
-        block_allsum2<Butterfly>(a, b, smem);
+        block_allsum2<EveryWarp>(a, b, smem);
     }
 };
 
@@ -319,7 +319,7 @@ template <typename A> struct RowSums {
         b += d;
     }
     template <typename Team> __device__ __forceinline__ void end_row(long long row, A* smem) {
-        Team::allsum2(w, b, smem);
+        Team::template allsum2<false>(w, b, smem);  // by warp 0, as backward_held_row's
         if (Team::rank() == 0) {
             part_w[row] = w;
             if (part_b) part_b[row] = b;
@@ -347,11 +347,6 @@ template <typename T, int ITEMS>
 __device__ __forceinline__ bool rows_fwd_vec(int count, const T* x, const T* res, const T* h, const T* y) {
     return rows_vec<T, ITEMS>(count, x, res, y) && aligned16_or_null(res ? h : 0);
 }
-
-// Whether backward_row's block sums add up the warps' sums by cross_warp_sum, not sum_of_warps.
-template <typename T, int ITEMS> struct BwdButterfly {
-    static const bool value = ITEMS <= 8 && sizeof(T) <= 4;
-};
 
 // A row's 16-byte vectors (ITEMS / V a thread) of one or two arrays, copied ahead into this
 // thread's slots of a stage by cp.async (the copies fly while earlier rows are summed, in no
@@ -482,10 +477,10 @@ __device__ __forceinline__ void backward_held_row(acc_t<T> (&xh)[ITEMS], acc_t<T
     // registers: x - mean from the saved mean (float32, rounded) would put half an ulp of
     // the row's offset into every xhat, and through mean(g * xhat) into dx (as in the forward).
     A mu = A(0);
-    // the loop over the warps' sums at ITEMS=16 and in float64, not the butterfly: with x and
-    // dy held, the butterfly made ptxas spill the 16-bit block kernels on sm_80 (and took
-    // float64's ITEMS=8 block kernel from 37.5% to 25% occupancy)
-    if (center) mu = Team::template allsum<BwdButterfly<T, ITEMS>::value>(sum_items(xh), smem) / A(count);
+    // block sums added by warp 0 (EveryWarp false: block_allsums_by_warp0): fewer instructions
+    // a thread than every warp's butterfly over the warps' sums, which also made ptxas spill
+    // the 16-bit block kernels at ITEMS=16 on sm_80 with x and dy held
+    if (center) mu = Team::template allsum<false>(sum_items(xh), smem) / A(count);
     A sg = A(0), sgx = A(0);
     if (WeightVec<Sums, ITEMS>::value && vec && plain && param_vec_ok(w)) {  // w in 16-byte vectors too
         ANYNORM_UNROLL
@@ -517,7 +512,7 @@ __device__ __forceinline__ void backward_held_row(acc_t<T> (&xh)[ITEMS], acc_t<T
             }
         }
     }
-    Team::template allsum2<BwdButterfly<T, ITEMS>::value>(sg, sgx, smem);  // as the mean's above
+    Team::template allsum2<false>(sg, sgx, smem);  // as the mean's above
     const A n = A(count);
     const A mg = center ? sg / n : A(0);
     const A mgx = sgx / n;
@@ -1666,7 +1661,7 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block(
         const acc_t<T>* __restrict__ mean, const acc_t<T>* __restrict__ rstd, T* __restrict__ dx,
         long long rows, long long count, long long p_div, long long p_len, int center, int param_in_t) {
     const Param<T> w = {w_arg, param_in_t & 1};
-    __shared__ acc_t<T> smem[64];
+    __shared__ acc_t<T> smem[66];  // block_allsums_by_warp0
     NoSums none;
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, rstd, dx, rows, (int)count, p_div, p_len, center, smem, none,
                                        BlockAhead<T, ITEMS, NoSums>::value ? block_stage<T, ITEMS>(0) : Stage());
@@ -1680,7 +1675,7 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_row_p
         acc_t<T>* __restrict__ part_w, acc_t<T>* __restrict__ part_b, long long rows, long long count,
         long long p_len, int center, int param_in_t) {
     const Param<T> w = {w_arg, param_in_t & 1};
-    __shared__ acc_t<T> smem[64];
+    __shared__ acc_t<T> smem[66];  // block_allsums_by_warp0
     RowSums<acc_t<T> > sums = {part_w, part_b, acc_t<T>(0), acc_t<T>(0)};
     backward_rows<T, ITEMS, BlockTeam>(dy, x, w, rstd, dx, rows, (int)count, count, p_len, center, smem, sums,
                                        BlockAhead<T, ITEMS, RowSums<acc_t<T> > >::value ? block_stage<T, ITEMS>(0) : Stage());
@@ -1704,7 +1699,7 @@ __global__ void __launch_bounds__(BwdBlockMax<T>::value, 1) rows_bwd_block_param
         int center, int param_in_t) {
     const Param<T> w = {w_arg, param_in_t & 1};
     typedef acc_t<T> A;
-    __shared__ A smem[64];
+    __shared__ A smem[66];  // block_allsums_by_warp0
     const int n = (int)count;
     SharedSums<A> sums;
     sums.wb = dynamic_shared<A>();

@@ -243,13 +243,35 @@ def test_multi_row_team_sums_take_no_loop(rows_sass):
     dtype, code = rows_sass
     for kernel in ("rows_fwd_multi", "rows_bwd_multi"):
         name = _compile.name_expression(kernel, dtype, _compile.MULTI_ITEMS[dtype])
-        sums = [span for span in _barrier_spans(code[name])
-                if not any(re.search(r"\b(SHFL|STG|LDGSTS)\b", text) for _, text in span)]
+        sums = _sum_spans(code[name])
         assert len(sums) >= (1 if kernel == "rows_fwd_multi" else 2), (name, len(sums))
-        for span in sums:
-            for address, text in span:
-                m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-                assert not (m and int(m.group(1), 16) < address), (name, hex(address), text)
+        _assert_no_loop(name, sums)
+
+
+def _sum_spans(text):
+    """The barrier spans with no shuffle, global store or copy (see below)."""
+    return [span for span in _barrier_spans(text)
+            if not any(re.search(r"\b(SHFL|STG|LDGSTS)\b", t) for _, t in span)]
+
+
+def _assert_no_loop(name, spans):
+    for span in spans:
+        for address, text in span:
+            m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+            assert not (m and int(m.group(1), 16) < address), (name, hex(address), text)
+
+
+def test_block_backward_sums_take_no_loop_over_the_warps(rows_sass):
+    """The block backwards at ITEMS=16 (and float64), whose block sums are added by warp 0
+    (common.cuh's block_allsums_by_warp0: a butterfly over the warps' sums, the totals read
+    back by all), loop over nothing between a sum's two barriers: every thread's loop over the
+    32 warps' sums of a block of 1024 (64 instructions a sum, 128 for dg and dg * xhat) was a
+    quarter of a 16-element row's instructions."""
+    dtype, code = rows_sass
+    for kernel in ("rows_bwd_block", "rows_bwd_block_params", "rows_bwd_block_row_params"):
+        for items in _compile.items_of(kernel, dtype):
+            name = _compile.name_expression(kernel, dtype, items)
+            _assert_no_loop(name, _sum_spans(code[name]))
 
 
 def test_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
