@@ -1419,6 +1419,8 @@ __device__ __forceinline__ void team_sum2(A& a, A& b, int size, A* smem) {
     b = t[1];
 }
 
+// One parameter (w, or b: `none` where absent) at the positions a thread of a multi-row team
+// meets in every row (16-byte vectors where `vec` and the parameter allow), `none` past the row.
 template <typename T, int ITEMS>
 __device__ __forceinline__ void team_param(acc_t<T> (&out)[ITEMS], const Param<T>& q, acc_t<T> none,
                                            int n, int rank, int size, bool vec) {
