@@ -837,19 +837,24 @@ def test_launch_rows_across_a_cluster(emulated, monkeypatch, case, dtype):
 
 
 @pytest.mark.parametrize("schedule", ["1", "5"])
-@pytest.mark.parametrize("dtype, c, limit", [("float32", 4, 24), ("float16", 2, 24), ("float64", 4, 48),
-                                             ("float32", 8, 12)])
-def test_launch_rows_across_a_cluster_any_order(emulated, monkeypatch, dtype, c, limit, schedule):
+@pytest.mark.parametrize("dtype, c, threads, limit, cluster_max", [
+    ("float32", 4, 1024, 20, 8), ("float16", 2, 1024, 24, 2), ("float16", 4, 512, 24, 8),
+    ("float64", 8, 1024, 32, 8), ("float32", 8, 512, 24, 8)])
+def test_launch_rows_across_a_cluster_any_order(emulated, monkeypatch, dtype, c, threads, limit, cluster_max,
+                                                schedule):
     """Threads of the cluster's blocks run in reverse and random orders (a missing cluster
-    barrier would read a slot before its block wrote it); 2, 4 and 8 blocks a cluster."""
+    barrier would read a slot before its block wrote it); 2, 4 and 8 blocks a cluster, of
+    1024 threads (an SM a block) and of 512 (two an SM: the first C at which they fit)."""
     monkeypatch.setenv("ANYNORM_EMU_SCHEDULE", schedule)
     use_clusters(monkeypatch, limit * 1024)
+    device = _schedule.DeviceInfo(132, _schedule._smem_limit(), cluster_max)
+    monkeypatch.setattr(_launcher, "device_info", lambda _: device)
     names = _record_launches(monkeypatch)
     shape = (4, 20000)
     plan = make_plan("layer_norm", np.zeros(shape))
-    schedule_ = _schedule.schedule_forward(plan, dtype, _layout.plan_layout(plan, (shape[1], 1)), set(),
-                                           device=_schedule.DeviceInfo(132, _schedule._smem_limit(), 8))
-    assert schedule_.names == ("rows_fwd_cluster",) and schedule_.steps[0].items == c
+    step, = _schedule.schedule_forward(plan, dtype, _layout.plan_layout(plan, (shape[1], 1)), set(),
+                                       device=device).steps
+    assert (step.name, step.items, step.block) == ("rows_fwd_cluster", c, (threads,)), step
     _check("layer_norm", shape, {}, dtype)
     assert "rows_fwd_cluster" in names, names
 
@@ -857,14 +862,19 @@ def test_launch_rows_across_a_cluster_any_order(emulated, monkeypatch, dtype, c,
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_launch_rows_across_several_clusters(emulated, monkeypatch, dtype):
-    """A grid of several clusters on a "device" of 8 SMs, each cluster taking rows in turn
-    (7 rows on 2 clusters of 4 blocks, float32; bfloat16: 4 clusters of 2), both ways."""
+    """Clusters taking rows in turn (the kernels' grid-stride loop, which the schedule's
+    cluster a row leaves to grids past the launch limit: here cut to 2 clusters for 7 rows on
+    a "device" of 8 SMs), both ways."""
     monkeypatch.setattr(_schedule, "_target_blocks", lambda: 8 * _schedule._BLOCKS_PER_SM)
     use_clusters(monkeypatch, 48 * 1024)
     plan = make_plan("layer_norm", np.zeros((7, 40000)))
     step, = _schedule.schedule_forward(plan, dtype, _layout.plan_layout(plan, (40000, 1)), set(),
                                        device=_schedule.DeviceInfo(8, 48 * 1024, 8)).steps
-    assert step.name == "rows_fwd_cluster" and 1 < step.grid[0] // step.items < 7, step
+    assert step.name == "rows_fwd_cluster" and step.grid[0] == 7 * step.items, step  # a cluster a row
+    monkeypatch.setattr(_schedule, "_MAX_X", 2 * step.items)
+    step, = _schedule.schedule_forward(plan, dtype, _layout.plan_layout(plan, (40000, 1)), set(),
+                                       device=_schedule.DeviceInfo(8, 48 * 1024, 8)).steps
+    assert step.grid[0] == 2 * step.items, step
     names = _record_launches(monkeypatch)
     _check("layer_norm", (7, 40000), {}, dtype)
     assert {"rows_fwd_cluster", "rows_bwd_cluster"} <= names, names

@@ -267,28 +267,38 @@ def test_long_rows_split_with_workspaces_in_scratch():
 
 def test_rows_past_one_block_span_a_cluster():
     """Rows past one block's shared memory, or too few to give rows_fwd_smem an SM each,
-    split over a thread-block cluster whose blocks each hold a part (x read once): bfloat16
-    rows of 262144 (512 KiB) on clusters of 4 (128 KiB a block), float32 rows of 65536 on
-    clusters of 2, 64 bfloat16 rows of 40960 on clusters of 4 (2 blocks of 512 an SM); the
-    split path before sm_90 and past 4 blocks' shared memory."""
+    split over a thread-block cluster whose blocks each hold a part (x read once), at the
+    smallest C whose parts let two blocks of 512 share an SM (one loads while the other sums),
+    else the smallest that fits: bfloat16 rows of 262144 (512 KiB) on clusters of 8 (64 KiB a
+    block, where 4 gave an SM a block), float32 rows of 65536 on clusters of 4, 64 bfloat16
+    rows of 40960 on clusters of 4 (clusters of 2 would leave SMs without a block). A cluster
+    a row: a persistent grid of SMs x blocks / C clusters need not all be resident (a GPC
+    whose slots are not a multiple of C leaves some idle), and the one left over would run
+    its rows after the others. The split path before sm_90 and past 4 blocks' memory."""
     long = _plan("layer_norm", (128, 262144))
     step, = _forward(long, {"w", "b"}).steps
     assert (step.name, step.items, step.grid, step.block, step.smem) == (
-        "rows_fwd_cluster", 4, (132,), (1024,), 262144 // 4 * 2 + 72 * 4)
+        "rows_fwd_cluster", 8, (128 * 8,), (512,), 262144 // 8 * 2 + 72 * 4)
     step, = _forward(_plan("layer_norm", (512, 65536)), {"w", "b"}, "float32").steps
-    assert (step.name, step.items, step.grid, step.smem) == ("rows_fwd_cluster", 2, (132,), 65536 // 2 * 4 + 72 * 4)
+    assert (step.name, step.items, step.grid, step.block, step.smem) == (
+        "rows_fwd_cluster", 4, (512 * 4,), (512,), 65536 // 4 * 4 + 72 * 4)
     step, = _forward(_plan("layer_norm", (64, 40960)), {"w", "b"}).steps
     assert (step.name, step.items, step.grid, step.block) == ("rows_fwd_cluster", 4, (256,), (512,))
     split = ("rows_stats_partial", "rows_stats_finalize", "rows_apply_fwd")
     assert _forward(long, {"w", "b"} | STATS, device=_schedule.DeviceInfo(132, 227 * 1024)).names == split
-    # backward: x and dy of float32 rows of 65536 on clusters of 4 (2 x 64 KiB a block), dx in
-    # one kernel (3 transfers where the split path moves 5), dweight/dbias after it
+    # a device whose clusters stop at 4: bfloat16 rows of 262144 an SM a block
+    four = _schedule.DeviceInfo(132, 227 * 1024, 4)
+    step, = _forward(long, {"w", "b"}, device=four).steps
+    assert (step.items, step.grid, step.block) == (4, (128 * 4,), (1024,))
+    # backward: x and dy of float32 rows of 65536 on clusters of 8 (2 x 32 KiB a block, two an
+    # SM), dx in one kernel (3 transfers where the split path moves 5), dweight/dbias after it
     full = _backward(_plan("layer_norm", (512, 65536)), {"w", "mean", "rstd", "dw", "db"}, "float32")
     assert full.names == ("rows_bwd_cluster", "param_grad_cols", "param_grad_finish")
-    assert (full.steps[0].items, full.steps[0].smem) == (4, 2 * 65536 // 4 * 4 + 72 * 4)
-    # bfloat16 rows of 262144 with dy (1 MiB): clusters of 8, 2 x 64 KiB a block
+    assert (full.steps[0].items, full.steps[0].block, full.steps[0].smem) == (8, (512,), 2 * 65536 // 8 * 4 + 72 * 4)
+    # bfloat16 rows of 262144 with dy (1 MiB): clusters of 8, 2 x 64 KiB a block, an SM each
     step, = _backward(long, {"w", "mean", "rstd"}).steps
-    assert (step.name, step.items, step.smem) == ("rows_bwd_cluster", 8, 2 * 262144 // 8 * 2 + 72 * 4)
+    assert (step.name, step.items, step.grid, step.block, step.smem) == (
+        "rows_bwd_cluster", 8, (128 * 8,), (1024,), 2 * 262144 // 8 * 2 + 72 * 4)
     assert _forward(_plan("layer_norm", (128, 1 << 20)), {"w", "b"} | STATS).names == split
 
 

@@ -418,29 +418,40 @@ def _cluster_row(layout, dtype, copies=1):
     """(C, grid, block, dynamic smem bytes) of rows_fwd_cluster (``copies`` 1: x) or
     rows_bwd_cluster (2: x and dy), or None: rows that rows_fwd_smem/rows_bwd_smem do not
     take (too long for one block's shared memory, or fewer rows than SMs) split over a
-    thread-block cluster of C blocks (the smallest of CLUSTER_SIZES the device allows) whose
-    parts (cluster_segment: ceil(count / C) rounded up to 16 bytes, ``copies`` of them, plus
-    72 values of A for the block sums and cluster slots, all dynamic) fit one block's opt-in
+    thread-block cluster of C blocks (of CLUSTER_SIZES the device allows) whose parts
+    (cluster_segment: ceil(count / C) rounded up to 16 bytes, ``copies`` of them, plus 72
+    values of A for the block sums and cluster slots, all dynamic) fit one block's opt-in
     shared memory, with at least a block per SM (C x rows >= SMs); else the split path.
-    Blocks as _smem_row's (512 threads where two fit an SM, else 1024), a persistent grid of
-    whole clusters."""
+
+    C: the smallest at which two blocks fit an SM (512 threads each: one loads its part while
+    the other sums, as _held_row_blocks), else the smallest that fits (1024 threads, an SM
+    each: load, sums and store in turn). A cluster a row, not a persistent grid of ``SMs x
+    blocks per SM / C``: a cluster takes C free block slots of one GPC, and a GPC whose slots
+    are not a multiple of C leaves some idle (an H100 GPC of 18 SMs holds 4 clusters of 4 at
+    one block an SM), so such a grid may not be resident at once, and a cluster left over
+    runs all its rows after the others. Unmeasured: the H100 (2026-11-26) ran bfloat16 rows
+    of 262144 (C = 4, an SM a block, 33 persistent clusters) at 0.39 of a copy's bandwidth,
+    float32 rows of 65536 (C = 2) at 0.72."""
     if not layout.rows:
         return None
     vector = _VECTOR[dtype]
     itemsize, acc = 16 // vector, np.dtype(acc_dtype(dtype)).itemsize
     limit = _smem_limit() - _CLUSTER_STATIC_SMEM
     sms = max(1, _target_blocks() // _BLOCKS_PER_SM)
+    fits = []
     for c in CLUSTER_SIZES:
         if c > _device().cluster_max:
             break
         seg = _ceil(_ceil(layout.reduced, c), vector) * vector
         smem = copies * _ceil(seg * itemsize, 16) * 16 + 72 * acc
-        if smem > limit or layout.outer * c < sms:
-            continue
-        per_sm, threads = _held_row_blocks(smem, _CLUSTER_STATIC_SMEM)
-        clusters = min(layout.outer, max(1, per_sm * sms // c))
-        return c, (clusters * c,), (threads,), smem
-    return None
+        if smem <= limit and layout.outer * c >= sms:
+            fits.append((c, smem))
+    if not fits:
+        return None
+    c, smem = next(((c, smem) for c, smem in fits if _smem_blocks_per_sm(smem, _CLUSTER_STATIC_SMEM) >= 2),
+                   fits[0])
+    _, threads = _held_row_blocks(smem, _CLUSTER_STATIC_SMEM)
+    return c, (min(layout.outer, _MAX_X // c) * c,), (threads,), smem
 
 
 _CLUSTER_STATIC_SMEM = 128  # rows_*_cluster: the IndexMap (everything else is dynamic)
