@@ -445,12 +445,10 @@ def _cluster_row(layout, dtype, copies=1):
         seg = _ceil(_ceil(layout.reduced, c), vector) * vector
         smem = copies * _ceil(seg * itemsize, 16) * 16 + 72 * acc
         if smem <= limit and layout.outer * c >= sms:
-            fits.append((c, smem))
+            fits.append((c, smem, _held_row_blocks(smem, _CLUSTER_STATIC_SMEM)))
     if not fits:
         return None
-    c, smem = next(((c, smem) for c, smem in fits if _smem_blocks_per_sm(smem, _CLUSTER_STATIC_SMEM) >= 2),
-                   fits[0])
-    _, threads = _held_row_blocks(smem, _CLUSTER_STATIC_SMEM)
+    c, smem, (_, threads) = next((fit for fit in fits if fit[2][0] == 2), fits[0])
     return c, (min(layout.outer, _MAX_X // c) * c,), (threads,), smem
 
 
