@@ -10,7 +10,9 @@ kernels accumulate in float32 and convert only cache-sized rows; they take float
 parameters where the statistics are asked for (then returned in float32), else the
 parameters as given.  torch's CPU RMS norm is composite (a float32 copy of the whole
 array): half rows take :func:`_blocked_rms` instead, and half group/instance norm on
-memory neither contiguous nor channels-last a contiguous copy in x's dtype.
+memory neither contiguous nor channels-last a contiguous copy in x's dtype.  torch's
+channels-last group-norm backward is slow with few channels a group (10-40x its contiguous
+one): there autograd records :mod:`anynorm._torch_channels_last`'s blocked backward.
 
 :func:`forward_runner` works out, once per call signature, what a call needs (layout,
 routine, arguments, limit): a plain call costs torch's kernel, the check and a few Python
@@ -49,7 +51,7 @@ from itertools import chain as _chain
 import numpy as np
 import torch
 
-from . import _numpy, _reference
+from . import _numpy, _reference, _torch_channels_last
 
 __all__ = ["forward", "forward_runner", "backward"]
 
@@ -77,6 +79,12 @@ SHORT_RUN = 1024
 # Half dtypes round their output to 8 or 11 bits, so float32 arithmetic may lose more there.
 _LIMITS = {torch.float32: (8.0, 0.5), torch.float64: (2.0, 0.5),
            torch.bfloat16: (256.0, 16.0), torch.float16: (64.0, 8.0)}
+# Channels a group up to which channels-last group norm under autograd takes the blocked
+# backward of ``_torch_channels_last`` (float32/float64, half): torch's own loops over a
+# group's channels.  Measured, torch 2.13, 2 threads, 16 x 128 x 32 x 32, backward ms
+# torch / blocked: float32 9.6/2.5 (1 channel a group), 4.8/2.3 (2), 4.3/2.8 (4),
+# 0.9/2.2 (8); bfloat16 26.5/3.2, 13.7/2.8, 7.7/2.2, 5.1/3.4 (8), 1.1/4.0 (16).
+_BLOCKED_BACKWARD_CHANNELS = (4, 8)
 
 
 def _params_ok(plan, *params):
@@ -127,14 +135,18 @@ class _Layout:
     the NCHW view is channels-last memory (torch's E[x^2] - E[x]^2 kernel); ``copy``: the
     NCHW view is neither, and float16/bfloat16 copy it to contiguous memory (x's dtype) for
     torch's kernel rather than take the array-API core, which would convert whole arrays to
-    float32 (float32/float64 take the exact executors there: kind None)."""
+    float32 (float32/float64 take the exact executors there: kind None); ``group_norm``:
+    the routine of "groups", ``native_group_norm`` or, on channels-last memory with few
+    channels a group, :func:`anynorm._torch_channels_last.group_norm` (the same forward,
+    a faster backward)."""
 
     __slots__ = ("kind", "order", "inverse", "normalized", "n", "c", "spatial", "groups",
-                 "channels_last", "copy")
+                 "channels_last", "copy", "group_norm")
 
     def __init__(self, plan, src):
         ndim = len(plan.shape)
         self.channels_last = self.copy = False
+        self.group_norm = torch.native_group_norm
         if plan.op in ("layer_norm", "rms_norm"):
             self.kind = "rows"
             order = [a for a in range(ndim) if a not in plan.reduce_axes] + list(plan.reduce_axes)
@@ -155,6 +167,8 @@ class _Layout:
                 self.kind = "batch"  # torch's float16 group-norm kernel is 1.5x slower
         elif _channels_last_memory(view):
             self.channels_last = True
+            if self.c // self.groups <= _BLOCKED_BACKWARD_CHANNELS[plan.dtype in _HALF]:
+                self.group_norm = _torch_channels_last.group_norm
         elif plan.dtype in _HALF:
             self.copy = True
         else:
@@ -204,8 +218,7 @@ def _run(plan, lay, t, w, b):
             None if b is None else b.repeat(lay.n), None, None, True, 0.0, plan.eps)
         y = y.reshape(t.shape)
     else:
-        y, mean, rstd = torch.native_group_norm(t, w, b, lay.n, lay.c, lay.spatial, lay.groups,
-                                                plan.eps)
+        y, mean, rstd = lay.group_norm(t, w, b, lay.n, lay.c, lay.spatial, lay.groups, plan.eps)
     if lay.inverse is not None:
         y = y.permute(lay.inverse)
     return y, _stats(plan, mean), _stats(plan, rstd)
@@ -625,7 +638,7 @@ def _kernel(plan, lay):
     n, c, spatial, groups, order, inverse = lay.n, lay.c, lay.spatial, lay.groups, lay.order, lay.inverse
     copy = lay.copy
 
-    def grouped(t, w, b, _gn=torch.native_group_norm):
+    def grouped(t, w, b, _gn=lay.group_norm):
         if order is not None:
             t = t.permute(order)
         if copy:
