@@ -178,3 +178,40 @@ def test_no_grad_and_statistics_keep_torch_forward():
     y, mean, rstd = blocked.group_norm(xg, None, None, 2, 8, 16, 8, 1e-5)
     (y.sum() * 0 + mean.sum() + rstd.sum()).backward()
     assert torch.equal(xg.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("offset", [0.0, 1e4, 1e6])
+def test_channels_last_3d_takes_torch_kernel_on_a_copy(dtype, offset):
+    """(N, L, C) with channel_axis=-1 (no 3-d channels-last kernel in torch): under autograd
+    the call copies to contiguous memory for torch's kernel (the array-API core's graph was
+    10x F's time), exact at offsets (at most half torch's error once torch's shows), with
+    gradients to float64 rounding."""
+    if dtype == "bfloat16" and offset:
+        pytest.skip("bfloat16 holds no data at these offsets (its ulp at 1e4 is 64)")
+    tdtype = getattr(torch, dtype)
+    rng = np.random.default_rng(7)
+    shape = (3, 40, 16)
+    x64 = offset + rng.standard_normal(shape)
+    x32 = x64.astype(np.float32) if dtype != "float64" else x64
+    w64 = rng.random(16) + 0.5
+    dy64 = rng.standard_normal(shape)
+    kw = dict(channel_axis=-1, num_groups=4)
+    ref_x = torch.from_numpy(x32).to(tdtype).double().numpy()  # the data as x's dtype holds it
+    y_ref = reference.forward("group_norm", ref_x, w64, **kw)[0]
+    grads_ref = reference.backward("group_norm", dy64, ref_x, w64, **kw)
+    x = torch.from_numpy(x32).to(tdtype).requires_grad_(True)
+    w = torch.tensor(w64, dtype=tdtype, requires_grad=True)
+    y = anynorm.group_norm(x, 4, w, channel_axis=-1)
+    assert "NativeGroupNormBackward" in _graph(y), _graph(y)
+    y.backward(torch.from_numpy(dy64).to(tdtype))
+    theirs = torch.nn.functional.group_norm(
+        torch.from_numpy(x32).to(tdtype).transpose(1, 2), 4, w.detach()).transpose(1, 2)
+    err = np.max(np.abs(y.detach().double().numpy() - y_ref))
+    torch_err = np.max(np.abs(theirs.double().numpy() - y_ref))
+    floor = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 2e-2}[dtype] * np.max(np.abs(y_ref))
+    assert err <= max(0.5 * torch_err, floor), (err, torch_err)
+    gfloor = {"float32": 2e-6, "float64": 1e-12, "bfloat16": 3e-2}[dtype]
+    for name, g, r in zip(("dx", "dweight"), (x.grad, w.grad), grads_ref):
+        rel = np.max(np.abs(g.double().numpy() - r)) / np.max(np.abs(r))
+        assert rel <= gfloor, (name, rel)
