@@ -9,7 +9,8 @@ instance norm as group norm with one channel per group.  float16/bfloat16 inputs
 kernels accumulate in float32 and convert only cache-sized rows; they take float32
 parameters where the statistics are asked for (then returned in float32), else the
 parameters as given.  torch's CPU RMS norm is composite (a float32 copy of the whole
-array): half rows take :func:`_blocked_rms` instead, and half group/instance norm on
+array, a slow autograd graph): :mod:`anynorm._torch_rms` runs half rows and every call
+autograd records in blocks of rows instead, and half group/instance norm on
 memory neither contiguous nor channels-last a contiguous copy in x's dtype.  torch's
 channels-last group-norm backward is slow with few channels a group (10-40x its contiguous
 one): there autograd records :mod:`anynorm._torch_channels_last`'s blocked backward.
@@ -51,7 +52,7 @@ from itertools import chain as _chain
 import numpy as np
 import torch
 
-from . import _numpy, _reference, _torch_channels_last
+from . import _numpy, _reference, _torch_channels_last, _torch_rms
 
 __all__ = ["forward", "forward_runner", "backward"]
 
@@ -196,13 +197,12 @@ def _run(plan, lay, t, w, b):
             w = w.reshape(normalized)
         if b is not None and b.dim() != len(normalized):
             b = b.reshape(normalized)
-        if plan.op == "rms_norm" and plan.dtype in _HALF and not torch.compiler.is_compiling():
-            y, mean, rstd = _blocked_rms(t, normalized, plan.count, w, plan.eps)
-        elif plan.op == "rms_norm":
+        if plan.op == "rms_norm" and torch.compiler.is_compiling():
             # torch.compile cannot trace the Python binding, only the aten op behind it
-            fused_rms = torch.ops.aten._fused_rms_norm if torch.compiler.is_compiling() else torch._fused_rms_norm
-            y, rstd = fused_rms(t, normalized, w, plan.eps)
+            y, rstd = torch.ops.aten._fused_rms_norm(t, normalized, w, plan.eps)
             mean = None
+        elif plan.op == "rms_norm":
+            y, mean, rstd = _torch_rms.rms_norm(t, normalized, plan.count, w, plan.eps)
         else:
             y, mean, rstd = torch.native_layer_norm(t, normalized, w, b, plan.eps)
         if lay.inverse is not None:
@@ -614,15 +614,11 @@ def _kernel(plan, lay):
     eps = plan.eps
     if lay.kind == "rows":
         normalized = lay.normalized
-        if plan.op == "rms_norm" and plan.dtype in _HALF:
+        if plan.op == "rms_norm":
             count = plan.count
 
-            def routine(t, w, b):
-                return _blocked_rms(t, normalized, count, w, eps)
-        elif plan.op == "rms_norm":
-            def routine(t, w, b, _rms=torch._fused_rms_norm):
-                y, rstd = _rms(t, normalized, w, eps)
-                return y, None, rstd
+            def routine(t, w, b, _rms=_torch_rms.rms_norm):
+                return _rms(t, normalized, count, w, eps)
         else:
             def routine(t, w, b, _ln=torch.native_layer_norm):
                 return _ln(t, normalized, w, b, eps)
@@ -645,44 +641,6 @@ def _kernel(plan, lay):
         y, mean, rstd = _gn(t, w, b, n, c, spatial, groups, eps)
         return (y if inverse is None else y.permute(inverse)), mean, rstd
     return grouped
-
-
-_BLOCK_BYTES = 1 << 18  # float32 bytes of one block of rows: L2-resident on any CPU
-
-
-def _blocked_rms(t, normalized, count, w, eps):
-    """RMS norm of half-precision rows ``t`` (normalized axes last), torch's
-    ``_fused_rms_norm`` results: ``(y, None, rstd)``, rstd float32.
-
-    torch's CPU routine is composite: it converts the whole of x to float32 and makes
-    three more float32 passes (5x the time measured at 8192 x 4096).  Here blocks of rows
-    (``_BLOCK_BYTES`` of float32) are converted, reduced, scaled and written back: one
-    read of x, one write of y.  Arrays that fit one block, and calls autograd records
-    (which need torch's differentiable composite), take torch's routine."""
-    if t.nbytes * 2 <= _BLOCK_BYTES or (torch.is_grad_enabled() and (
-            t.requires_grad or (w is not None and w.requires_grad))):
-        y, rstd = torch._fused_rms_norm(t, normalized, w, eps)
-        return y, None, rstd
-    rows = t.numel() // count
-    x2 = t.reshape(rows, count)
-    y = torch.empty((rows, count), dtype=t.dtype)
-    rstd = torch.empty((rows, 1), dtype=torch.float32)
-    step = max(1, _BLOCK_BYTES // (4 * count))
-    buf = torch.empty((min(step, rows), count), dtype=torch.float32)
-    wf = None if w is None else w.reshape(count).to(torch.float32)
-    scale = 1.0 / count
-    for i in range(0, rows, step):
-        j = min(i + step, rows)
-        xf, r = buf[:j - i], rstd[i:j]
-        xf.copy_(x2[i:j])
-        torch.linalg.vector_norm(xf, dim=1, keepdim=True, out=r)  # float32 accumulation
-        r.square_().mul_(scale).add_(eps).rsqrt_()
-        xf.mul_(r)
-        if wf is not None:
-            xf.mul_(wf)
-        y[i:j].copy_(xf)
-    keep = t.shape[:t.dim() - len(normalized)] + (1,) * len(normalized)
-    return y.view(t.shape), None, rstd.view(keep)
 
 
 def _publisher(plan, lay):

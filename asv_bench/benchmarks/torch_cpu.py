@@ -100,7 +100,7 @@ class TorchCPUForward(_TorchCase):
 class TorchCPUBackward(_TorchCase):
     """Forward + autograd backward to x, weight and bias."""
 
-    params = [MAIN_CASES + ["ln rows 8192x768"], ["float32", "bfloat16"]]
+    params = [MAIN_CASES + ["ln rows 8192x768", "rms rows 8192x4096"], ["float32", "bfloat16"]]
 
     def setup(self, name, dtype):
         super().setup(name, dtype)
