@@ -158,8 +158,11 @@ def _device(arr):
 def _check_device(name, arr, x):
     if arr is None or type(arr) is type(x) is np.ndarray:  # NumPy has one device
         return
-    if _device(arr) != _device(x):
-        raise ValueError(f"{name} must be on the same device as x ({_device(x)}), got {_device(arr)}")
+    have, want = _device(arr), _device(x)
+    # None: a device not known yet (a JAX tracer inside jit/grad: the concrete arrays it
+    # meets there are placed by JAX itself)
+    if have != want and have is not None and want is not None:
+        raise ValueError(f"{name} must be on the same device as x ({want}), got {have}")
 
 
 def _as_int(name, value) -> int:

@@ -145,6 +145,39 @@ def test_jax_jit_and_grad(op, kw):
     assert_close(jb.to_numpy(grad), reference.backward(op, dy64, x64, eps=eps, **kw)[0], "float64", scale=10)
 
 
+@pytest.mark.parametrize("op, kw", [("layer_norm", {"axis": (0, 2)}), ("rms_norm", {}),
+                                    ("group_norm", {"num_groups": 2}), ("instance_norm", {"channel_axis": -1})])
+def test_jax_jit_and_grad_with_parameters(op, kw):
+    """Weights closed over (concrete) or traced, gradients to the parameters with concrete
+    data (JAX's training pattern): a tracer's device is unknown while tracing, which must
+    not read as a device mismatch."""
+    jax = pytest.importorskip("jax")
+    jb = get_backend("jax")
+    rng = np.random.default_rng(12)
+    x64, dy64 = rng.standard_normal((2, 4, 6)), rng.standard_normal((2, 4, 6))
+    pshape = {"layer_norm": (2, 6), "rms_norm": (6,), "group_norm": (4,), "instance_norm": (6,)}[op]
+    w64, b64 = rng.random(pshape) + 0.5, rng.random(pshape) - 0.5
+    fn = getattr(anynorm, op)
+    args = (kw["num_groups"],) if op == "group_norm" else ()
+    kwargs = {k: v for k, v in kw.items() if k != "num_groups"}
+    eps = 2.0**-52 if op == "rms_norm" else 1e-5
+
+    def f(x, w, b):
+        return fn(x, *args, w, **kwargs) if op == "rms_norm" else fn(x, *args, w, b, **kwargs)
+
+    x, w, b, dy = (jb.asarray(a) for a in (x64, w64, b64, dy64))
+    ref_kw = dict(kw, eps=eps)
+    bias = None if op == "rms_norm" else b64
+    y_ref = reference.forward(op, x64, w64, bias, **ref_kw)[0]
+    assert_close(jb.to_numpy(jax.jit(lambda x: f(x, w, b))(x)), y_ref, "float64")
+    assert_close(jb.to_numpy(jax.jit(f)(x, w, b)), y_ref, "float64")
+    grads_ref = reference.backward(op, dy64, x64, w64, **ref_kw)
+    dw = jax.jit(jax.grad(lambda w: (f(x, w, b) * dy).sum()))(w)
+    assert_close(jb.to_numpy(dw), grads_ref[1], "float64", scale=10)
+    dx = jax.grad(lambda x: (f(x, w, b) * dy).sum())(x)
+    assert_close(jb.to_numpy(dx), grads_ref[0], "float64", scale=10)
+
+
 def test_calls_with_the_same_arguments_share_one_plan():
     """Planning runs once per distinct call (per-call overhead is what a GPU launch waits on);
     the arrays are still checked every time."""
