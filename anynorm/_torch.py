@@ -32,7 +32,8 @@ conditioned, and ``shift`` is added back to the returned mean), and is checked a
 still fails takes the exact executors.  Checking after the kernel beats shifting before it
 at every size measured on torch CPU (a (4, 8) call: the check on Python floats 1.1 us,
 ``x - x[..., :1]`` 3.4 us; at 1000 rows three torch ops 3.8 us against a pass over x).  Under
-``torch.compile`` (no data-dependent branch) the shift is always taken, the mean of a few
+``torch.compile`` and torch.func's transforms (:func:`_tracing`: no data-dependent branch,
+no memory to read under vmap) the shift is always taken, the mean of a few
 leading elements of each slice, half dtypes run in float32 (:func:`_traced_forward`), and
 the channels-last kernel is not used.
 
@@ -86,6 +87,16 @@ _LIMITS = {torch.float32: (8.0, 0.5), torch.float64: (2.0, 0.5),
 # torch / blocked: float32 9.6/2.5 (1 channel a group), 4.8/2.3 (2), 4.3/2.8 (4),
 # 0.9/2.2 (8); bfloat16 26.5/3.2, 13.7/2.8, 7.7/2.2, 5.1/3.4 (8), 1.1/4.0 (16).
 _BLOCKED_BACKWARD_CHANNELS = (4, 8)
+
+
+_transforms = torch._C._are_functorch_transforms_active
+
+
+def _tracing():
+    """torch.compile traces the call, or a torch.func transform (vmap, grad, jacrev, ...)
+    runs it: then no data-dependent branch (vmap's batched tensors have no memory to read),
+    no NumPy view, no Python autograd.Function without transform rules."""
+    return torch.compiler.is_compiling() or _transforms()
 
 
 def _params_ok(plan, *params):
@@ -197,7 +208,7 @@ def _run(plan, lay, t, w, b):
             w = w.reshape(normalized)
         if b is not None and b.dim() != len(normalized):
             b = b.reshape(normalized)
-        if plan.op == "rms_norm" and torch.compiler.is_compiling():
+        if plan.op == "rms_norm" and _tracing():
             # torch.compile cannot trace the Python binding, only the aten op behind it
             y, rstd = torch.ops.aten._fused_rms_norm(t, normalized, w, plan.eps)
             mean = None
@@ -287,7 +298,8 @@ def _leading_mean(plan, t):
 
 
 def _traced_forward(plan, lay, src, weight, bias):
-    """``(y, mean, rstd)`` under ``torch.compile`` (no data-dependent branch): torch's kernel
+    """``(y, mean, rstd)`` under ``torch.compile`` or a torch.func transform (no
+    data-dependent branch, :func:`_tracing`): torch's kernel
     on ``x - shift`` (:func:`_leading_mean`) for layer/group norm, on ``x`` for RMS norm.
 
     float16/bfloat16 run in float32 (``x.float()``; inductor fuses the conversion into its
@@ -314,7 +326,7 @@ def native_forward(plan, src, weight, bias):
     if not _params_ok(plan, weight, bias) or src.numel() == 0:
         return None
     lay = _layout(plan, src)
-    if torch.compiler.is_compiling():
+    if _tracing():
         if lay.channels_last and plan.center:
             return None
         return _traced_forward(plan, lay, src, weight, bias)
@@ -373,8 +385,8 @@ def _numpy_plan(plan):
 
 def _numpy_eligible(plan, *tensors):
     """True when the NumPy executor may run on these tensors' memory: CPU, plain tensors of a
-    NumPy dtype, no gradient to record, not being traced by torch.compile."""
-    if plan.dtype not in _NUMPY_DTYPES or torch.compiler.is_compiling():
+    NumPy dtype, no gradient to record, not traced (:func:`_tracing`)."""
+    if plan.dtype not in _NUMPY_DTYPES or _tracing():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -450,8 +462,9 @@ def forward_runner(plan, x, stats):
         return forward(plan, x, weight, bias, residual)
 
     # a runner is only built, and only served from the call cache, outside torch.compile's
-    # tracing (the cache takes no traced call), so run() need not ask again
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or plan.dtype not in _LIMITS
+    # tracing (the cache takes no traced call), so run() need not ask again; torch.func's
+    # transforms do reach a cached runner, which then hands the call to the traced path
+    if (_tracing() or x.device.type != "cpu" or plan.dtype not in _LIMITS
             or x.numel() == 0 or plan.has_residual or not _prefers_native(plan)):
         return general
     lay = _layout(plan, x)
@@ -537,6 +550,8 @@ def forward_runner(plan, x, stats):
         ones = _float_params(plan, None, None, plan.param_shape)[0]
 
         def run(x, weight, bias, residual):
+            if _transforms():
+                return general(x, weight, bias, residual)
             if weight is None:
                 if bias is not None and bias.dtype is not dtype:
                     return converted(x, weight, bias)
@@ -549,6 +564,8 @@ def forward_runner(plan, x, stats):
             return finish(x, weight, bias, w, b, *kernel(x, w, b))
     else:
         def run(x, weight, bias, residual):
+            if _transforms():
+                return general(x, weight, bias, residual)
             if ((weight is not None and weight.dtype is not dtype)
                     or (bias is not None and bias.dtype is not dtype)):
                 return converted(x, weight, bias)
