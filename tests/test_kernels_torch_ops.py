@@ -182,6 +182,34 @@ def test_torch_func_grad():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3:]}")
+def test_torch_func_vmap_and_per_sample_grads(case):
+    """Under vmap (batched tensors have no memory for a kernel; _TransformNorm has no vmap
+    rule) the calls take the array-API core: outputs and per-sample gradients equal a loop."""
+    plan, x, w, b, res = _inputs(case)
+    xs = torch.stack([x.detach(), x.detach() * 0.5 + 1, x.detach() - 2])
+    w = None if w is None else w.detach()
+    b = None if b is None else b.detach()
+    res = None if res is None else res.detach()
+
+    def first(x):
+        return ops.forward(plan, x, w, b, res)[0]
+
+    torch.testing.assert_close(torch.func.vmap(first)(xs), torch.stack([first(s) for s in xs]))
+    if w is None:
+        return
+
+    def loss(w, x):
+        return (ops.forward(plan, x, w, b, res)[0] ** 3).sum()
+
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, xs)
+    want = torch.stack([torch.func.grad(loss)(w, s) for s in xs])
+    torch.testing.assert_close(got, want)
+    dys = torch.randn(xs.shape, dtype=xs.dtype, generator=torch.Generator().manual_seed(1))
+    dx = torch.func.vmap(lambda dy, x: ops.backward(plan, dy, x, w)[0])(dys, xs)
+    torch.testing.assert_close(dx, torch.stack([ops.backward(plan, d, s, w)[0] for d, s in zip(dys, xs)]))
+
+
 def test_tensor_left_over_from_a_transform():
     """A tensor kept from inside a finished torch.func transform (a dead functorch wrapper)
     takes the op, whose autograd.Function unwraps it: the eager route calls the C apply,

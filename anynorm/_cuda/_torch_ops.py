@@ -19,8 +19,11 @@ torch.compile tracing, torch function/dispatch modes and tensor subclasses see t
 from typing import List, Optional, Tuple
 
 import torch
+from torch._C._functorch import TransformType as _TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
 
 from . import _interop, _launcher
+from .. import _reference
 from .._plan import namespace_of, plan_for
 
 __all__ = ["forward", "backward", "RUNNERS"]
@@ -457,6 +460,16 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_functi
 OP, AUTOGRAD, TRANSFORM, RUN = "op", "autograd", "transform", "run"
 
 
+_VMAP = _TransformType.Vmap
+
+
+def _vmap_active() -> bool:
+    """A vmap among the active torch.func transforms: its batched tensors have no memory a
+    kernel could read, and :class:`_TransformNorm` has no vmap rule, so such calls take the
+    array-API core (torch operations, which vmap and autograd both see through)."""
+    return any(i.key() == _VMAP for i in _interpreters())
+
+
 def _device_type(t) -> str:
     return "cuda" if t.is_cuda else t.device.type  # t.device builds an object per call
 
@@ -504,6 +517,8 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=Non
         y, h, mean, rstd = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual, stats,
                                                        site)
     elif route == TRANSFORM:
+        if _vmap_active():  # batched tensors: no memory for a kernel, no vmap rule to merge
+            return _reference.forward(plan, x, weight, bias, residual)
         y, h, mean, rstd = _TransformNorm.apply(plan, x, weight, bias, residual, stats, site)
     elif route == AUTOGRAD:
         out = _eager_apply(plan, x, weight, bias, residual, stats, site)
@@ -521,9 +536,12 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=Non
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """``(dx, dweight, dbias)``; dweight/dbias None without weight."""
-    if _route(x, dy, weight, mean, rstd) == RUN:
+    route = _route(x, dy, weight, mean, rstd)
+    if route == RUN:
         wanted = weight is not None and (weight.dtype, weight.dtype)
         dx, dw, db = RUNNERS[_device_type(x)][1](plan, dy, x, weight, mean, rstd, wanted)
+    elif route == TRANSFORM and _vmap_active():
+        return _reference.backward(plan, dy, x, weight, mean, rstd)
     else:
         dx, dw, db = _backward_op(dy, x, weight, mean, rstd, *_op_args(plan), weight is not None)
     if weight is None:

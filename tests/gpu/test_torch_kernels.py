@@ -313,3 +313,26 @@ def test_opcheck(case, dtype):
     torch.library.opcheck(torch.ops.anynorm.backward.default,
                           (dy, plain[0], plain[1], None, None, op, axes, channel_axis, groups, 1e-5,
                            True))
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "group_norm"])
+def test_torch_func_vmap_and_per_sample_grads(op):
+    """vmap and vmap(grad) over CUDA tensors (the array-API core serves batched tensors):
+    equal to a loop over the samples."""
+    xs = _rand((3, 4, 8, 5), torch.float32, requires_grad=False)
+    w = _rand((8,) if op == "group_norm" else (5,), torch.float32, seed=3, requires_grad=False)
+
+    def call(w, x):
+        if op == "group_norm":
+            return anynorm.group_norm(x, 2, w)
+        return getattr(anynorm, op)(x, w)
+
+    torch.testing.assert_close(torch.func.vmap(call, in_dims=(None, 0))(w, xs),
+                               torch.stack([call(w, s) for s in xs]))
+
+    def loss(w, x):
+        return (call(w, x) ** 3).sum()
+
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, xs)
+    want = torch.stack([torch.func.grad(loss)(w, s) for s in xs])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
