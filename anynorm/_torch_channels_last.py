@@ -124,7 +124,7 @@ def backward(dy, x, mean, rstd, w, groups, need_x=True, need_w=True, bias_dtype=
     if per_sample <= _BLOCK_BYTES:
         step, run = max(1, _BLOCK_BYTES // max(1, per_sample)), spatial
     else:
-        step, run = 1, max(1, _BLOCK_BYTES // (4 * c))
+        step, run = 1, max(1, _BLOCK_BYTES * spatial // per_sample)
     blocks = [(s, min(s + step, n), h, min(h + run, spatial))
               for s in range(0, n, step) for h in range(0, spatial, run)]
     shape = (min(step, n), min(run, spatial), c)
