@@ -52,6 +52,7 @@ import json
 import math
 import pathlib
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -133,6 +134,7 @@ class Settings:
     e2e_warmup: int = 5         # training steps per model before timing
     e2e_rounds: int = 7         # interleaved rounds of e2e_steps steps per model
     e2e_steps: int = 3
+    e2e_profile_steps: int = 2  # steps per model under torch.profiler (0: no profile)
 
     @classmethod
     def from_args(cls, args):
@@ -146,7 +148,8 @@ class Settings:
                    overhead_rounds=3 if args.tiny else (5 if args.quick else 11),
                    e2e_warmup=1 if args.tiny else (3 if args.quick else 5),
                    e2e_rounds=2 if args.tiny else (3 if quick else 7),
-                   e2e_steps=1 if args.tiny else (2 if args.quick else 3))
+                   e2e_steps=1 if args.tiny else (2 if args.quick else 3),
+                   e2e_profile_steps=args.e2e_profile_steps)
 
 
 class SetupError(Exception):
@@ -1396,6 +1399,55 @@ def e2e_times(env, models):
             for name, v in samples.items()}
 
 
+# runtime/driver calls that block the host until the device catches up (or may: allocation)
+E2E_SYNC_CALLS = frozenset((
+    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+    "cudaMemcpy2D", "cudaMalloc", "cudaFree", "cuStreamSynchronize", "cuCtxSynchronize",
+    "cuEventSynchronize", "cuMemcpyDtoH", "cuMemcpyDtoH_v2", "cuMemAlloc", "cuMemAlloc_v2",
+    "cuMemFree", "cuMemFree_v2"))
+# normalization kernels: torch's (layer_norm, GammaBeta) and anynorm's (kernels/*.cu)
+E2E_NORM_KERNEL = re.compile(r"layer_norm|LayerNorm|GammaBeta|\b(rows|cols|param_grad)_\w+|\bstats_finalize"
+                             r"|\bapply_bwd|\bsegment_grad_finalize")
+
+
+def e2e_profile(env, models, steps):
+    """Per model, ``steps`` training steps under torch.profiler: the step's wall time there,
+    the device time of its kernels, memcpys and memsets (on CPU: its ops' self time), the
+    share of the step the device sat idle, the normalization kernels' device time, the
+    synchronizing runtime calls per step and the heaviest kernels. What explains a slower
+    step: more device time (kernels), or an idle device (host-bound, or a synchronization)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch = env.torch
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device == "cuda" else [])
+    result = {}
+    for name, model in (("native", models.native), ("anynorm", models.ours)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        training_step(env, model, optimizer, models)
+        env.clock.sync()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                training_step(env, model, optimizer, models)
+            env.clock.sync()
+            wall_ms = (time.perf_counter() - start) * 1e3 / steps
+        per_kernel, syncs = {}, 0
+        for event in prof.events():
+            if event.name in E2E_SYNC_CALLS:
+                syncs += 1
+            elif is_device_record(event, env.device):
+                per_kernel[event.name] = per_kernel.get(event.name, 0.0) + record_us(event, env.device) / 1e3 / steps
+        device_ms = sum(per_kernel.values())
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6]
+        result[name] = {
+            "wall_ms": wall_ms, "device_ms": device_ms,
+            "idle": max(0.0, 1.0 - device_ms / wall_ms) if wall_ms > 0 else None,
+            "norm_ms": sum(v for k, v in per_kernel.items() if E2E_NORM_KERNEL.search(k)),
+            "syncs_per_step": syncs / steps,
+            "top_kernels_ms": [(k[:70], v) for k, v in top]}
+    return result
+
+
 def new_e2e_row(env, name, kind):
     return {"section": "e2e", "name": name, "kind": kind, "shape": None, "dtype": "bfloat16 autocast",
             "pass": "train step", "lib": "torch", "error": None, "errors": {}, "max_err": None,
@@ -1417,6 +1469,11 @@ def run_e2e_case(env, name, kind, build):
         row["check_ok"] = all(e["max_abs"] <= E2E_TOLERANCE * max(1.0, e["scale"]) for e in row["errors"].values())
         row["times_ms"] = e2e_times(env, models)
         row["ratio"] = row["times_ms"]["anynorm"]["median_ms"] / row["times_ms"]["native"]["median_ms"]
+        if env.settings.e2e_profile_steps > 0:
+            try:
+                row["profile"] = e2e_profile(env, models, env.settings.e2e_profile_steps)
+            except Exception as exc:  # the profiler failed: the timings above still stand
+                row["notes"].append(f"profile failed: {short_error(exc)}")
         if row["check_ok"]:
             row["target_met"] = row["ratio"] <= E2E_TARGETS[kind]
     except Unavailable as exc:
@@ -1561,6 +1618,11 @@ def e2e_notes(row):
     if row["check_ok"] is False:
         notes.append("differences beyond tolerance")
     notes.extend(row.get("notes", []))
+    prof = row.get("profile")
+    if prof:
+        for name in ("native", "anynorm"):
+            heavy = ", ".join(f"{k} {v:.2f}" for k, v in prof[name]["top_kernels_ms"][:4])
+            notes.append(f"{name} heaviest (ms/step): {heavy}")
     return "; ".join(notes).replace("|", "/")
 
 
@@ -1575,8 +1637,21 @@ E2E_COLUMNS = [
     ("output max diff", lambda r: fmt(r["errors"].get("output", {}).get("max_abs"), ".1e")),
     ("output max", lambda r: fmt(r["errors"].get("output", {}).get("scale"), ".2g")),
     ("loss diff", lambda r: fmt(r["errors"].get("loss", {}).get("max_abs"), ".1e")),
-    ("check", check_text), ("notes", e2e_notes),
+    ("check", check_text),
+    ("device ms/step native, anynorm", lambda r: e2e_profiled(r, "device_ms", ".1f")),
+    ("device idle native, anynorm", lambda r: e2e_profiled(r, "idle", ".0%")),
+    ("norm kernels ms/step native, anynorm", lambda r: e2e_profiled(r, "norm_ms", ".2f")),
+    ("syncs/step native, anynorm", lambda r: e2e_profiled(r, "syncs_per_step", ".1f")),
+    ("notes", e2e_notes),
 ]
+
+
+def e2e_profiled(row, key, spec):
+    """``native, anynorm`` of a figure of ``e2e_profile`` (— where no profile ran)."""
+    prof = row.get("profile")
+    if not prof:
+        return "—"
+    return ", ".join(fmt(prof[name].get(key), spec) for name in ("native", "anynorm"))
 
 
 class Report:
@@ -1760,6 +1835,10 @@ def parse_args(argv):
     parser.add_argument("--tiny", action="store_true", help="small shapes of the same layouts (smoke test)")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="skip the cases not started after this many seconds (default 420)")
+    parser.add_argument("--e2e-profile-steps", type=int, default=2, metavar="N",
+                        help="e2e: training steps per model under torch.profiler, for the device time, "
+                             "GPU idle share, synchronizing calls and heaviest kernels of a step "
+                             "(default 2; 0: none)")
     parser.add_argument("--sections", type=parse_sections, default=SECTIONS, metavar="LIST",
                         help="comma-separated sections to run, in this order: rows, strided (both with "
                              "kernel-only times; 'kernels' = rows,strided), overhead, e2e; default: all")
