@@ -10,6 +10,7 @@ accept arrays from any library.
 from __future__ import annotations
 
 import functools
+import importlib
 import numbers
 
 import array_api_compat
@@ -69,6 +70,20 @@ class _Module:
 
     def __repr__(self):
         return f"{type(self).__name__}({self._extra_repr()})"
+
+    # pickling (multiprocessing, saving a model): the namespace goes by its module's name and
+    # the input check's picker, a closure, is remade from the axis on load
+    def __getstate__(self):
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_pick", "_want")}
+        state["xp"] = self.xp.__name__
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        state["xp"] = importlib.import_module(state["xp"])
+        self.__dict__.update(state)
+        if "_axis" in state:
+            self.axis = state["_axis"]
 
 
 # --- the per-call input check ------------------------------------------------------------------

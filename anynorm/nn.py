@@ -35,6 +35,16 @@ class _AxisInput:
         self.__dict__["_axis"] = value
         self.__dict__["_pick"], self.__dict__["_want"] = axes_picker(value, tuple(self.normalized_shape))
 
+    # the picker is a closure (torch.compile traces it, not operator.itemgetter): pickling
+    # (torch.save of a whole model, multiprocessing) leaves it out and remakes it on load
+    def __getstate__(self):
+        state = super().__getstate__()
+        return {k: v for k, v in state.items() if k not in ("_pick", "_want")}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.axis = state["_axis"]
+
 
 class LayerNorm(_AxisInput, torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` over any axes, run by :func:`anynorm.layer_norm`.
