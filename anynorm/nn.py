@@ -18,6 +18,32 @@ from ._modules import check_axes_input, check_channel_input, axes_picker
 
 __all__ = ["LayerNorm", "RMSNorm", "GroupNorm", "InstanceNorm"]
 
+_Proxy = torch.fx.Proxy
+
+
+# torch.fx symbolic tracing (torchvision's feature extraction, FX quantization) records each
+# module's call as one node of these (torch.nn's own modules are FX leaves; these are not,
+# and tracing into anynorm's shape checks would fail on proxies)
+@torch.fx.wrap
+def _fx_layer_norm(x, weight, bias, axis, eps, residual):
+    return layer_norm(x, weight, bias, axis=axis, eps=eps, residual=residual)
+
+
+@torch.fx.wrap
+def _fx_rms_norm(x, weight, axis, eps, residual):
+    return rms_norm(x, weight, axis=axis, eps=eps, residual=residual)
+
+
+@torch.fx.wrap
+def _fx_group_norm(x, num_groups, weight, bias, channel_axis, eps):
+    return group_norm(x, num_groups, weight, bias, channel_axis=channel_axis, eps=eps)
+
+
+@torch.fx.wrap
+def _fx_instance_norm(x, weight, bias, channel_axis, eps):
+    return instance_norm(x, weight, bias, channel_axis=channel_axis, eps=eps)
+
+
 def _default_axis(normalized_shape, axis):
     return tuple(range(-len(normalized_shape), 0)) if axis is None else axis
 
@@ -105,6 +131,8 @@ class LayerNorm(_AxisInput, torch.nn.LayerNorm):
         """``y = layer_norm(x, weight, bias, axis=axis, eps=eps)``; with ``residual``:
         ``(y, h)``, ``h = x + residual``, ``y`` its norm.  Raises ValueError naming ``x``'s
         shape when its sizes on ``axis`` are not ``normalized_shape``."""
+        if type(x) is _Proxy:
+            return _fx_layer_norm(x, self.weight, self.bias, self._axis, self.eps, residual)
         check_axes_input(self, x)
         return layer_norm(x, self.weight, self.bias, axis=self._axis, eps=self.eps, residual=residual)
 
@@ -162,6 +190,8 @@ class RMSNorm(_AxisInput, torch.nn.RMSNorm):
         """``y = rms_norm(x, weight, axis=axis, eps=eps)``; with ``residual``: ``(y, h)``,
         ``h = x + residual``.  Raises ValueError naming ``x``'s shape when its sizes on
         ``axis`` are not ``normalized_shape``."""
+        if type(x) is _Proxy:
+            return _fx_rms_norm(x, self.weight, self._axis, self.eps, residual)
         check_axes_input(self, x)
         return rms_norm(x, self.weight, axis=self._axis, eps=self.eps, residual=residual)
 
@@ -225,6 +255,8 @@ class GroupNorm(torch.nn.GroupNorm):
         """``group_norm(x, num_groups, weight, bias, channel_axis=channel_axis, eps=eps)``.
         Raises ValueError naming ``x``'s shape when it lacks ``num_channels`` channels on
         ``channel_axis``."""
+        if type(x) is _Proxy:
+            return _fx_group_norm(x, self.num_groups, self.weight, self.bias, self.channel_axis, self.eps)
         check_channel_input(self, x, self.num_channels)
         return group_norm(x, self.num_groups, self.weight, self.bias, channel_axis=self.channel_axis,
                           eps=self.eps)
@@ -295,6 +327,8 @@ class InstanceNorm(_InstanceNorm):
         """``instance_norm(x, weight, bias, channel_axis=channel_axis, eps=eps)``.  Raises
         ValueError naming ``x``'s shape when it lacks ``num_features`` channels on
         ``channel_axis``."""
+        if type(x) is _Proxy:
+            return _fx_instance_norm(x, self.weight, self.bias, self.channel_axis, self.eps)
         check_channel_input(self, x, self.num_features)
         return instance_norm(x, self.weight, self.bias, channel_axis=self.channel_axis, eps=self.eps)
 

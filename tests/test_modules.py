@@ -302,3 +302,30 @@ def test_modules_pickle(flavour, make, shape):
         bad = torch.zeros(wrong) if flavour == "anynorm.nn" else np.zeros(wrong, np.float32)
         with pytest.raises(ValueError, match="got an input of shape"):
             copy(bad)
+
+
+def test_fx_symbolic_trace_records_one_node_a_module():
+    """torch.fx.symbolic_trace (torchvision's feature extraction, FX quantization) of a model
+    holding every anynorm.nn module: one call_function node per module (tracing into the
+    shape checks failed on proxies), the GraphModule computes the same, with gradients."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3)
+            self.ln, self.gn = nn.LayerNorm(8, axis=1), nn.GroupNorm(2, 8)
+            self.inorm, self.rms = nn.InstanceNorm(8, affine=True), nn.RMSNorm(6)
+
+        def forward(self, x):
+            return self.rms(self.inorm(self.gn(self.ln(self.conv(x)))))
+
+    net = randomize(Net(), 5)
+    graph_module = torch.fx.symbolic_trace(net)
+    calls = [n.target.__name__ for n in graph_module.graph.nodes if n.op == "call_function"]
+    assert calls == ["_fx_layer_norm", "_fx_group_norm", "_fx_instance_norm", "_fx_rms_norm"]
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(6))
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    outs = [graph_module(xs[0]), net(xs[1])]
+    assert torch.equal(outs[0], outs[1])
+    for out in outs:
+        out.square().sum().backward()
+    assert torch.equal(xs[0].grad, xs[1].grad)
