@@ -10,8 +10,8 @@ kernels accumulate in float32 and convert only cache-sized rows; they take float
 parameters where the statistics are asked for (then returned in float32), else the
 parameters as given.  torch's CPU RMS norm is composite (a float32 copy of the whole
 array, a slow autograd graph): :mod:`anynorm._torch_rms` runs half rows and every call
-autograd records in blocks of rows instead, and half group/instance norm on
-memory neither contiguous nor channels-last a contiguous copy in x's dtype.  torch's
+autograd records in blocks of rows instead, and group/instance norm on memory neither
+contiguous nor channels-last (an (N, L, C) tensor) a contiguous copy in x's dtype.  torch's
 channels-last group-norm backward is slow with few channels a group (10-40x its contiguous
 one): there autograd records :mod:`anynorm._torch_channels_last`'s blocked backward.
 
@@ -209,7 +209,8 @@ def _run(plan, lay, t, w, b):
         if b is not None and b.dim() != len(normalized):
             b = b.reshape(normalized)
         if plan.op == "rms_norm" and _tracing():
-            # torch.compile cannot trace the Python binding, only the aten op behind it
+            # the aten op: torch.compile cannot trace the Python binding, and a transform
+            # takes no Python autograd.Function without its rules (_torch_rms's)
             y, rstd = torch.ops.aten._fused_rms_norm(t, normalized, w, plan.eps)
             mean = None
         elif plan.op == "rms_norm":

@@ -19,8 +19,6 @@ torch.compile tracing, torch function/dispatch modes and tensor subclasses see t
 from typing import List, Optional, Tuple
 
 import torch
-from torch._C._functorch import TransformType as _TransformType
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
 
 from . import _interop, _launcher
 from .. import _reference
@@ -460,14 +458,21 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_functi
 OP, AUTOGRAD, TRANSFORM, RUN = "op", "autograd", "transform", "run"
 
 
-_VMAP = _TransformType.Vmap
+try:  # torch's private view of the transform stack (2.1 on)
+    from torch._C._functorch import TransformType as _TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
+except ImportError:  # without it every transform is taken for a vmap: slower, still right
+    _TransformType = _interpreters = None
 
 
 def _vmap_active() -> bool:
     """A vmap among the active torch.func transforms: its batched tensors have no memory a
     kernel could read, and :class:`_TransformNorm` has no vmap rule, so such calls take the
     array-API core (torch operations, which vmap and autograd both see through)."""
-    return any(i.key() == _VMAP for i in _interpreters())
+    if _interpreters is None:
+        return True
+    vmap = _TransformType.Vmap
+    return any(i.key() == vmap for i in _interpreters())
 
 
 def _device_type(t) -> str:
