@@ -537,10 +537,66 @@ def _small_forward(plan, x, weight, bias, residual):
     return y, h, mean, rstd.reshape(plan.stats_shape)
 
 
+def _memory_order(plan, x, *others):
+    """The axis order in which ``x`` (and each of ``others`` not None) is C-contiguous with
+    the normalized axes last: a Fortran-ordered or transposed array (``df.to_numpy()``,
+    ``a.T``) normalized along its memory's rows, which the row path then serves; None when
+    ``x`` is C-contiguous already or no such order exists.  (Memory columns stay on the
+    general path: as the columns path they measured slower, 4096 x 1024 float32 F-order
+    over axis -1 33 ms against 24.)"""
+    if x.flags.c_contiguous or x.ndim < 2:
+        return None
+    order = sorted(range(x.ndim), key=lambda a: -x.strides[a])
+    k = len(plan.reduce_axes)
+    if sorted(order[-k:]) != list(plan.reduce_axes):
+        return None
+    if not all(a is None or a.transpose(order).flags.c_contiguous for a in (x,) + others):
+        return None
+    return tuple(order)
+
+
+def _in_memory_order(plan, order):
+    """``(plan_t, weight_axes)``: the layer/RMS norm plan of ``x.transpose(order)`` (made once
+    per plan and order) and the permutation that takes weight/bias into its axis order."""
+    key = ("memory order", order)
+    found = plan.memo.get(key)
+    if found is None:
+        from ._plan import plan_for
+
+        positions = [order.index(a) for a in plan.reduce_axes]
+        weight_axes = tuple(sorted(range(len(positions)), key=positions.__getitem__))
+        shape = tuple(plan.shape[a] for a in order)
+        param = tuple(plan.param_shape[k] for k in weight_axes)
+        found = plan.memo[key] = (plan_for(
+            plan.op, plan.xp, shape, plan.dtype, tuple(sorted(positions)), 1, None, plan.eps,
+            param if plan.has_weight else None, param if plan.has_bias else None,
+            plan.has_residual), weight_axes)
+    return found
+
+
+def _transposed(arr, axes):
+    return None if arr is None else arr.transpose(axes)
+
+
+def _forward_in_memory_order(plan, order, x, weight, bias, residual):
+    """Layer/RMS norm of an array C-contiguous in ``order``: the same call on that view (the
+    executor's blocks then follow memory), the results seen back through x's axes (y in
+    x's memory layout, as NumPy's ufuncs give)."""
+    plan_t, weight_axes = _in_memory_order(plan, order)
+    inverse = tuple(np.argsort(order))
+    outs = forward(plan_t, x.transpose(order), _transposed(weight, weight_axes),
+                   _transposed(bias, weight_axes), _transposed(residual, order))
+    return tuple(_transposed(a, inverse) for a in outs)
+
+
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
     if x.size < SMALL_ELEMENTS:
         return _small_forward(plan, x, weight, bias, residual)
+    if plan.op in ("layer_norm", "rms_norm"):
+        order = _memory_order(plan, x, residual)
+        if order is not None:
+            return _forward_in_memory_order(plan, order, x, weight, bias, residual)
     layout = _Layout(plan, [x] if residual is None else [x, residual])
     for path in (RowsForward, ColumnsForward):
         call = path.make(plan, layout, x, weight, bias, residual)
@@ -627,6 +683,15 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """Return ``(dx, dweight, dbias)``; stats in public shape, recomputed when None."""
     if x.size < SMALL_ELEMENTS:
         return _reference.backward(plan, dy, x, weight, mean, rstd)
+    if plan.op in ("layer_norm", "rms_norm"):
+        order = _memory_order(plan, x, dy)
+        if order is not None:
+            plan_t, weight_axes = _in_memory_order(plan, order)
+            dx, dw, db = backward(plan_t, dy.transpose(order), x.transpose(order),
+                                  _transposed(weight, weight_axes), _transposed(mean, order),
+                                  _transposed(rstd, order))
+            back = tuple(np.argsort(weight_axes))
+            return dx.transpose(np.argsort(order)), _transposed(dw, back), _transposed(db, back)
     call = _BackwardCall(plan, dy, x, weight, mean, rstd)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
     parts = _run(call.boxes, call.run, scratch_for, _parallel(x),

@@ -364,3 +364,44 @@ def test_ufunc_buffer_size_restored():
         np.testing.assert_allclose(y, want, atol=2e-5)
     if _numpy.NUM_THREADS > 1:  # the pool's threads are back at NumPy's default too
         assert _numpy._pool().submit(np.getbufsize).result() == 8192
+
+
+@pytest.mark.parametrize("memory, axis", [
+    ((1, 0), 0),              # Fortran-ordered matrix normalized over axis 0 (its memory rows)
+    ((2, 1, 0), (0, 1)),      # Fortran-ordered 3-d, two normalized axes
+    ((2, 0, 1), (0, 1)),      # a transposed 3-d array: the normalized axes swap order in memory
+    ((0, 2, 1), 1),           # (B, D, T) memory read as (B, T, D) normalized over T
+])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_memory_rows_of_transposed_arrays(op, memory, axis, blocking):
+    """A Fortran-ordered or transposed array normalized along its memory's rows takes the row
+    path on the C-contiguous view (y in x's memory layout); statistics, residual and the
+    backward (dy in the same layout; weight axes reordered where memory swaps them) match
+    the reference."""
+    rng = np.random.default_rng(8)
+    shape = (6, 10, 12)[:len(memory)]
+    base = (rng.standard_normal(tuple(shape[a] for a in memory)) * 3 + 2).astype(np.float32)
+    x = base.transpose(np.argsort(memory))
+    assert x.shape == shape and not x.flags.c_contiguous
+    kw = dict(axis=axis)
+    _, weight, bias, _ = _inputs(op, shape, np.float32, kw)
+    res = np.ascontiguousarray(rng.standard_normal(base.shape).astype(np.float32)).transpose(np.argsort(memory))
+    plan = make_plan(op, x, weight, bias, res, **kw)
+    assert _numpy._memory_order(plan, x, res) == tuple(memory)
+    ours = _numpy.forward(plan, x, weight, bias, res)
+    _assert_same(ours, _reference.forward(plan, x, weight, bias, res), np.float32)
+    assert ours[0].transpose(memory).flags.c_contiguous  # y laid out like x
+    dy = np.ascontiguousarray(rng.standard_normal(base.shape).astype(np.float32)).transpose(np.argsort(memory))
+    plan = make_plan(op, x, weight, **kw)
+    _assert_same(_numpy.backward(plan, dy, x, weight), _reference.backward(plan, dy, x, weight), np.float32)
+    stats = _reference.forward(plan, x, weight)[2:]
+    _assert_same(_numpy.backward(plan, dy, x, weight, *stats),
+                 _reference.backward(plan, dy, x, weight, *stats), np.float32)
+
+
+def test_memory_columns_stay_on_the_general_path():
+    """Normalized axes that are not memory's innermost: no reordering (the columns path
+    measured slower there)."""
+    x = np.asfortranarray(np.ones((64, 80), np.float32))
+    assert _numpy._memory_order(make_plan("layer_norm", x, axis=-1), x) is None
+    assert _numpy._memory_order(make_plan("layer_norm", x, axis=0), x) == (1, 0)
