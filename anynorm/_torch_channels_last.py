@@ -120,7 +120,7 @@ def backward(dy, x, mean, rstd, w, groups, need_x=True, need_w=True, bias_dtype=
     wf = None if w is None else w.to(acc)
     p = torch.empty((n, c), dtype=acc)
     q = torch.empty((n, c), dtype=acc)
-    per_sample = spatial * c * (8 if acc is torch.float64 else 4)
+    per_sample = spatial * c * acc.itemsize
     if per_sample <= _BLOCK_BYTES:
         step, run = max(1, _BLOCK_BYTES // max(1, per_sample)), spatial
     else:
@@ -137,6 +137,24 @@ def backward(dy, x, mean, rstd, w, groups, need_x=True, need_w=True, bias_dtype=
         torch.sub(xs[s:e, h:k], mc[s:e, None], out=out)
         return out.mul_(rc[s:e, None])
 
+    def dx_block(s, e, h, k, xh, out):
+        """dx of samples s:e, positions h:k, from their xhat (overwritten) and the finished
+        sums p, q of those samples; ``out``: a float32 buffer of the block's shape."""
+        ps, qs = p[s:e], q[s:e]
+        if wf is not None:
+            ps, qs = ps * wf, qs * wf
+        # the group means A, B, spread back over the group's channels
+        a = ps.view(e - s, groups, d).sum(2, keepdim=True).div_(m).expand(e - s, groups, d)
+        bq = qs.view(e - s, groups, d).sum(2, keepdim=True).div_(m).expand(e - s, groups, d)
+        r = rc[s:e]
+        scale = r if wf is None else r * wf         # rstd w
+        shift = (r * a.reshape(e - s, c))[:, None]   # rstd A
+        slope = (r * bq.reshape(e - s, c))[:, None]  # rstd B
+        torch.mul(dys[s:e, h:k], scale[:, None], out=out)
+        out.sub_(shift).sub_(xh.mul_(slope))
+        dxs[s:e, h:k].copy_(out)
+
+    m = spatial * d
     single = run == spatial  # one block holds whole samples: xhat serves both passes
     for s, e, h, k in blocks:
         g = dys[s:e, h:k]
@@ -150,29 +168,10 @@ def backward(dy, x, mean, rstd, w, groups, need_x=True, need_w=True, bias_dtype=
             p[s:e] += g.sum(1, dtype=acc)
             q[s:e] += prod.sum(1)
         if single and need_x:
-            _dx_block(dxs, dys, xh, prod, s, e, h, k, p, q, rc, wf, groups, d, spatial, c)
+            dx_block(s, e, h, k, xh, prod)
     if need_x and not single:
         for s, e, h, k in blocks:
-            _dx_block(dxs, dys, centred(s, e, h, k), work[:e - s, :k - h], s, e, h, k,
-                      p, q, rc, wf, groups, d, spatial, c)
+            dx_block(s, e, h, k, centred(s, e, h, k), work[:e - s, :k - h])
     dw = q.sum(0).to(w.dtype) if need_w and w is not None else None
     db = None if bias_dtype is None else p.sum(0).to(bias_dtype)
     return dx, dw, db
-
-
-def _dx_block(dxs, dys, xh, out, s, e, h, k, p, q, rc, wf, groups, d, spatial, c):
-    """dx of samples s:e, positions h:k, from their xhat and the finished sums p, q."""
-    ps, qs = p[s:e], q[s:e]
-    if wf is not None:
-        ps, qs = ps * wf, qs * wf
-    m = spatial * d
-    # the group means A, B, spread back over the group's channels
-    a = ps.view(e - s, groups, d).sum(2, keepdim=True).div_(m).expand(e - s, groups, d)
-    bq = qs.view(e - s, groups, d).sum(2, keepdim=True).div_(m).expand(e - s, groups, d)
-    r = rc[s:e]
-    scale = r if wf is None else r * wf       # rstd w
-    shift = (r * a.reshape(e - s, c))[:, None]  # rstd A
-    slope = (r * bq.reshape(e - s, c))[:, None]  # rstd B
-    torch.mul(dys[s:e, h:k], scale[:, None], out=out)
-    out.sub_(shift).sub_(xh.mul_(slope))
-    dxs[s:e, h:k].copy_(out)
