@@ -48,6 +48,7 @@ from . import _reference
 from ._numpy_columns import ColumnsForward
 from ._numpy_half import half_to_float
 from ._numpy_rows import RowsForward, bufsize, col_sums, reduce_sums, row_dots, row_sums
+from ._plan import plan_for
 
 __all__ = ["forward", "backward", "BLOCK_BYTES", "NUM_THREADS"]
 
@@ -561,8 +562,6 @@ def _in_memory_order(plan, order):
     key = ("memory order", order)
     found = plan.memo.get(key)
     if found is None:
-        from ._plan import plan_for
-
         positions = [order.index(a) for a in plan.reduce_axes]
         weight_axes = tuple(sorted(range(len(positions)), key=positions.__getitem__))
         shape = tuple(plan.shape[a] for a in order)

@@ -142,28 +142,27 @@ def backward(dy, drstd, x, w, rstd, count, need_x=True, need_w=True):
     if dy is None:  # only rstd's gradient: dx = -drstd rstd^3 x / n
         if dx is not None:
             torch.mul(x2, drstd.reshape(rows, 1).to(acc) * r2.pow(3) * scale, out=dx)
-        return (None if dx is None else dx.view(x.shape),
-                None if dw is None else dw.view(w.shape).to(w.dtype))
-    dy2 = dy.reshape(rows, count)
-    extra = None if drstd is None else drstd.reshape(rows, 1).to(acc) * r2.square() * scale
-    for i in range(0, rows, step):
-        j = min(i + step, rows)
-        r = r2[i:j]
-        p = work[:j - i]
-        torch.mul(dy2[i:j], x2[i:j], out=p)
-        if dw is not None:
-            dw.addmv_(p.t(), r.view(-1))
-        if not need_x:
-            continue
-        k = (p.sum(1) if wf is None else torch.mv(p, wf))[:, None].mul_(r * r * scale)
-        if extra is not None:
-            k += extra[i:j]
-        if wf is None:
-            p.copy_(dy2[i:j])
-        else:
-            torch.mul(dy2[i:j], wf, out=p)
-        p.addcmul_(x2[i:j], k)
-        torch.mul(p, r, out=dx[i:j])
+    else:
+        dy2 = dy.reshape(rows, count)
+        extra = None if drstd is None else drstd.reshape(rows, 1).to(acc) * r2.square() * scale
+        for i in range(0, rows, step):
+            j = min(i + step, rows)
+            r = r2[i:j]
+            p = work[:j - i]
+            torch.mul(dy2[i:j], x2[i:j], out=p)
+            if dw is not None:
+                dw.addmv_(p.t(), r.view(-1))
+            if not need_x:
+                continue
+            k = (p.sum(1) if wf is None else torch.mv(p, wf))[:, None].mul_(r * r * scale)
+            if extra is not None:
+                k += extra[i:j]
+            if wf is None:
+                p.copy_(dy2[i:j])
+            else:
+                torch.mul(dy2[i:j], wf, out=p)
+            p.addcmul_(x2[i:j], k)
+            torch.mul(p, r, out=dx[i:j])
     return (None if dx is None else dx.view(x.shape),
             None if dw is None else dw.view(w.shape).to(w.dtype))
 
