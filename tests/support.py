@@ -31,6 +31,17 @@ SLOW_BACKENDS = ("dask", "jax")
 TOLERANCE = {"float64": 1e-12, "float32": 2e-5, "float16": 4e-3, "bfloat16": 2e-2}
 
 
+def autograd_nodes(y, depth=4) -> str:
+    """Names of the autograd nodes within ``depth`` steps of ``y`` (which route a torch call
+    took: its own autograd.Function or torch's kernel), space-separated."""
+    names, level = [], [y.grad_fn]
+    for _ in range(depth):
+        level = [f for f in level if f is not None]
+        names += [type(f).__name__ for f in level]
+        level = [g for f in level for g, _ in f.next_functions]
+    return " ".join(names)
+
+
 def tol(dtype_name: str) -> dict:
     """``rtol``/``atol`` for results in ``dtype_name``."""
     t = TOLERANCE[dtype_name]
