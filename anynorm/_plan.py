@@ -197,7 +197,8 @@ def check_eps(eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) and not hasattr(eps, "__float__"):
         raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
     value = float(eps)
-    if not math.isfinite(value) or value < 0:
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) eps may be a SymFloat
+    if not 0.0 <= value < math.inf:
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
     return value
 
@@ -218,7 +219,8 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
             _check_float(xp, name, arr)
             _check_device(name, arr, x)
     shape = _int_shape(x)
-    if residual is not None and (tuple(residual.shape) != shape or residual.dtype != x.dtype):
+    if residual is not None and (not _same_shape(tuple(residual.shape), shape)
+                                 or residual.dtype != x.dtype):
         raise ValueError(f"residual must have x's shape {shape} and dtype {x.dtype}, "
                          f"got shape {tuple(residual.shape)} and dtype {residual.dtype}")
     if eps is None:  # rms_norm's default, as in PyTorch
@@ -232,6 +234,12 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
     return _build_plan(*args)
 
 
+def _same_shape(a: tuple, b: tuple) -> bool:
+    """``a == b`` size by size: torch.compile compares two tuples of symbolic sizes as
+    different objects (a tuple's ``!=``), but each pair of sizes by value."""
+    return len(a) == len(b) and all(p == q for p, q in zip(a, b))
+
+
 def _int_shape(x) -> tuple:
     """``x.shape`` as a tuple of Python ints; a ValueError for unknown sizes."""
     shape = tuple(x.shape)
@@ -243,7 +251,8 @@ def _int_shape(x) -> tuple:
     if any(s is None or s != s for s in shape):  # None or NaN: Dask after boolean indexing
         raise ValueError(f"x must have a known shape, got {shape}: for a Dask array, "
                          "call x.compute_chunk_sizes() first")
-    return tuple(int(s) for s in shape)
+    # torch.compile's symbolic sizes stay symbolic: int() would specialize them
+    return tuple(s if type(s).__name__ == "SymInt" else int(s) for s in shape)
 
 
 def _cacheable(axis, channel_axis, num_groups, dtype) -> bool:
@@ -318,7 +327,7 @@ def _build_plan(op, xp, shape, dtype, axis=-1, channel_axis=1, num_groups=None, 
                          f"normalized axes {reduce_axes if op in ('layer_norm', 'rms_norm') else 'of each slice'} "
                          f"hold 0 elements")
     for name, got in (("weight", weight_shape), ("bias", bias_shape)):
-        if got is not None and got != param_shape:
+        if got is not None and not _same_shape(got, param_shape):
             raise ValueError(f"{name} must have shape {param_shape}, got shape {got}")
     return Plan(op=op, xp=xp, shape=shape, dtype=dtype, acc_dtype=acc_dtype, center=center,
                 eps=eps, view_shape=view_shape, reduce_axes=reduce_axes, param_axes=param_axes,

@@ -33,7 +33,8 @@ still fails takes the exact executors.  Checking after the kernel beats shifting
 at every size measured on torch CPU (a (4, 8) call: the check on Python floats 1.1 us,
 ``x - x[..., :1]`` 3.4 us; at 1000 rows three torch ops 3.8 us against a pass over x).  Under
 ``torch.compile`` and torch.func's transforms (:func:`_tracing`: no data-dependent branch,
-no memory to read under vmap) the shift is always taken, the mean of a few
+no memory to read under vmap), and on tensors without memory (meta, fake: :func:`_dataless`),
+the shift is always taken, the mean of a few
 leading elements of each slice, half dtypes run in float32 (:func:`_traced_forward`), and
 the channels-last kernel is not used.
 
@@ -97,6 +98,15 @@ def _tracing():
     runs it: then no data-dependent branch (vmap's batched tensors have no memory to read),
     no NumPy view, no Python autograd.Function without transform rules."""
     return torch.compiler.is_compiling() or _transforms()
+
+
+_is_fake = torch._subclasses.fake_tensor.is_fake
+
+
+def _dataless(t):
+    """True for a tensor without memory to read (meta device, a FakeTensor of shape
+    propagation): it takes the traced path, whose result does not depend on a check."""
+    return t.is_meta or (type(t) is not torch.Tensor and _is_fake(t))
 
 
 def _params_ok(plan, *params):
@@ -290,12 +300,19 @@ def _shifted(plan, lay, src, shift, w, b):
 def _leading_mean(plan, t):
     """The mean of up to 8 leading elements of each normalized slice of ``t`` (detached), in
     the statistics' view shape: a shift within a few standard deviations of the slice's mean
-    (one element may sit sqrt(n) of them away), taken without a data-dependent branch."""
+    (one element may sit sqrt(n) of them away), taken without a data-dependent branch.  A
+    symbolic extent (torch.compile's dynamic shapes, torch.export's ``Dim``) is indexed, not
+    sliced: a slice's bounds would add a guard on it."""
     view_shape, last = plan.view_shape, plan.reduce_axes[-1]
-    index = tuple(slice(0, min(8, view_shape[a])) if a == last else
-                  slice(0, 1) if a in plan.reduce_axes else slice(None)
+    index = tuple(slice(0, 1) if a in plan.reduce_axes and a != last else slice(None)
                   for a in range(len(view_shape)))
-    return t.detach().reshape(view_shape)[index].mean(plan.reduce_axes, keepdim=True)
+    lead = t.detach().reshape(view_shape)[index]
+    size = view_shape[last]
+    if type(size) is int:
+        lead = lead[(slice(None),) * last + (slice(0, min(8, size)),)]
+    else:
+        lead = lead.index_select(last, torch.arange(8, device=t.device).clamp(max=size - 1))
+    return lead.mean(plan.reduce_axes, keepdim=True)
 
 
 def _traced_forward(plan, lay, src, weight, bias):
@@ -326,11 +343,12 @@ def native_forward(plan, src, weight, bias):
     they cannot give that (the caller then takes an exact executor)."""
     if not _params_ok(plan, weight, bias) or src.numel() == 0:
         return None
-    lay = _layout(plan, src)
-    if _tracing():
+    if _tracing() or _dataless(src):  # traced: a fresh plan, strides possibly symbolic
+        lay = _Layout(plan, src)
         if lay.channels_last and plan.center:
             return None
         return _traced_forward(plan, lay, src, weight, bias)
+    lay = _layout(plan, src)
     w, b = _float_params(plan, weight, bias, plan.param_shape)
     if not plan.center:  # RMS norm: x * rstd, no cancellation
         return _run(plan, lay, src, w, b)
@@ -439,8 +457,9 @@ def _numpy_forward(plan, x, weight, bias, residual):
 
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
-    native_first = _prefers_native(plan)
-    if not native_first and _numpy_eligible(plan, x, weight, bias, residual):
+    # not while traced: sizes may be symbolic there, and a size test would guard them
+    if (not _tracing() and not _prefers_native(plan)
+            and _numpy_eligible(plan, x, weight, bias, residual)):
         return _numpy_forward(plan, x, weight, bias, residual)
     h = _reference.add_residual(plan, x, residual) if residual is not None else None
     native = native_forward(plan, h if h is not None else x, weight, bias)
@@ -465,7 +484,7 @@ def forward_runner(plan, x, stats):
     # a runner is only built, and only served from the call cache, outside torch.compile's
     # tracing (the cache takes no traced call), so run() need not ask again; torch.func's
     # transforms do reach a cached runner, which then hands the call to the traced path
-    if (_tracing() or x.device.type != "cpu" or plan.dtype not in _LIMITS
+    if (_tracing() or x.device.type != "cpu" or _dataless(x) or plan.dtype not in _LIMITS
             or x.numel() == 0 or plan.has_residual or not _prefers_native(plan)):
         return general
     lay = _layout(plan, x)

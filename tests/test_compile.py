@@ -196,3 +196,87 @@ def test_fullgraph_half_dtypes_keep_float32_statistics_and_digits(op, shape, kw,
             e_got = float((g_got - g_ref).abs().max()) / scale
             e_eager = float((g_eager - g_ref).abs().max()) / scale
             assert e_got <= 1.25 * e_eager + 0.25 * float(torch.finfo(tdtype).eps), (name, offset, e_got, e_eager)
+
+
+# (op, shape, keywords, parameter shape): every op and layout, the parameters' axes fixed
+SYMBOLIC_CASES = [
+    ("layer_norm", (4, 6, 8), dict(axis=-1), (8,)),
+    ("layer_norm", (4, 6, 5, 5), dict(axis=1), (6,)),  # ConvNeXt's channels-first
+    ("layer_norm", (4, 6, 8), dict(axis=(0, 2)), (4, 8)),
+    ("rms_norm", (4, 6, 8), dict(axis=-1), (8,)),
+    ("group_norm", (4, 6, 5, 5), dict(num_groups=3, channel_axis=1), (6,)),
+    ("group_norm", (4, 5, 5, 6), dict(num_groups=3, channel_axis=-1), (6,)),
+    ("group_norm", (4, 5, 6), dict(num_groups=3, channel_axis=-1), (6,)),
+    ("instance_norm", (4, 6, 5, 5), dict(channel_axis=1), (6,)),
+]
+SYMBOLIC_IDS = [f"{op}{shape}{sorted(kw.items())}" for op, shape, kw, _ in SYMBOLIC_CASES]
+
+
+def _free_axes(op, shape, kw):
+    """The axes whose size a call may change: not those the parameters are shaped by."""
+    if op in ("layer_norm", "rms_norm"):
+        axes = kw["axis"] if isinstance(kw["axis"], tuple) else (kw["axis"],)
+    else:
+        axes = (kw["channel_axis"],)
+    fixed = {a % len(shape) for a in axes}
+    return [a for a in range(len(shape)) if a not in fixed]
+
+
+def _grown(shape, free, by):
+    return tuple(s + by if a in free else s for a, s in enumerate(shape))
+
+
+def _symbolic_call(op, kw, weight, bias):
+    kw = dict(kw)
+    groups = kw.pop("num_groups", None)
+    if op == "rms_norm":
+        return lambda x: anynorm.rms_norm(x, weight, **kw)
+    if op == "group_norm":
+        return lambda x: anynorm.group_norm(x, groups, weight, bias, **kw)
+    return lambda x: getattr(anynorm, op)(x, weight, bias, **kw)
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+@pytest.mark.parametrize("op,shape,kw,pshape", SYMBOLIC_CASES, ids=SYMBOLIC_IDS)
+def test_fullgraph_with_dynamic_shapes(op, shape, kw, pshape, dynamic):
+    """``torch.compile(dynamic=True)``, and the automatic dynamic shapes a second shape
+    brings (``dynamic=None``, the default): one fullgraph compile serves growing shapes, with
+    eager's outputs and gradients on data at 1e4 (sizes stay symbolic through the plan,
+    eps may be a SymFloat, no size test guards a dynamic axis)."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.rand(pshape, generator=g) + 0.5).requires_grad_(True)
+    b = torch.rand(pshape, generator=g) - 0.5
+    f = _symbolic_call(op, kw, w, b)
+    _warm_caches()
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    free = _free_axes(op, shape, kw)
+    for by in (0, 2, 5):
+        x = (torch.randn(_grown(shape, free, by), generator=g) * 2 + 1e4).requires_grad_(True)
+        got, want = compiled(x), f(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        dy = torch.randn(got.shape, generator=g)
+        for gg, gw in zip(torch.autograd.grad(got, (x, w), dy), torch.autograd.grad(want, (x, w), dy)):
+            torch.testing.assert_close(gg, gw, rtol=1e-4, atol=1e-4 * float(gw.abs().max()))
+
+
+@pytest.mark.parametrize("op,shape,kw,pshape", SYMBOLIC_CASES, ids=SYMBOLIC_IDS)
+def test_export_with_dynamic_dims(op, shape, kw, pshape):
+    """``torch.export`` with ``Dim`` on every axis the parameters do not fix (a serving
+    model's batch, a sequence, an image's height and width): no guard specializes them, and
+    the exported program gives eager's result on other shapes, at 1e4 as near zero."""
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.rand(pshape, generator=g) + 0.5, torch.rand(pshape, generator=g) - 0.5
+    f = _symbolic_call(op, kw, w, b)
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, x):
+            return f(x)
+
+    free = _free_axes(op, shape, kw)
+    dims = {a: torch.export.Dim(f"d{a}") for a in free}
+    program = torch.export.export(Wrapped(), (torch.randn(shape, generator=g),),
+                                  dynamic_shapes={"x": dims})
+    for by, offset in ((3, 0.0), (7, 1e4)):
+        x = torch.randn(_grown(shape, free, by), generator=g) + offset
+        torch.testing.assert_close(program.module()(x), f(x), rtol=1e-5, atol=1e-5)

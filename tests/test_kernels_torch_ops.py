@@ -254,6 +254,34 @@ def test_compiles_fullgraph_with_backward():
         torch.testing.assert_close(g, e)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3:]}")
+def test_compiles_the_call_path_with_dynamic_shapes(case):
+    """What torch.compile traces on a CUDA tensor, from the plan to the op, with
+    ``dynamic=True``: the plan keeps symbolic sizes (no ``int()``, nothing hashed), the op's
+    fake kernel shapes its outputs from them; one graph serves three batch sizes, outputs and
+    gradients as eager's."""
+    op, shape, kw, *_ = case
+    _, x0, w, b, res0 = _inputs(case, torch.float32)
+
+    def fn(x, w, b, res):
+        plan = make_plan(op, x, w, b, res, cache=False, **kw)
+        y, h, _, rstd = ops.forward(plan, x, w, b, res)
+        return y.square().sum() + rstd.sum() + (0 if h is None else h.sum())
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    leaves = [t for t in (w, b) if t is not None]
+    for batch in (shape[0], shape[0] + 3, shape[0] + 7):
+        gen = torch.Generator().manual_seed(batch)
+        x = torch.randn((batch, *shape[1:]), generator=gen).requires_grad_()
+        res = None if res0 is None else torch.randn(x.shape, generator=gen).requires_grad_()
+        inputs = [x, *leaves] + ([] if res is None else [res])
+        got = torch.autograd.grad(compiled(x, w, b, res), inputs)
+        want = torch.autograd.grad(fn(x, w, b, res), inputs)
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
 def test_unsupported_answers_without_raising():
     from anynorm._cuda import _executor as cuda
 
