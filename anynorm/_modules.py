@@ -399,8 +399,9 @@ class GroupNorm(_Module):
 class InstanceNorm(_Module):
     """Instance norm of inputs of any spatial rank, ``weight``/``bias`` in any library (no autograd).
 
-    Calls :func:`anynorm.instance_norm`.  Axis 0 is the batch; for the n elements x of one
-    (sample, channel) over every other axis::
+    Calls :func:`anynorm.instance_norm`.  Axis 0 is the batch (a 2-d input is one unbatched
+    sample ``(C, L)``, ``(L, C)`` channels-last, as ``torch.nn.InstanceNorm1d`` takes it);
+    for the n elements x of one (sample, channel) over every other axis::
 
         mean = sum(x) / n;  var = sum((x - mean)^2) / n
         y    = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]
@@ -445,6 +446,8 @@ class InstanceNorm(_Module):
 
     def __call__(self, x):
         """The instance norm of ``x``."""
+        if len(getattr(x, "shape", ())) == 2:  # one unbatched sample
+            return self(x[None, ...])[0, ...]
         check_channel_input(self, x, self.num_features)
         return instance_norm(x, self.weight, self.bias, channel_axis=self.channel_axis, eps=self.eps)
 

@@ -272,8 +272,11 @@ class GroupNorm(torch.nn.GroupNorm):
 class InstanceNorm(_InstanceNorm):
     """``torch.nn.InstanceNorm1d/2d/3d`` in one class, run by :func:`anynorm.instance_norm`.
 
-    Takes batched inputs of any spatial rank.  Axis 0 is the batch; for the n elements x of
-    one (sample, channel), over every other axis::
+    Takes batched inputs of any spatial rank, and a 2-d input as one unbatched sample
+    ``(C, L)`` (``(L, C)`` with ``channel_axis=-1``), as ``torch.nn.InstanceNorm1d`` does
+    (3-d inputs are batched ``(N, C, L)``: the class has no fixed spatial rank to tell an
+    unbatched image by).  Axis 0 is the batch; for the n elements x of one (sample, channel),
+    over every other axis::
 
         mean = sum(x) / n;  var = sum((x - mean)^2) / n
         y    = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]
@@ -329,6 +332,8 @@ class InstanceNorm(_InstanceNorm):
         ``channel_axis``."""
         if type(x) is _Proxy:
             return _fx_instance_norm(x, self.weight, self.bias, self.channel_axis, self.eps)
+        if x.dim() == 2:  # one unbatched sample, as torch.nn.InstanceNorm1d takes it
+            return self.forward(x.unsqueeze(0)).squeeze(0)
         check_channel_input(self, x, self.num_features)
         return instance_norm(x, self.weight, self.bias, channel_axis=self.channel_axis, eps=self.eps)
 

@@ -124,6 +124,29 @@ def test_nn_instance_norm_errors():
         nn.InstanceNorm(4)(torch.randn(2, 3, 5))
 
 
+@pytest.mark.parametrize("channel_axis", [1, -1])
+def test_nn_instance_norm_takes_an_unbatched_sample_as_instance_norm1d(channel_axis):
+    """A 2-d input is one sample (C, L), as torch.nn.InstanceNorm1d takes it ((L, C) with
+    channels last); gradients reach it and the parameters."""
+    g = torch.Generator().manual_seed(0)
+    theirs = torch.nn.InstanceNorm1d(4, affine=True).double()
+    with torch.no_grad():
+        theirs.weight.copy_(torch.rand(4, generator=g, dtype=torch.float64) + 0.5)
+        theirs.bias.copy_(torch.rand(4, generator=g, dtype=torch.float64))
+    ours = nn.InstanceNorm(4, affine=True, channel_axis=channel_axis).double()
+    ours.load_state_dict(theirs.state_dict())
+    x = (torch.randn(4, 10, generator=g, dtype=torch.float64) + 100).requires_grad_()
+    want = theirs(x)
+    got = ours(x if channel_axis == 1 else x.T)
+    got = got if channel_axis == 1 else got.T
+    assert got.shape == (4, 10)
+    assert_close(got.detach().numpy(), want.detach().numpy(), "float64")
+    dy = torch.randn(4, 10, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (x, ours.weight), dy),
+                    torch.autograd.grad(want, (x, theirs.weight), dy)):
+        assert_close(a.numpy(), b.numpy(), "float64")
+
+
 def test_nn_modules_follow_dtype_and_device_moves():
     """.half()/.double() and float16 inputs: parameters and output follow like torch's."""
     ln = nn.LayerNorm(8).half()
@@ -188,6 +211,20 @@ def test_array_module_without_affine_has_no_parameters():
     assert anynorm.LayerNorm(4, elementwise_affine=False).state_dict() == {}
     assert anynorm.InstanceNorm(3).state_dict() == {}
     assert list(anynorm.GroupNorm(1, 3, bias=False).state_dict()) == ["weight"]
+
+
+@pytest.mark.parametrize("channel_axis", [1, -1])
+def test_array_module_instance_norm_takes_an_unbatched_sample(backend, channel_axis):
+    """anynorm.InstanceNorm on a 2-d input: one sample (C, L) ((L, C) channels-last), in the
+    input's library, as torch.nn.InstanceNorm1d takes it."""
+    x64 = np.random.default_rng(9).standard_normal((4, 10)) + 100
+    x64 = x64 if channel_axis == 1 else x64.T
+    x = backend.asarray(x64)
+    module = anynorm.InstanceNorm(4, channel_axis=channel_axis, xp=backend.xp, dtype=x.dtype)
+    got = module(x)
+    assert backend.is_own(got) and tuple(got.shape) == x64.shape
+    want = reference.forward("instance_norm", x64[None], channel_axis=channel_axis)[0][0]
+    assert_close(backend.to_numpy(got), want, "float64")
 
 
 def test_array_module_channels_last_and_axis():
