@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 
 from . import _backend
-from ._plan import array_kind, make_plan, remember_type
+from ._plan import UnknownSizes, array_kind, make_plan, remember_type
 
 __all__ = ["forward_call", "backward_call", "signature", "clear", "bind_torch"]
 
@@ -202,8 +202,16 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
             call = _CALLS.get(key)
             if call is not None:
                 return call
-    plan = make_plan(op, x, weight, bias, residual, axis=axis, channel_axis=channel_axis,
-                     num_groups=num_groups, eps=eps, cache=key is not None)
+    try:
+        plan = make_plan(op, x, weight, bias, residual, axis=axis, channel_axis=channel_axis,
+                         num_groups=num_groups, eps=eps, cache=key is not None)
+    except UnknownSizes as error:
+        if array_kind(x) != "dask":
+            raise
+        from . import _dask_unknown
+
+        return _dask_unknown.forward_call(op, x, weight, bias, residual, stats, axis,
+                                          channel_axis, num_groups, eps, error)
     executor = _backend.choose(plan, x, _backend_now())
     runner = getattr(executor, "forward_runner", None)  # the CUDA executor's
     if runner is not None:
@@ -227,8 +235,16 @@ def backward_call(op, dy, x, weight, stats, axis, channel_axis, num_groups, eps,
             call = _CALLS.get(key)
             if call is not None:
                 return call
-    plan = make_plan(op, x, weight, axis=axis, channel_axis=channel_axis, num_groups=num_groups,
-                     eps=eps, cache=key is not None)
+    try:
+        plan = make_plan(op, x, weight, axis=axis, channel_axis=channel_axis,
+                         num_groups=num_groups, eps=eps, cache=key is not None)
+    except UnknownSizes as error:
+        if array_kind(x) != "dask":
+            raise
+        from . import _dask_unknown
+
+        return _dask_unknown.backward_call(op, dy, x, weight, stats, axis, channel_axis,
+                                           num_groups, eps, validate, error)
     validate(plan, x, dy, stats)
     call = (plan, _backend.choose(plan, x, _backend_now()))
     return call if key is None else _remember(key, call)

@@ -240,6 +240,10 @@ def _same_shape(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(p == q for p, q in zip(a, b))
 
 
+class UnknownSizes(ValueError):
+    """x's shape has unknown (NaN or None) sizes: Dask after boolean indexing."""
+
+
 def _int_shape(x) -> tuple:
     """``x.shape`` as a tuple of Python ints; a ValueError for unknown sizes."""
     shape = tuple(x.shape)
@@ -249,8 +253,8 @@ def _int_shape(x) -> tuple:
     else:
         return shape
     if any(s is None or s != s for s in shape):  # None or NaN: Dask after boolean indexing
-        raise ValueError(f"x must have a known shape, got {shape}: for a Dask array, "
-                         "call x.compute_chunk_sizes() first")
+        raise UnknownSizes(f"x must have known sizes on the axes it is normalized over, got "
+                           f"shape {shape}: for a Dask array, call x.compute_chunk_sizes() first")
     # torch.compile's symbolic sizes stay symbolic: int() would specialize them
     return tuple(s if type(s).__name__ == "SymInt" else int(s) for s in shape)
 

@@ -294,14 +294,20 @@ def test_module_input_check_lets_good_inputs_and_other_errors_through(flavour):
 
 def test_array_module_input_check_skips_unknown_sizes():
     """Dask arrays of unknown chunk sizes have nan in their shape: the module leaves them to the
-    function, whose message says what to do."""
+    function, which normalizes over known axes and names what is wrong otherwise."""
     da = pytest.importorskip("dask.array")
-    x = da.from_array(np.ones((4, 6), np.float32), chunks=2)
-    x = x[x[:, 0] > 0]  # shape (nan, 6)
+    a = np.random.default_rng(5).standard_normal((4, 6)).astype(np.float32)
+    x = da.from_array(a, chunks=2)
+    x = x[x[:, 0] > -10]  # shape (nan, 6), every row kept
     assert np.isnan(x.shape[0])
-    for module in (anynorm.LayerNorm(6, xp=da), anynorm.LayerNorm(5, xp=da), anynorm.GroupNorm(2, 6, xp=da)):
-        with pytest.raises(ValueError, match="known shape.*compute_chunk_sizes"):
-            module(x)
+    for module in (anynorm.LayerNorm(6, xp=da), anynorm.GroupNorm(2, 6, xp=da)):
+        got = module(x).compute()
+        assert got.shape == (4, 6)
+    assert_close(anynorm.LayerNorm(6, xp=da)(x).compute(), anynorm.LayerNorm(6)(a), "float32")
+    with pytest.raises(ValueError, match=r"weight must have shape \(6,\)"):
+        anynorm.LayerNorm(5, xp=da)(x)
+    with pytest.raises(ValueError, match="known sizes.*compute_chunk_sizes"):
+        anynorm.LayerNorm(4, axis=0, xp=da)(x)
 
 
 # --- pickling: torch.save of a model, multiprocessing -------------------------------------------
