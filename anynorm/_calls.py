@@ -13,7 +13,9 @@ and traced calls (torch.compile) take the uncached path, which checks everything
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 
 from . import _backend
 from ._plan import UnknownSizes, array_kind, make_plan, remember_type
@@ -52,6 +54,15 @@ def _other_signature(a):
 
 
 _is_compiling = None  # torch.compiler.is_compiling, bound when the first tensor is seen
+
+
+def _jit_tracing() -> bool:
+    """True while ``torch.jit.trace`` records the call (asked on a cache miss; never of
+    torch's C function under torch.compile, which cannot trace it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and not torch.compiler.is_compiling() and torch._C._is_tracing()
+
+
 _backend_now = _backend.get_backend  # the backend in force, as torch.compile may read it
 
 
@@ -75,6 +86,10 @@ def bind_torch():
     for tensor_type in (torch.Tensor, torch.nn.Parameter):
         remember_type(tensor_type, torch_namespace, "torch")
     _is_compiling = torch.compiler.is_compiling
+    # torch.jit.trace hands out sizes as traced values: the plan's int() of them and its
+    # shape comparisons specialize the trace to the traced shapes, as traced torch.nn layers
+    # are (their sizes are Python ints); the data-dependent branches take the traced path
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"anynorm\.")
     _register_torch_ops()  # torch was imported after anynorm: the ops exist from this call on
 
 
@@ -190,7 +205,10 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
             call = _CALLS.get(key)
             if call is not None:
                 return call
-    if key is None and _keyable(axis, channel_axis, num_groups, eps):
+    # torch.jit.trace: a miss stays a miss (nothing signed or kept), so that the trace and
+    # the re-trace that checks it record the same ops (a cached runner diverts a traced call)
+    traced = _jit_tracing()
+    if key is None and not traced and _keyable(axis, channel_axis, num_groups, eps):
         arrays = signature(x, weight, bias, residual)
         if arrays is not None:
             if type(x) in _TORCH_TYPES:  # signed just now: the key later calls will build
@@ -220,7 +238,7 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
         def run(x, weight, bias, residual, _forward=executor.forward, _plan=plan):
             return _forward(_plan, x, weight, bias, residual)
     call = (plan, run)
-    return call if key is None else _remember(key, call)
+    return call if key is None or traced else _remember(key, call)
 
 
 def backward_call(op, dy, x, weight, stats, axis, channel_axis, num_groups, eps, validate):

@@ -32,8 +32,8 @@ conditioned, and ``shift`` is added back to the returned mean), and is checked a
 still fails takes the exact executors.  Checking after the kernel beats shifting before it
 at every size measured on torch CPU (a (4, 8) call: the check on Python floats 1.1 us,
 ``x - x[..., :1]`` 3.4 us; at 1000 rows three torch ops 3.8 us against a pass over x).  Under
-``torch.compile`` and torch.func's transforms (:func:`_tracing`: no data-dependent branch,
-no memory to read under vmap), and on tensors without memory (meta, fake: :func:`_dataless`),
+``torch.compile``, ``torch.jit.trace`` and torch.func's transforms (:func:`_tracing`: no
+data-dependent branch, no memory to read under vmap), and on tensors without memory (meta, fake: :func:`_dataless`),
 the shift is always taken, the mean of a few
 leading elements of each slice, half dtypes run in float32 (:func:`_traced_forward`), and
 the channels-last kernel is not used.
@@ -91,13 +91,16 @@ _BLOCKED_BACKWARD_CHANNELS = (4, 8)
 
 
 _transforms = torch._C._are_functorch_transforms_active
+_jit_tracing = torch._C._is_tracing
 
 
 def _tracing():
-    """torch.compile traces the call, or a torch.func transform (vmap, grad, jacrev, ...)
-    runs it: then no data-dependent branch (vmap's batched tensors have no memory to read),
-    no NumPy view, no Python autograd.Function without transform rules."""
-    return torch.compiler.is_compiling() or _transforms()
+    """torch.compile traces the call, ``torch.jit.trace`` records it (also the legacy
+    ``torch.onnx.export``), or a torch.func transform (vmap, grad, jacrev, ...) runs it: then
+    no data-dependent branch (a recorded trace replays the branch taken while tracing, vmap's
+    batched tensors have no memory to read), no NumPy view, no Python autograd.Function
+    without transform rules."""
+    return torch.compiler.is_compiling() or _transforms() or _jit_tracing()
 
 
 _is_fake = torch._subclasses.fake_tensor.is_fake
@@ -483,7 +486,8 @@ def forward_runner(plan, x, stats):
 
     # a runner is only built, and only served from the call cache, outside torch.compile's
     # tracing (the cache takes no traced call), so run() need not ask again; torch.func's
-    # transforms do reach a cached runner, which then hands the call to the traced path
+    # transforms and torch.jit.trace do reach a cached runner, which then hands the call to
+    # the traced path
     if (_tracing() or x.device.type != "cpu" or _dataless(x) or plan.dtype not in _LIMITS
             or x.numel() == 0 or plan.has_residual or not _prefers_native(plan)):
         return general
@@ -570,7 +574,7 @@ def forward_runner(plan, x, stats):
         ones = _float_params(plan, None, None, plan.param_shape)[0]
 
         def run(x, weight, bias, residual):
-            if _transforms():
+            if _transforms() or _jit_tracing():
                 return general(x, weight, bias, residual)
             if weight is None:
                 if bias is not None and bias.dtype is not dtype:
@@ -584,7 +588,7 @@ def forward_runner(plan, x, stats):
             return finish(x, weight, bias, w, b, *kernel(x, w, b))
     else:
         def run(x, weight, bias, residual):
-            if _transforms():
+            if _transforms() or _jit_tracing():
                 return general(x, weight, bias, residual)
             if ((weight is not None and weight.dtype is not dtype)
                     or (bias is not None and bias.dtype is not dtype)):
