@@ -10,7 +10,7 @@ Formula (per normalized slice of n elements)::
 from __future__ import annotations
 
 from ._calls import backward_call, forward_call
-from ._plan import namespace_of
+from ._plan import check_float, namespace_of
 
 __all__ = [
     "layer_norm", "rms_norm", "instance_norm", "group_norm",
@@ -45,8 +45,7 @@ def _check_backward(plan, x, dy, stats):
     namespace_of(x, dy=dy)
     if tuple(dy.shape) != plan.shape:
         raise ValueError(f"dy must have x's shape {plan.shape}, got shape {tuple(dy.shape)}")
-    if not plan.xp.isdtype(dy.dtype, "real floating"):
-        raise TypeError(f"dy must have a real floating-point dtype, got {dy.dtype}")
+    check_float(plan.xp, "dy", dy)
     if stats is None:
         return
     wanted = 2 if plan.center else 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,14 +117,40 @@ def _float_bits(xp, dtype):
     try:
         return known[dtype]
     except KeyError:
-        bits = xp.finfo(dtype).bits if xp.isdtype(dtype, "real floating") else 0
-        known[dtype] = bits
+        bits = known[dtype] = _bits_of(xp, dtype)
         return bits
     except TypeError:  # an unhashable dtype
+        return _bits_of(xp, dtype)
+
+
+def _bits_of(xp, dtype) -> int:
+    try:
         return xp.finfo(dtype).bits if xp.isdtype(dtype, "real floating") else 0
+    except TypeError:  # not a dtype the namespace knows: NumPy's extension floats
+        return _extension_float_bits(dtype)
 
 
-def _check_float(xp, name, arr):
+def _epsilon(xp, dtype) -> float:
+    """``finfo(dtype).eps`` (also of an ml_dtypes float, whose finfo NumPy's refuses)."""
+    try:
+        return float(xp.finfo(dtype).eps)
+    except (TypeError, AttributeError, ValueError):
+        return float(sys.modules["ml_dtypes"].finfo(dtype).eps)
+
+
+def _extension_float_bits(dtype) -> int:
+    """Bits of an ml_dtypes float (``bfloat16``, ``float8_*``: JAX's arrays as NumPy holds
+    them), else 0; NumPy's own ``isdtype``/``finfo`` refuse these."""
+    ml_dtypes = sys.modules.get("ml_dtypes")  # imported wherever such an array exists
+    if ml_dtypes is None:
+        return 0
+    try:
+        return ml_dtypes.finfo(dtype).bits
+    except (TypeError, ValueError):
+        return 0
+
+
+def check_float(xp, name, arr):
     if not _float_bits(xp, arr.dtype):
         raise TypeError(f"{name} must have a real floating-point dtype, got {arr.dtype}")
 
@@ -213,10 +240,10 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
     """
     assert op in _OPS
     xp = namespace_of(x, weight=weight, bias=bias, residual=residual)
-    _check_float(xp, "x", x)
+    check_float(xp, "x", x)
     for name, arr in (("weight", weight), ("bias", bias), ("residual", residual)):
         if arr is not None:
-            _check_float(xp, name, arr)
+            check_float(xp, name, arr)
             _check_device(name, arr, x)
     shape = _int_shape(x)
     if residual is not None and (not _same_shape(tuple(residual.shape), shape)
@@ -224,7 +251,7 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
         raise ValueError(f"residual must have x's shape {shape} and dtype {x.dtype}, "
                          f"got shape {tuple(residual.shape)} and dtype {residual.dtype}")
     if eps is None:  # rms_norm's default, as in PyTorch
-        eps = float(xp.finfo(x.dtype).eps)
+        eps = _epsilon(xp, x.dtype)
     eps = check_eps(eps)
     args = (op, xp, shape, x.dtype, axis, channel_axis, num_groups, eps,
             None if weight is None else tuple(weight.shape),
