@@ -54,6 +54,7 @@ def _other_signature(a):
 
 
 _is_compiling = None  # torch.compiler.is_compiling, bound when the first tensor is seen
+_backend_now = _backend.get_backend  # the backend in force, as torch.compile may read it
 
 
 def _jit_tracing() -> bool:
@@ -61,9 +62,6 @@ def _jit_tracing() -> bool:
     torch's C function under torch.compile, which cannot trace it)."""
     torch = sys.modules.get("torch")
     return torch is not None and not torch.compiler.is_compiling() and torch._C._is_tracing()
-
-
-_backend_now = _backend.get_backend  # the backend in force, as torch.compile may read it
 
 
 def bind_torch():

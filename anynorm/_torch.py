@@ -33,10 +33,10 @@ still fails takes the exact executors.  Checking after the kernel beats shifting
 at every size measured on torch CPU (a (4, 8) call: the check on Python floats 1.1 us,
 ``x - x[..., :1]`` 3.4 us; at 1000 rows three torch ops 3.8 us against a pass over x).  Under
 ``torch.compile``, ``torch.jit.trace`` and torch.func's transforms (:func:`_tracing`: no
-data-dependent branch, no memory to read under vmap), and on tensors without memory (meta, fake: :func:`_dataless`),
-the shift is always taken, the mean of a few
-leading elements of each slice, half dtypes run in float32 (:func:`_traced_forward`), and
-the channels-last kernel is not used.
+data-dependent branch, no memory to read under vmap), and on tensors without memory (meta,
+fake: :func:`_dataless`), the shift is always taken, the mean of a few leading elements of
+each slice, half dtypes run in float32 (:func:`_traced_forward`), and the channels-last
+kernel is not used.
 
 When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
 (``Tensor.numpy()``, zero-copy) wherever it is the faster: float32/float64 layer/RMS rows

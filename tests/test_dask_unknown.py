@@ -109,8 +109,8 @@ def test_backward_matches_the_computed_array(op, shape, kw, affine, given):
     extra = dict(kw)
     want_extra = dict(kw)
     if given:
-        extra["stats"] = tuple(_as_list(_call(op, x, None, None, return_stats=True, **kw))[1:])
-        want_extra["stats"] = tuple(_as_list(_call(op, a[KEEP], None, None, return_stats=True, **kw))[1:])
+        for target, arr in ((extra, x), (want_extra, a[KEEP])):
+            target["stats"] = tuple(_as_list(_call(op, arr, None, None, return_stats=True, **kw))[1:])
     got = _backward(op, _unknown(dy), x, None if w is None else da.from_array(w), **extra)
     want = _backward(op, dy[KEEP], a[KEEP], w, **want_extra)
     assert len(got) == len(want)

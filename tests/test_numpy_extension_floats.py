@@ -33,8 +33,11 @@ def _args(kw):
     return ((groups,) if groups else ()), kw
 
 
+IDS = [f"{op}{shape}{sorted(kw.items())}" for op, shape, kw in CASES]
+
+
 @pytest.mark.parametrize("offset", [0.0, 100.0])
-@pytest.mark.parametrize("op,shape,kw", CASES, ids=[f"{c[0]}{c[1]}{sorted(c[2].items())}" for c in CASES])
+@pytest.mark.parametrize("op,shape,kw", CASES, ids=IDS)
 def test_bfloat16_numpy_arrays(op, shape, kw, offset):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(shape) + offset).astype(BF16)

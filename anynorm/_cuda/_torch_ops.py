@@ -483,9 +483,9 @@ def _route(*tensors) -> str:
     """How a call on these tensors (the first one is x) runs: ``RUN`` (the runner itself:
     nothing for autograd to record), ``AUTOGRAD`` (:class:`_EagerNorm`: autograd records,
     nothing else looks), ``TRANSFORM`` (:class:`_TransformNorm`, under torch.func
-    transforms) or ``OP`` (the registered op: torch.compile or torch.jit.trace tracing, torch function or
-    dispatch modes, tensor subclasses, tensors left over from a finished transform, a device
-    without a runner)."""
+    transforms) or ``OP`` (the registered op: torch.compile or torch.jit.trace tracing, torch
+    function or dispatch modes, tensor subclasses, tensors left over from a finished
+    transform, a device without a runner)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_tracing()  # torch.jit.trace records ops, not CuPy launches
             or torch._C._is_torch_function_mode_enabled()
