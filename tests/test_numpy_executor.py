@@ -353,8 +353,11 @@ def test_ufunc_buffer_size_restored():
     the inner loop."""
     x = np.random.default_rng(0).standard_normal((512, 4096)).astype(np.float32)
     plan = make_plan("layer_norm", x, axis=-1)
-    assert _numpy_rows.bufsize(4096) == 4096 and _numpy_rows.bufsize(1000) == 992
-    assert _numpy_rows.bufsize(8192) is None and _numpy_rows.bufsize(64) is None
+    if _numpy_rows._CONTEXT_BUFSIZE:  # NumPy >= 2 (before, the size is process-wide: left alone)
+        assert _numpy_rows.bufsize(4096) == 4096 and _numpy_rows.bufsize(1000) == 992
+        assert _numpy_rows.bufsize(8192) is None and _numpy_rows.bufsize(64) is None
+    else:
+        assert _numpy_rows.bufsize(4096) is None
     want = _reference.forward(plan, x.astype(np.float64))[0]
     for size in (8192, 2048):
         with np.errstate():
@@ -405,3 +408,20 @@ def test_memory_columns_stay_on_the_general_path():
     x = np.asfortranarray(np.ones((64, 80), np.float32))
     assert _numpy._memory_order(make_plan("layer_norm", x, axis=-1), x) is None
     assert _numpy._memory_order(make_plan("layer_norm", x, axis=0), x) == (1, 0)
+
+
+@pytest.mark.parametrize("n", [64, 4096 + 37])  # one BLAS dot a row; runs of SUM_RUN summed in float64
+def test_row_dots_without_numpy_vecdot(monkeypatch, n):
+    """NumPy < 2.0 has no ``np.vecdot``: the row path's dot products then come from stacked
+    matmuls (``_matmul_vecdot``), with the same results (checked on NumPy 1.26 by hand)."""
+    x = (np.random.default_rng(1).standard_normal((64, n)) * 3 + 1e4).astype(np.float32)
+    plan = make_plan("layer_norm", x, axis=-1)
+    want = _numpy.forward(plan, x)
+    a = x[:8, :100]
+    np.testing.assert_allclose(_numpy_rows._matmul_vecdot(a, a), np.einsum("ij,ij->i", a, a),
+                               rtol=1e-6)
+    monkeypatch.setattr(_numpy_rows, "_vecdot", _numpy_rows._matmul_vecdot)
+    got = _numpy.forward(plan, x)
+    for g, w in zip(got, want):
+        if w is not None:
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
