@@ -18,7 +18,7 @@ import threading
 import warnings
 
 from . import _backend
-from ._plan import UnknownSizes, array_kind, make_plan, remember_type
+from ._plan import NestedInput, UnknownSizes, array_kind, make_plan, remember_type
 
 __all__ = ["forward_call", "backward_call", "signature", "clear", "bind_torch"]
 
@@ -228,6 +228,11 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
 
         return _dask_unknown.forward_call(op, x, weight, bias, residual, stats, axis,
                                           channel_axis, num_groups, eps, error)
+    except NestedInput:
+        from . import _torch_nested
+
+        return _torch_nested.forward_call(op, x, weight, bias, residual, stats, axis,
+                                          channel_axis, num_groups, eps)
     executor = _backend.choose(plan, x, _backend_now())
     runner = getattr(executor, "forward_runner", None)  # the CUDA executor's
     if runner is not None:

@@ -239,6 +239,9 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
     as torch.compile's tracing needs, which would trace through the cache).
     """
     assert op in _OPS
+    if getattr(x, "is_nested", False):
+        raise NestedInput("a nested tensor takes layer_norm and rms_norm, not the *_backward "
+                          "functions: autograd gives its gradients")
     xp = namespace_of(x, weight=weight, bias=bias, residual=residual)
     check_float(xp, "x", x)
     for name, arr in (("weight", weight), ("bias", bias), ("residual", residual)):
@@ -265,6 +268,10 @@ def _same_shape(a: tuple, b: tuple) -> bool:
     """``a == b`` size by size: torch.compile compares two tuples of symbolic sizes as
     different objects (a tuple's ``!=``), but each pair of sizes by value."""
     return len(a) == len(b) and all(p == q for p, q in zip(a, b))
+
+
+class NestedInput(TypeError):
+    """x is a nested torch tensor: the forward call runs on its values (``_torch_nested``)."""
 
 
 class UnknownSizes(ValueError):
