@@ -192,6 +192,16 @@ def _torch_forward_key(op, x, weight, bias, residual, stats, axis, channel_axis,
                                            residual.dtype, residual.device))
 
 
+def _unknown_sizes(x, error):
+    """:mod:`anynorm._dask_unknown` for a Dask ``x`` whose chunk sizes are unknown; for any
+    other array ``error`` (:class:`anynorm._plan.UnknownSizes`) raised again."""
+    if array_kind(x) != "dask":
+        raise error
+    from . import _dask_unknown
+
+    return _dask_unknown
+
+
 def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_groups, eps):
     """``(plan, run)`` for a forward call: ``run(x, weight, bias, residual) -> (y, h, mean,
     rstd)`` (statistics possibly None unless ``stats``)."""
@@ -222,12 +232,8 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
         plan = make_plan(op, x, weight, bias, residual, axis=axis, channel_axis=channel_axis,
                          num_groups=num_groups, eps=eps, cache=key is not None)
     except UnknownSizes as error:
-        if array_kind(x) != "dask":
-            raise
-        from . import _dask_unknown
-
-        return _dask_unknown.forward_call(op, x, weight, bias, residual, stats, axis,
-                                          channel_axis, num_groups, eps, error)
+        return _unknown_sizes(x, error).forward_call(op, x, weight, bias, residual, stats, axis,
+                                                     channel_axis, num_groups, eps, error)
     except NestedInput:
         from . import _torch_nested
 
@@ -260,12 +266,9 @@ def backward_call(op, dy, x, weight, stats, axis, channel_axis, num_groups, eps,
         plan = make_plan(op, x, weight, axis=axis, channel_axis=channel_axis,
                          num_groups=num_groups, eps=eps, cache=key is not None)
     except UnknownSizes as error:
-        if array_kind(x) != "dask":
-            raise
-        from . import _dask_unknown
-
-        return _dask_unknown.backward_call(op, dy, x, weight, stats, axis, channel_axis,
-                                           num_groups, eps, validate, error)
+        return _unknown_sizes(x, error).backward_call(op, dy, x, weight, stats, axis,
+                                                      channel_axis, num_groups, eps, validate,
+                                                      error)
     validate(plan, x, dy, stats)
     call = (plan, _backend.choose(plan, x, _backend_now()))
     return call if key is None else _remember(key, call)
