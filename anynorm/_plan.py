@@ -127,7 +127,8 @@ def _bits_of(xp, dtype) -> int:
     try:
         return xp.finfo(dtype).bits if xp.isdtype(dtype, "real floating") else 0
     except TypeError:  # not a dtype the namespace knows: NumPy's extension floats
-        return _extension_float_bits(dtype)
+        info = _extension_finfo(dtype)
+        return 0 if info is None else info.bits
 
 
 def _epsilon(xp, dtype) -> float:
@@ -135,19 +136,19 @@ def _epsilon(xp, dtype) -> float:
     try:
         return float(xp.finfo(dtype).eps)
     except (TypeError, AttributeError, ValueError):
-        return float(sys.modules["ml_dtypes"].finfo(dtype).eps)
+        return float(_extension_finfo(dtype).eps)
 
 
-def _extension_float_bits(dtype) -> int:
-    """Bits of an ml_dtypes float (``bfloat16``, ``float8_*``: JAX's arrays as NumPy holds
-    them), else 0; NumPy's own ``isdtype``/``finfo`` refuse these."""
+def _extension_finfo(dtype):
+    """ml_dtypes' ``finfo`` of one of its floats (``bfloat16``, ``float8_*``: JAX's arrays as
+    NumPy holds them), else None; NumPy's own ``isdtype``/``finfo`` refuse these."""
     ml_dtypes = sys.modules.get("ml_dtypes")  # imported wherever such an array exists
     if ml_dtypes is None:
-        return 0
+        return None
     try:
-        return ml_dtypes.finfo(dtype).bits
+        return ml_dtypes.finfo(dtype)
     except (TypeError, ValueError):
-        return 0
+        return None
 
 
 def check_float(xp, name, arr):
@@ -274,6 +275,11 @@ class NestedInput(TypeError):
     """x is a nested torch tensor: the forward call runs on its values (``_torch_nested``)."""
 
 
+def unknown_size(size) -> bool:
+    """None or NaN: a size Dask does not know (after boolean indexing)."""
+    return size is None or size != size
+
+
 class UnknownSizes(ValueError):
     """x's shape has unknown (NaN or None) sizes: Dask after boolean indexing."""
 
@@ -286,7 +292,7 @@ def _int_shape(x) -> tuple:
             break
     else:
         return shape
-    if any(s is None or s != s for s in shape):  # None or NaN: Dask after boolean indexing
+    if any(unknown_size(s) for s in shape):
         raise UnknownSizes(f"x must have known sizes on the axes it is normalized over, got "
                            f"shape {shape}: for a Dask array, call x.compute_chunk_sizes() first")
     # torch.compile's symbolic sizes stay symbolic: int() would specialize them
