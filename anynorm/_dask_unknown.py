@@ -21,19 +21,20 @@ import array_api_compat
 import dask.array as da
 import numpy as np
 
-from ._plan import make_plan
+from ._dask import _Geom, _pick
+from ._plan import make_plan, unknown_size
 
 __all__ = ["forward_call", "backward_call"]
 
 
 def _unknown_axes(shape) -> set:
-    return {a for a, s in enumerate(shape) if s is None or s != s}
+    return {a for a, s in enumerate(shape) if unknown_size(s)}
 
 
 def _stand_in(x):
     """A lazy Dask array of x's dtype with x's known sizes (1 where unknown): what the usual
     validation and planning read."""
-    shape = tuple(1 if s is None or s != s else s for s in x.shape)
+    shape = tuple(1 if unknown_size(s) else s for s in x.shape)
     return da.zeros(shape, dtype=x.dtype, chunks=-1)
 
 
@@ -41,14 +42,15 @@ def _same_pattern(name, arr, x):
     """``arr`` has x's shape as far as it is known, NaN where x's is: else the usual error."""
     if (not isinstance(arr, da.Array) or arr.ndim != x.ndim
             or _unknown_axes(arr.shape) != _unknown_axes(x.shape)
-            or any(p != q for p, q in zip(arr.shape, x.shape) if p == p and q == q)):
+            or any(p != q for p, q in zip(arr.shape, x.shape)
+                   if not (unknown_size(p) or unknown_size(q)))):
         raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got shape "
                          f"{tuple(getattr(arr, 'shape', ()))}")
 
 
 class _Geometry:
     """What the chunk functions need, from the stand-in's plan: the axes made whole
-    (normalized, parameter and channel axes), the parameters laid on x's axes."""
+    (normalized, parameter and channel axes), the arguments of the public function."""
 
     def __init__(self, plan, x, original_error):
         self.plan = plan
@@ -58,16 +60,16 @@ class _Geometry:
         if _unknown_axes(x.shape) & whole:
             raise original_error
         self.whole = {a: -1 for a in sorted(whole)}
-        self.par = plan.param_axes if layer else (plan.channel_axis,)
-        self.p_on_x = tuple(s if a in self.par else 1 for a, s in enumerate(plan.shape))
         if layer:
             self.kw = {"axis": plan.reduce_axes, "eps": plan.eps}
         else:
             self.kw = {"channel_axis": plan.channel_axis, "eps": plan.eps}
         self.groups = plan.num_groups if plan.op == "group_norm" else None
 
-    def params_on_x(self, *params):
-        return [None if p is None else da.reshape(p, self.p_on_x).rechunk(-1) for p in params]
+    def on_x(self, chunks):
+        """The Dask executor's geometry on the rechunked x: parameters laid on x's axes
+        (``param_on_x``, ``p_shape``), parameter and other axes (``cp.par``, ``cp.nonpar``)."""
+        return _Geom(self.plan, chunks)
 
     def stats_chunks(self, chunks):
         """Block structure of the statistics on x's axes: keepdims shapes, or group norm's
@@ -126,10 +128,6 @@ def _forward_chunk(xc, wc, bc, rc, *, op, groups, kw, pshape, stats):
     return y, h, mean, rstd
 
 
-def _pick(parts, i):
-    return parts[i]
-
-
 def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_groups, eps,
                  original_error):
     """``(plan, run)`` as :func:`anynorm._calls.forward_call` gives them, for a Dask ``x``
@@ -147,7 +145,8 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
     def run(x, weight, bias, residual):
         xr = x.rechunk(geom.whole)
         rr = None if residual is None else residual.rechunk(geom.whole)
-        w, b = geom.params_on_x(weight, bias)
+        on_x = geom.on_x(xr.chunks)
+        w, b = on_x.param_on_x(weight), on_x.param_on_x(bias)
         chunk = dict(op=op, groups=geom.groups, kw=geom.kw, pshape=plan.param_shape, stats=stats)
         meta = xr._meta
         if not stats and rr is None:
@@ -196,10 +195,11 @@ class _Backward:
         """``(dx, dweight, dbias)`` (``dbias`` None for RMS norm or without a weight)."""
         geom = self.geom
         xr, dyr = x.rechunk(geom.whole), dy.rechunk(geom.whole)
-        (w,) = geom.params_on_x(None if weight is None else weight.astype(plan.acc_dtype))
+        on_x = geom.on_x(xr.chunks)
+        w = on_x.param_on_x(None if weight is None else weight.astype(plan.acc_dtype))
         stats = [geom.stats_on_x(s) for s in (mean, rstd) if s is not None]
         chunk = dict(op=plan.op, groups=geom.groups, kw=geom.kw, pshape=plan.param_shape,
-                     p_on_x=geom.p_on_x)
+                     p_on_x=on_x.p_shape)
         if w is None:
             dx = da.map_blocks(_backward_chunk, dyr, xr, w, *stats, **chunk, dtype=plan.dtype,
                                meta=xr._meta)
@@ -208,14 +208,13 @@ class _Backward:
                               meta=np.empty((0,) * xr.ndim, object))
         dx = da.map_blocks(_pick, parts, 0, dtype=plan.dtype, meta=xr._meta)
         k = 2 if plan.center else 1
-        chunks = ((k,),) + tuple(ch if a in geom.par else (1,) * len(ch)
+        chunks = ((k,),) + tuple((1,) * len(ch) if a in on_x.cp.nonpar else ch
                                  for a, ch in enumerate(xr.chunks))
         meta = array_api_compat.array_namespace(xr._meta).empty((0,) * (xr.ndim + 1),
                                                                 dtype=np.float64)
         rows = da.map_blocks(_pick, parts, 1, new_axis=0, chunks=chunks, dtype=np.float64,
                              meta=meta)
-        nonpar = tuple(1 + a for a in range(xr.ndim) if a not in geom.par)
-        sums = rows.sum(axis=nonpar)
+        sums = rows.sum(axis=tuple(1 + a for a in on_x.cp.nonpar))
 
         def param(i):
             return da.reshape(sums[i], plan.param_shape).astype(weight.dtype)
