@@ -300,6 +300,14 @@ def _shifted(plan, lay, src, shift, w, b):
     return _run(plan, lay, moved, w, b)
 
 
+def _leading_index(plan):
+    """The view's index of up to 8 leading elements of each normalized slice (Python sizes)."""
+    view_shape, last = plan.view_shape, plan.reduce_axes[-1]
+    return tuple(slice(0, min(8, view_shape[a])) if a == last else
+                 slice(0, 1) if a in plan.reduce_axes else slice(None)
+                 for a in range(len(view_shape)))
+
+
 def _leading_mean(plan, t):
     """The mean of up to 8 leading elements of each normalized slice of ``t`` (detached), in
     the statistics' view shape: a shift within a few standard deviations of the slice's mean
@@ -307,14 +315,14 @@ def _leading_mean(plan, t):
     symbolic extent (torch.compile's dynamic shapes, torch.export's ``Dim``) is indexed, not
     sliced: a slice's bounds would add a guard on it."""
     view_shape, last = plan.view_shape, plan.reduce_axes[-1]
-    index = tuple(slice(0, 1) if a in plan.reduce_axes and a != last else slice(None)
-                  for a in range(len(view_shape)))
-    lead = t.detach().reshape(view_shape)[index]
+    v = t.detach().reshape(view_shape)
     size = view_shape[last]
     if type(size) is int:
-        lead = lead[(slice(None),) * last + (slice(0, min(8, size)),)]
+        lead = v[_leading_index(plan)]
     else:
-        lead = lead.index_select(last, torch.arange(8, device=t.device).clamp(max=size - 1))
+        index = tuple(slice(0, 1) if a in plan.reduce_axes and a != last else slice(None)
+                      for a in range(len(view_shape)))
+        lead = v[index].index_select(last, torch.arange(8, device=t.device).clamp(max=size - 1))
     return lead.mean(plan.reduce_axes, keepdim=True)
 
 
@@ -518,10 +526,7 @@ def forward_runner(plan, x, stats):
     # the shift: the mean of up to 8 leading elements of each slice (one element would sit
     # up to sqrt(n) std from the slice's mean: over the limit for 1 group in 2 of (3, 30,
     # 7, 9) randn data, each failure a full plain call and rerun more)
-    last = plan.reduce_axes[-1]
-    first = tuple(slice(0, min(8, view_shape[a])) if a == last else
-                  slice(0, 1) if a in plan.reduce_axes else slice(None)
-                  for a in range(len(view_shape)))
+    first = _leading_index(plan)
     reduce_axes = plan.reduce_axes
 
     def shift_first(x, weight, bias):
