@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import torch
 
+from ._plan import _canonical_axes
+
 __all__ = ["forward_call"]
 
 
 def _axes(axis, ndim, ragged) -> tuple:
     """``axis`` of the nested tensor as axes of its values, checked."""
-    items = axis if isinstance(axis, (tuple, list)) else (axis,)
-    out = []
-    for a in items:
-        if type(a) is bool or not isinstance(a, int) or not -ndim <= a < ndim:
-            raise ValueError(f"axis={axis!r} is out of range for a nested tensor of {ndim} dimensions")
-        a %= ndim
-        if a <= ragged:
-            raise ValueError(f"axis={axis!r} names the batch or ragged axis ({ragged}) of a jagged "
-                             "nested tensor: a normalized slice may only span the axes after it")
-        out.append(a - ragged)
-    return tuple(out) if isinstance(axis, (tuple, list)) else out[0]
+    axes = _canonical_axes(axis, ndim)  # in range, not repeated
+    if axes[0] <= ragged:
+        raise ValueError(f"axis={axis!r} names the batch or ragged axis ({ragged}) of a jagged "
+                         "nested tensor: a normalized slice may only span the axes after it")
+    return tuple(a - ragged for a in axes)
 
 
 def _jagged(values, like):
