@@ -557,8 +557,9 @@ def _memory_order(plan, x, *others):
 
 
 def _in_memory_order(plan, order):
-    """``(plan_t, weight_axes)``: the layer/RMS norm plan of ``x.transpose(order)`` (made once
-    per plan and order) and the permutation that takes weight/bias into its axis order."""
+    """``(plan_t, weight_axes, inverse, weight_inverse)``: the layer/RMS norm plan of
+    ``x.transpose(order)``, the permutation that takes weight/bias into its axis order and
+    the inverses of both (made once per plan and order)."""
     key = ("memory order", order)
     found = plan.memo.get(key)
     if found is None:
@@ -569,7 +570,8 @@ def _in_memory_order(plan, order):
         found = plan.memo[key] = (plan_for(
             plan.op, plan.xp, shape, plan.dtype, tuple(sorted(positions)), 1, None, plan.eps,
             param if plan.has_weight else None, param if plan.has_bias else None,
-            plan.has_residual), weight_axes)
+            plan.has_residual), weight_axes, tuple(np.argsort(order)),
+            tuple(np.argsort(weight_axes)))
     return found
 
 
@@ -581,8 +583,7 @@ def _forward_in_memory_order(plan, order, x, weight, bias, residual):
     """Layer/RMS norm of an array C-contiguous in ``order``: the same call on that view (the
     executor's blocks then follow memory), the results seen back through x's axes (y in
     x's memory layout, as NumPy's ufuncs give)."""
-    plan_t, weight_axes = _in_memory_order(plan, order)
-    inverse = tuple(np.argsort(order))
+    plan_t, weight_axes, inverse, _ = _in_memory_order(plan, order)
     outs = forward(plan_t, x.transpose(order), _transposed(weight, weight_axes),
                    _transposed(bias, weight_axes), _transposed(residual, order))
     return tuple(_transposed(a, inverse) for a in outs)
@@ -685,12 +686,11 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     if plan.op in ("layer_norm", "rms_norm"):
         order = _memory_order(plan, x, dy)
         if order is not None:
-            plan_t, weight_axes = _in_memory_order(plan, order)
+            plan_t, weight_axes, inverse, back = _in_memory_order(plan, order)
             dx, dw, db = backward(plan_t, dy.transpose(order), x.transpose(order),
                                   _transposed(weight, weight_axes), _transposed(mean, order),
                                   _transposed(rstd, order))
-            back = tuple(np.argsort(weight_axes))
-            return dx.transpose(np.argsort(order)), _transposed(dw, back), _transposed(db, back)
+            return dx.transpose(inverse), _transposed(dw, back), _transposed(db, back)
     call = _BackwardCall(plan, dy, x, weight, mean, rstd)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
     parts = _run(call.boxes, call.run, scratch_for, _parallel(x),
