@@ -53,6 +53,7 @@ from itertools import chain as _chain
 
 import numpy as np
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import _numpy, _reference, _torch_channels_last, _torch_rms
 
@@ -94,13 +95,19 @@ _transforms = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 
 
+def _diverted():
+    """:func:`_tracing` but for torch.compile (whose tracing never reaches a cached runner)."""
+    return _transforms() or _jit_tracing() or _forward_ad._current_level >= 0
+
+
 def _tracing():
     """torch.compile traces the call, ``torch.jit.trace`` records it (also the legacy
-    ``torch.onnx.export``), or a torch.func transform (vmap, grad, jacrev, ...) runs it: then
-    no data-dependent branch (a recorded trace replays the branch taken while tracing, vmap's
-    batched tensors have no memory to read), no NumPy view, no Python autograd.Function
-    without transform rules."""
-    return torch.compiler.is_compiling() or _transforms() or _jit_tracing()
+    ``torch.onnx.export``), a torch.func transform (vmap, grad, jacrev, jvp, ...) runs it, or
+    a forward-mode AD level is open (``torch.autograd.forward_ad``: dual tensors' tangents
+    go through torch operations only): then no data-dependent branch (a recorded trace
+    replays the branch taken while tracing, vmap's batched tensors have no memory to read),
+    no NumPy view, no Python autograd.Function without transform rules."""
+    return torch.compiler.is_compiling() or _diverted()
 
 
 _is_fake = torch._subclasses.fake_tensor.is_fake
@@ -579,7 +586,7 @@ def forward_runner(plan, x, stats):
         ones = _float_params(plan, None, None, plan.param_shape)[0]
 
         def run(x, weight, bias, residual):
-            if _transforms() or _jit_tracing():
+            if _transforms() or _jit_tracing() or _forward_ad._current_level >= 0:  # _diverted()
                 return general(x, weight, bias, residual)
             if weight is None:
                 if bias is not None and bias.dtype is not dtype:
@@ -593,7 +600,7 @@ def forward_runner(plan, x, stats):
             return finish(x, weight, bias, w, b, *kernel(x, w, b))
     else:
         def run(x, weight, bias, residual):
-            if _transforms() or _jit_tracing():
+            if _transforms() or _jit_tracing() or _forward_ad._current_level >= 0:  # _diverted()
                 return general(x, weight, bias, residual)
             if ((weight is not None and weight.dtype is not dtype)
                     or (bias is not None and bias.dtype is not dtype)):

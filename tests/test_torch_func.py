@@ -66,3 +66,103 @@ def test_vmap_exact_far_from_zero(offset):
     y = vmap(lambda s: anynorm.layer_norm(s))(x)
     y_ref = reference.forward("layer_norm", x.double().numpy())[0]
     assert np.max(np.abs(y.numpy() - y_ref)) <= 2e-6
+
+
+def _torch_nn(op, x, w, kw):
+    """torch.nn.functional's own routine for the same call (its forward-mode formulas)."""
+    F = torch.nn.functional
+    if op == "layer_norm":
+        axis = kw.get("axis", -1) % x.ndim
+        return F.layer_norm(x.movedim(axis, -1), (x.shape[axis],), w).movedim(-1, axis)
+    if op == "rms_norm":
+        return F.rms_norm(x, (x.shape[-1],), w)
+    channel = kw.get("channel_axis", 1) % x.ndim
+    xc = x.movedim(channel, 1).contiguous()  # torch's group_norm jvp views its input
+    y = F.group_norm(xc, kw["num_groups"], w) if op == "group_norm" else F.instance_norm(xc, weight=w)
+    return y.movedim(1, channel)
+
+
+@pytest.mark.parametrize("op,shape,kw,pshape", CASES, ids=lambda v: str(v))
+def test_forward_mode(op, shape, kw, pshape):
+    """Forward-mode AD (dual tensors, torch.func.jvp, jacfwd) and forward-over-reverse
+    (torch.func.hessian) give torch.nn.functional's tangents, in x and in the weight."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(2)
+    full = shape if op in ("layer_norm", "rms_norm") else (2,) + shape
+    x = torch.randn(full, generator=gen, dtype=torch.float64) * 2 + 3
+    w = torch.rand(pshape, generator=gen, dtype=torch.float64) + 0.5
+    v = torch.randn(full, generator=gen, dtype=torch.float64)
+    vw = torch.randn(pshape, generator=gen, dtype=torch.float64)
+    tol = dict(rtol=1e-10, atol=1e-10)
+
+    want = torch.func.jvp(lambda x, w: _torch_nn(op, x, w, kw), (x, w), (v, vw))[1]
+    with fwAD.dual_level():
+        y = _call(op, fwAD.make_dual(x, v), fwAD.make_dual(w, vw), kw)
+        tangent = fwAD.unpack_dual(y).tangent
+    assert tangent is not None
+    torch.testing.assert_close(tangent, want, **tol)
+    torch.testing.assert_close(torch.func.jvp(lambda x, w: _call(op, x, w, kw), (x, w), (v, vw))[1],
+                               want, **tol)
+    torch.testing.assert_close(torch.func.jacfwd(lambda x: _call(op, x, w, kw))(x),
+                               torch.func.jacrev(lambda x: _torch_nn(op, x, w, kw))(x), **tol)
+
+    def loss(fn):
+        return lambda x: (fn(op, x, w, kw) ** 3).sum()
+
+    torch.testing.assert_close(torch.func.hessian(loss(lambda op, x, w, kw: _call(op, x, w, kw)))(x),
+                               torch.func.hessian(loss(_torch_nn))(x), **tol)
+
+
+# (op, shape, keyword arguments, parameter shape, torch.nn.functional's call): the torch
+# CPU routes a forward-mode call must not leave (NumPy executor rows and channels-first
+# layer norm, torch's kernels, channels-last group norm, the shift first far from zero)
+ROUTES = [
+    ("layer_norm", (4, 8192), {}, (8192,), lambda x, w: torch.nn.functional.layer_norm(x, (8192,), w)),
+    ("rms_norm", (4, 8192), {}, (8192,), lambda x, w: torch.nn.functional.rms_norm(x, (8192,), w)),
+    ("layer_norm", (2, 64, 9, 9), {"axis": 1}, (64,),
+     lambda x, w: torch.nn.functional.layer_norm(x.movedim(1, -1), (64,), w).movedim(-1, 1)),
+    ("group_norm", (2, 5, 5, 8), {"num_groups": 4, "channel_axis": -1}, (8,),
+     lambda x, w: torch.nn.functional.group_norm(x.movedim(-1, 1).contiguous(), 4, w).movedim(1, -1)),
+    ("instance_norm", (2, 16, 6, 6), {}, (16,), lambda x, w: torch.nn.functional.instance_norm(x, weight=w)),
+]
+
+
+@pytest.mark.parametrize("offset", [0.0, 3e3])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("op,shape,kw,pshape,nn", ROUTES, ids=lambda v: str(v) if not callable(v) else "F")
+def test_forward_mode_on_every_route(op, shape, kw, pshape, nn, dtype, offset):
+    """Dual tensors keep their tangents on every CPU route (the NumPy executor, which reads
+    memory, dropped them: y came back without a tangent), against torch.nn.functional's
+    tangent in float64."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) + offset
+    w = torch.rand(pshape, generator=gen, dtype=torch.float64) + 0.5
+    v = torch.randn(shape, generator=gen, dtype=torch.float64)
+    want = torch.func.jvp(nn, (x, w), (v, torch.zeros_like(w)))[1]
+    tdtype = getattr(torch, dtype)
+    with fwAD.dual_level():
+        y = _call(op, fwAD.make_dual(x.to(tdtype), v.to(tdtype)), w.to(tdtype), kw)
+        tangent = fwAD.unpack_dual(y).tangent
+    assert tangent is not None
+    scale = float(want.abs().max())
+    tol = 1e-12 if dtype == "float64" else 2e-5 * max(1.0, offset / 100)
+    assert float((tangent.double() - want).abs().max()) <= tol * scale
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (4, 8192)])
+def test_forward_mode_through_the_backward_functions(shape):
+    """``layer_norm_backward`` of a dual dy carries its tangent (dx is linear in dy), also
+    where the NumPy executor takes the call."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(5)
+    x, dy, v = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(3))
+    w = torch.rand(shape[-1], generator=gen, dtype=torch.float64) + 0.5
+    with fwAD.dual_level():
+        dx = anynorm.layer_norm_backward(fwAD.make_dual(dy, v), x, w)[0]
+        tangent = fwAD.unpack_dual(dx).tangent
+    assert tangent is not None
+    torch.testing.assert_close(tangent, anynorm.layer_norm_backward(v, x, w)[0], rtol=1e-12, atol=1e-12)
