@@ -24,8 +24,14 @@ from anynorm import _reference  # noqa: E402
 from anynorm._plan import make_plan  # noqa: E402
 
 
+def _data(*tensors):
+    """The tensors as a kernel reads them: memory, nothing autograd or forward mode tracks."""
+    return [None if t is None else t.detach() for t in tensors]
+
+
 def _cpu_forward_run(plan, x, weight, bias, residual, stats=True, site=None):
-    """The forward runner's contract, computed by the reference executor."""
+    """The forward runner's contract, computed by the reference executor on the data."""
+    x, weight, bias, residual = _data(x, weight, bias, residual)
     outs = ops._forward_outputs(x, residual, plan.stats_shape, plan.center)
     for out, value in zip(outs, _reference.forward(plan, x, weight, bias, residual)):
         if out is not None:
@@ -34,6 +40,7 @@ def _cpu_forward_run(plan, x, weight, bias, residual, stats=True, site=None):
 
 
 def _cpu_backward_run(plan, dy, x, weight, mean, rstd, param_grads, site=None):
+    dy, x, weight, mean, rstd = _data(dy, x, weight, mean, rstd)
     acc = ops._acc(x.dtype)
     dx, dw, db = _reference.backward(plan, dy.to(x.dtype), x, weight, mean, rstd)
     if not param_grads:
@@ -229,6 +236,41 @@ def test_tensor_left_over_from_a_transform():
     y = ops.forward(plan, dead, w, b)[0]
     want = _reference.forward(plan, x.detach(), w.detach(), b.detach(), None)[0]
     torch.testing.assert_close(y.detach(), want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3:]}")
+def test_forward_mode_takes_the_array_api_core(case):
+    """A kernel reads memory: dual tensors (torch.autograd.forward_ad) and torch.func's jvp
+    transform (jvp, jacfwd, hessian) take the array-API core, whose torch operations carry
+    the tangents (the runner returned y without one). With a weight that requires grad too
+    (forward over reverse through autograd)."""
+    import torch.autograd.forward_ad as fwAD
+
+    plan, x, w, b, res = _inputs(case)
+    x = x.detach()
+    gen = torch.Generator().manual_seed(4)
+    v = torch.randn(x.shape, dtype=x.dtype, generator=gen)
+
+    def reference(x):
+        return _reference.forward(plan, x, w, b, res)[0]
+
+    def call(x):
+        return ops.forward(plan, x, w, b, res)[0]
+
+    want = torch.func.jvp(reference, (x,), (v,))[1]
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, v)
+        assert ops._route(dual, w, b, res) == ops.CORE
+        assert ops._route(x, None) == ops.RUN  # no tangent: the kernels as before
+        tangent = fwAD.unpack_dual(call(dual)).tangent
+        dy = fwAD.make_dual(torch.ones_like(x), v)  # the *_backward entry point too
+        dx_tangent = fwAD.unpack_dual(ops.backward(plan, dy, x, w)[0]).tangent
+    assert tangent is not None and dx_tangent is not None
+    torch.testing.assert_close(tangent, want)
+    torch.testing.assert_close(dx_tangent, torch.func.jvp(
+        lambda dy: _reference.backward(plan, dy, x, w)[0], (torch.ones_like(x),), (v,))[1])
+    torch.testing.assert_close(torch.func.jvp(call, (x,), (v,))[1], want)
+    torch.testing.assert_close(torch.func.jacfwd(call)(x), torch.func.jacfwd(reference)(x))
 
 
 def test_backward_entry_point_shapes():

@@ -19,6 +19,7 @@ torch.compile tracing, torch function/dispatch modes and tensor subclasses see t
 from typing import List, Optional, Tuple
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import _interop, _launcher
 from .. import _reference
@@ -455,7 +456,7 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 # ---- entry points ----------------------------------------------------------------------------
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_function__
-OP, AUTOGRAD, TRANSFORM, RUN = "op", "autograd", "transform", "run"
+OP, AUTOGRAD, TRANSFORM, RUN, CORE = "op", "autograd", "transform", "run", "core"
 
 
 try:  # torch's private view of the transform stack (2.1 on)
@@ -465,14 +466,28 @@ except ImportError:  # without it every transform is taken for a vmap: slower, s
     _TransformType = _interpreters = None
 
 
-def _vmap_active() -> bool:
-    """A vmap among the active torch.func transforms: its batched tensors have no memory a
-    kernel could read, and :class:`_TransformNorm` has no vmap rule, so such calls take the
-    array-API core (torch operations, which vmap and autograd both see through)."""
+def _core_transform() -> bool:
+    """A vmap or a forward-mode (jvp) transform among the active torch.func transforms:
+    vmap's batched tensors have no memory a kernel could read, and :class:`_TransformNorm`
+    has neither a vmap rule nor a jvp formula, so such calls take the array-API core (torch
+    operations, which vmap, forward and reverse mode all see through)."""
     if _interpreters is None:
         return True
-    vmap = _TransformType.Vmap
-    return any(i.key() == vmap for i in _interpreters())
+    core = (_TransformType.Vmap, _TransformType.Jvp)
+    return any(i.key() in core for i in _interpreters())
+
+
+def _dual(tensors) -> bool:
+    """A tensor among ``tensors`` carries a forward-mode tangent of the current dual level
+    (``torch.autograd.forward_ad``): the kernels would read its primal and drop the
+    tangent, so the call takes the array-API core, which propagates it."""
+    level = _forward_ad._current_level
+    if level < 0:
+        return False
+    for t in tensors:
+        if t is not None and torch._VF._unpack_dual(t, level)[1] is not None:
+            return True
+    return False
 
 
 def _device_type(t) -> str:
@@ -483,9 +498,10 @@ def _route(*tensors) -> str:
     """How a call on these tensors (the first one is x) runs: ``RUN`` (the runner itself:
     nothing for autograd to record), ``AUTOGRAD`` (:class:`_EagerNorm`: autograd records,
     nothing else looks), ``TRANSFORM`` (:class:`_TransformNorm`, under torch.func
-    transforms) or ``OP`` (the registered op: torch.compile or torch.jit.trace tracing, torch
-    function or dispatch modes, tensor subclasses, tensors left over from a finished
-    transform, a device without a runner)."""
+    transforms), ``CORE`` (the array-API core: under vmap or jvp transforms, and where a
+    tensor carries a forward-mode tangent) or ``OP`` (the registered op: torch.compile or
+    torch.jit.trace tracing, torch function or dispatch modes, tensor subclasses, tensors
+    left over from a finished transform, a device without a runner)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_tracing()  # torch.jit.trace records ops, not CuPy launches
             or torch._C._is_torch_function_mode_enabled()
@@ -498,7 +514,7 @@ def _route(*tensors) -> str:
         for t in tensors:
             if t is not None and type(t) not in _PLAIN:
                 return OP
-        return TRANSFORM
+        return CORE if _core_transform() else TRANSFORM
     records = False
     for t in tensors:
         if t is not None:
@@ -506,6 +522,8 @@ def _route(*tensors) -> str:
                 return OP
             if grad and t.requires_grad:
                 records = True
+    if _forward_ad._current_level >= 0 and _dual(tensors):
+        return CORE
     if not records:
         return RUN
     for t in tensors:
@@ -522,9 +540,9 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True, site=Non
     if route == RUN:
         y, h, mean, rstd = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual, stats,
                                                        site)
+    elif route == CORE:
+        return _reference.forward(plan, x, weight, bias, residual)
     elif route == TRANSFORM:
-        if _vmap_active():  # batched tensors: no memory for a kernel, no vmap rule to merge
-            return _reference.forward(plan, x, weight, bias, residual)
         y, h, mean, rstd = _TransformNorm.apply(plan, x, weight, bias, residual, stats, site)
     elif route == AUTOGRAD:
         out = _eager_apply(plan, x, weight, bias, residual, stats, site)
@@ -546,7 +564,7 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     if route == RUN:
         wanted = weight is not None and (weight.dtype, weight.dtype)
         dx, dw, db = RUNNERS[_device_type(x)][1](plan, dy, x, weight, mean, rstd, wanted)
-    elif route == TRANSFORM and _vmap_active():
+    elif route == CORE:
         return _reference.backward(plan, dy, x, weight, mean, rstd)
     else:
         dx, dw, db = _backward_op(dy, x, weight, mean, rstd, *_op_args(plan), weight is not None)
