@@ -151,6 +151,20 @@ def test_eager_statistics_carry_no_gradient(case):
     assert not rstd.requires_grad and (mean is None or not mean.requires_grad)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[6]], ids=["layer_norm", "rms_norm", "group_norm"])
+def test_returned_statistics_changed_in_place_refuse_backward(case):
+    """The backward reads the statistics it returned: changed in place by the caller, they
+    make it raise autograd's in-place error (as torch's own layer norm does), where it
+    computed a wrong gradient from them."""
+    plan, x, w, b, res = _inputs(case)
+    y, _, mean, rstd = ops.forward(plan, x, w, b, res)
+    loss = (y * y).sum()
+    torch.autograd.grad(loss, x, retain_graph=True)
+    rstd.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, x)
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=["layer_norm-residual", "rms_norm"])
 def test_eager_route_without_autograd(case):
     """Nothing to record: the runner's outputs, no graph, the same values."""

@@ -385,29 +385,33 @@ class _EagerNorm(torch.autograd.Function):
 
     Returns ``y`` (``(y, h)`` with a residual), or with ``stats`` all of ``(y, h, mean, rstd)``
     with the statistics marked non-differentiable: each differentiable output costs autograd
-    a few microseconds. Only x (or h) and the weight go through ``save_for_backward`` (its
-    version check catches an in-place change of them before backward); the statistics are
-    this function's own and are kept on ``ctx``. (The ``forward(ctx, ...)`` form: for a
+    a few microseconds. x (or h) and the weight go through ``save_for_backward`` (its
+    version check catches an in-place change of them before backward), and so do the
+    statistics where they are returned (the caller may change them in place, as torch's
+    own layer norm then refuses its backward); kept nowhere else, they stay on ``ctx``.
+    (The ``forward(ctx, ...)`` form: for a
     separate ``setup_context``, ``apply`` binds the signature of ``forward`` on every call.)"""
 
     @staticmethod
     def forward(ctx, plan, x, weight, bias, residual, stats, site):
         y, h, mean, rstd = output = RUNNERS[_device_type(x)][0](plan, x, weight, bias, residual,
                                                                 True, site)
-        ctx.save_for_backward(x if residual is None else h, weight)
-        ctx.stats = mean, rstd  # mean None for RMS norm
+        src = x if residual is None else h
         _save_flags(ctx, weight, bias, residual)
         ctx.plan, ctx.site = plan, site
-        if stats:
+        if stats:  # mean None for RMS norm
+            ctx.save_for_backward(src, weight, mean, rstd)
+            ctx.stats = None
             ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
             return output
+        ctx.save_for_backward(src, weight)
+        ctx.stats = mean, rstd
         return y if residual is None else (y, h)
 
     @staticmethod
     def backward(ctx, dy, *other_grads):
-        src, weight = ctx.saved_tensors
-        return ((None,) + _norm_backward(ctx, dy, other_grads, (src, weight, *ctx.stats))
-                + (None, None))
+        saved = ctx.saved_tensors if ctx.stats is None else ctx.saved_tensors + ctx.stats
+        return (None,) + _norm_backward(ctx, dy, other_grads, saved) + (None, None)
 
 
 def _norm_backward(ctx, dy, other_grads, saved):
