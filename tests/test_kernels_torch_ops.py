@@ -179,12 +179,39 @@ def test_eager_route_without_autograd(case):
     assert (h is None) == (rh is None) and (mean is None) == (rmean is None)
 
 
-def test_eager_autograd_refuses_double_backward():
-    plan, x, w, b, _ = _inputs(CASES[0])
-    y = ops.forward(plan, x, w, b)[0]
-    (gx,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="double backward"):
-        torch.autograd.grad(gx.sum(), x)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3:]}")
+def test_eager_double_backward(case):
+    """Gradients of gradients (a gradient penalty: ``create_graph=True``, then a loss of the
+    gradient) equal autograd's of the array-API core, for x, weight, bias and residual; the
+    eager route raised."""
+    plan, x, w, b, res = _inputs(case)
+    leaves = [t for t in (x, w, b, res) if t is not None]
+
+    def second(forward):
+        y, h = forward(plan, x, w, b, res)[:2]
+        loss = (y ** 3).sum() + (0 if res is None else (h * h).sum())
+        grads = torch.autograd.grad(loss, leaves, create_graph=True)
+        penalty = sum((g * g).sum() for g in grads)
+        return grads, torch.autograd.grad(penalty, leaves)
+
+    (got_1, got_2), (want_1, want_2) = second(ops.forward), second(_reference.forward)
+    for got, want in zip(got_1 + got_2, want_1 + want_2):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3:]}")
+def test_torch_func_grad_of_grad(case):
+    """torch.func.grad of a loss of torch.func.grad (the transform route's backward with a
+    graph) equals the same of the array-API core."""
+    plan, *tensors = _inputs(case)
+    x, w, b, res = (None if t is None else t.detach() for t in tensors)
+
+    def penalty(forward):
+        def loss(x):
+            return (forward(plan, x, w, b, res)[0] ** 3).sum()
+        return torch.func.grad(lambda x: (torch.func.grad(loss)(x) ** 2).sum())(x)
+
+    torch.testing.assert_close(penalty(ops.forward), penalty(_reference.forward))
 
 
 def test_torch_func_grad():

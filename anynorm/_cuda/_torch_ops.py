@@ -357,23 +357,6 @@ def _op_backward(ctx, dy, dh, dmean, drstd):
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-class _NoDoubleBackward(torch.autograd.Function):
-    """Passes a gradient through; differentiating it again raises, as the op's does."""
-
-    @staticmethod
-    def forward(grad, *sources):
-        return grad.view_as(grad)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise RuntimeError("anynorm's backward has no autograd formula: gradients of "
-                           "gradients (double backward) are not supported")
-
-
 def _eager_setup(ctx, inputs, output):
     plan, x, weight, bias, residual = inputs[:5]
     _save(ctx, x, weight, bias, residual, output, plan.center)
@@ -429,11 +412,25 @@ def _norm_backward(ctx, dy, other_grads, saved):
 
     if not torch.is_grad_enabled():  # the engine's default (no create_graph)
         return _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh, saved, run_backward)
-    with torch.no_grad():
-        grads = _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh, saved, run_backward)
-    # create_graph=True: a second backward must fail loudly
-    sources = [t for t in (dy, dh, *saved) if t is not None and t.requires_grad]
-    return tuple(g if g is None else _NoDoubleBackward.apply(g, *sources) for g in grads)
+    return _input_grads(ctx, ctx.needs_input_grad[1:], dy, dh, saved, _composite_backward(ctx))
+
+
+def _composite_backward(ctx):
+    """``run_backward`` for a backward that builds a graph (``create_graph=True``: a
+    gradient penalty, a Hessian-vector product): the array-API core's backward in torch
+    operations, its statistics recomputed from x (or h), so that autograd can differentiate
+    the gradients again (the kernels' backward has no derivative). The bias alone (no
+    weight) has its sum of dy from the same formula with a weight of ones."""
+    plan, bias_dtype = ctx.plan, ctx.bias_dtype
+
+    def run(dy, src, weight, mean, rstd, param_grads):
+        w = weight
+        if w is None and param_grads:
+            w = src.new_ones(plan.param_shape, dtype=bias_dtype)
+        dx, dw, db = _reference.backward(plan, dy, src, w)
+        return dx, dw if weight is not None else None, db
+
+    return run
 
 
 class _TransformNorm(torch.autograd.Function):
