@@ -372,8 +372,8 @@ class _EagerNorm(torch.autograd.Function):
     version check catches an in-place change of them before backward), and so do the
     statistics where they are returned (the caller may change them in place, as torch's
     own layer norm then refuses its backward); kept nowhere else, they stay on ``ctx``.
-    (The ``forward(ctx, ...)`` form: for a
-    separate ``setup_context``, ``apply`` binds the signature of ``forward`` on every call.)"""
+    (The ``forward(ctx, ...)`` form: for a separate ``setup_context``, ``apply`` binds the
+    signature of ``forward`` on every call.)"""
 
     @staticmethod
     def forward(ctx, plan, x, weight, bias, residual, stats, site):
