@@ -151,6 +151,14 @@ def _extension_finfo(dtype):
         return None
 
 
+def _check_strided(name, arr):
+    """torch tensors of a sparse (COO, CSR, ...) or MKL-DNN layout: everything here reads
+    strided memory, and torch's kernels would fail on them with messages about strides."""
+    layout = getattr(arr, "layout", None)
+    if layout is not None and array_kind(arr) == "torch" and str(layout) != "torch.strided":
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {layout}")
+
+
 def check_float(xp, name, arr):
     if not _float_bits(xp, arr.dtype):
         raise TypeError(f"{name} must have a real floating-point dtype, got {arr.dtype}")
@@ -245,9 +253,11 @@ def make_plan(op, x, weight=None, bias=None, residual=None, *, axis=-1, channel_
                           "functions: autograd gives its gradients")
     xp = namespace_of(x, weight=weight, bias=bias, residual=residual)
     check_float(xp, "x", x)
+    _check_strided("x", x)
     for name, arr in (("weight", weight), ("bias", bias), ("residual", residual)):
         if arr is not None:
             check_float(xp, name, arr)
+            _check_strided(name, arr)
             _check_device(name, arr, x)
     shape = _int_shape(x)
     if residual is not None and (not _same_shape(tuple(residual.shape), shape)

@@ -156,6 +156,22 @@ def test_arrays_on_different_devices(backend, role):
         anynorm.layer_norm(x, **kw)
 
 
+@pytest.mark.parametrize("layout", ["sparse_coo", "mkldnn"])
+@pytest.mark.parametrize("role", ["x", "weight"])
+def test_torch_layouts_without_strided_memory(role, layout):
+    """A sparse or MKL-DNN tensor is a TypeError naming the argument (torch's kernels failed
+    inside with 'unsupported memory format option Contiguous')."""
+    torch = pytest.importorskip("torch")
+    x, w = torch.randn(3, 4), torch.ones(4)
+    convert = {"sparse_coo": lambda t: t.to_sparse(), "mkldnn": lambda t: t.to_mkldnn()}[layout]
+    kw = {"x": convert(x), "weight": w} if role == "x" else {"x": x, "weight": convert(w)}
+    for _ in range(2):  # the second call of the same signature too
+        with pytest.raises(TypeError, match=rf"{role} must be a dense \(strided\) tensor, got layout"):
+            anynorm.layer_norm(kw["x"], kw["weight"])
+    with pytest.raises(TypeError, match=rf"{role} must be a dense"):
+        anynorm.layer_norm_backward(x, kw["x"], kw["weight"])
+
+
 def test_dask_unknown_shape_is_a_clear_error():
     """Boolean indexing leaves Dask dimensions unknown (NaN): normalizing over such an axis
     needs its size, so say so, and what to do about it (tests/test_dask_unknown.py: the
