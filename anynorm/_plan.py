@@ -89,6 +89,7 @@ def namespace_of(x, **others):
     if xp is None:
         if not array_api_compat.is_array_api_obj(x) or isinstance(x, (int, float, complex, bool)):
             raise TypeError(f"x must be an array of an array-API library, got {_describe(x)}")
+        _check_unmasked("x", x)
         xp = array_api_compat.array_namespace(x)
         _NAMESPACES[type(x)] = xp
     for name, arr in others.items():
@@ -96,6 +97,7 @@ def namespace_of(x, **others):
             continue
         if not array_api_compat.is_array_api_obj(arr):
             raise TypeError(f"{name} must be an array of the same library as x, got {_describe(arr)}")
+        _check_unmasked(name, arr)
         try:
             other = array_api_compat.array_namespace(arr)
         except TypeError as exc:  # an unsupported array type
@@ -106,6 +108,15 @@ def namespace_of(x, **others):
                 f"got {_describe(arr)} from {other.__name__}"
             )
     return xp
+
+
+def _check_unmasked(name, arr):
+    """NumPy's masked arrays pass for NumPy arrays, but the formula would run over the data
+    under the mask too, and np.ma would then mask whole slices of the result."""
+    ma = sys.modules.get("numpy.ma")
+    if ma is not None and isinstance(arr, ma.MaskedArray):
+        raise TypeError(f"{name} must not be a numpy.ma.MaskedArray: its masked elements would "
+                        f"enter the statistics; pass {name}.filled(value) or {name}.data")
 
 
 def _float_bits(xp, dtype):

@@ -172,6 +172,19 @@ def test_torch_layouts_without_strided_memory(role, layout):
         anynorm.layer_norm_backward(x, kw["x"], kw["weight"])
 
 
+@pytest.mark.parametrize("role", ["x", "weight"])
+def test_numpy_masked_arrays(role):
+    """np.ma arrays passed for NumPy ones: the data under the mask entered the statistics
+    and np.ma masked the whole slice of the result."""
+    x = np.random.default_rng(0).standard_normal((3, 4))
+    masked = np.ma.masked_array(x, mask=np.eye(3, 4, dtype=bool))
+    w = np.ma.masked_array(np.ones(4), mask=[True, False, False, False])
+    args = (masked, None) if role == "x" else (x, w)
+    for _ in range(2):
+        with pytest.raises(TypeError, match=rf"{role} must not be a numpy.ma.MaskedArray"):
+            anynorm.layer_norm(*args)
+
+
 def test_dask_unknown_shape_is_a_clear_error():
     """Boolean indexing leaves Dask dimensions unknown (NaN): normalizing over such an axis
     needs its size, so say so, and what to do about it (tests/test_dask_unknown.py: the
