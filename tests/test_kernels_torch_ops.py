@@ -314,6 +314,28 @@ def test_forward_mode_takes_the_array_api_core(case):
     torch.testing.assert_close(torch.func.jacfwd(call)(x), torch.func.jacfwd(reference)(x))
 
 
+@pytest.mark.parametrize("case", CASES[:2] + CASES[5:], ids=lambda c: f"{c[0]}-{c[1]}-{c[3:]}")
+def test_functionalize(case):
+    """torch.func.functionalize, alone and around or inside vmap and grad, takes the
+    array-API core (a Python autograd.Function has no functionalize rule: it raised NYI)."""
+    plan, *tensors = _inputs(case)
+    x, w, b, res = (None if t is None else t.detach() for t in tensors)
+    xs = torch.stack([x, x * 0.5 - 1])
+
+    def call(forward):
+        return lambda x: forward(plan, x, w, b, res)[0]
+
+    def loss(forward):
+        return lambda x: (call(forward)(x) ** 3).sum()
+
+    func = torch.func
+    for transform, arg in ((func.functionalize, x), (lambda f: func.functionalize(func.vmap(f)), xs),
+                           (lambda f: func.vmap(func.functionalize(f)), xs)):
+        torch.testing.assert_close(transform(call(ops.forward))(arg), transform(call(_reference.forward))(arg))
+    for transform in (lambda f: func.functionalize(func.grad(f)), lambda f: func.grad(func.functionalize(f))):
+        torch.testing.assert_close(transform(loss(ops.forward))(x), transform(loss(_reference.forward))(x))
+
+
 def test_backward_entry_point_shapes():
     plan, x, w, _, _ = _inputs(CASES[5])
     dy = torch.randn(plan.shape, dtype=x.dtype)

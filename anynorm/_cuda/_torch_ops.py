@@ -467,15 +467,16 @@ except ImportError:  # without it every transform is taken for a vmap: slower, s
     _TransformType = _interpreters = None
 
 
-def _core_transform() -> bool:
-    """A vmap or a forward-mode (jvp) transform among the active torch.func transforms:
-    vmap's batched tensors have no memory a kernel could read, and :class:`_TransformNorm`
-    has neither a vmap rule nor a jvp formula, so such calls take the array-API core (torch
-    operations, which vmap, forward and reverse mode all see through)."""
+def _transform_route() -> str:
+    """The route under the active torch.func transforms: ``TRANSFORM`` (the kernels through
+    :class:`_TransformNorm`) where they are all reverse mode (grad, vjp, jacrev), else
+    ``CORE``: vmap's batched tensors have no memory a kernel could read, and a Python
+    autograd.Function has no vmap rule, no jvp formula and no functionalize rule, where the
+    array-API core's torch operations go through every transform."""
     if _interpreters is None:
-        return True
-    core = (_TransformType.Vmap, _TransformType.Jvp)
-    return any(i.key() in core for i in _interpreters())
+        return CORE
+    grad = _TransformType.Grad
+    return TRANSFORM if all(i.key() == grad for i in _interpreters()) else CORE
 
 
 def _dual(tensors) -> bool:
@@ -515,7 +516,7 @@ def _route(*tensors) -> str:
         for t in tensors:
             if t is not None and type(t) not in _PLAIN:
                 return OP
-        return CORE if _core_transform() else TRANSFORM
+        return _transform_route()
     records = False
     for t in tensors:
         if t is not None:

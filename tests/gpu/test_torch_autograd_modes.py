@@ -81,3 +81,9 @@ def test_returned_statistics_changed_in_place_refuse_backward():
     rstd.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("name, ours, theirs, shape, pshape", CASES, ids=IDS)
+def test_functionalize(name, ours, theirs, shape, pshape):
+    x, w, b, _ = _inputs(shape, pshape)
+    torch.testing.assert_close(torch.func.functionalize(lambda x: ours(x, w, b))(x), theirs(x, w, b))
