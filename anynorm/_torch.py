@@ -586,7 +586,7 @@ def forward_runner(plan, x, stats):
         ones = _float_params(plan, None, None, plan.param_shape)[0]
 
         def run(x, weight, bias, residual):
-            if _transforms() or _jit_tracing() or _forward_ad._current_level >= 0:  # _diverted()
+            if _diverted():
                 return general(x, weight, bias, residual)
             if weight is None:
                 if bias is not None and bias.dtype is not dtype:
@@ -600,7 +600,7 @@ def forward_runner(plan, x, stats):
             return finish(x, weight, bias, w, b, *kernel(x, w, b))
     else:
         def run(x, weight, bias, residual):
-            if _transforms() or _jit_tracing() or _forward_ad._current_level >= 0:  # _diverted()
+            if _diverted():
                 return general(x, weight, bias, residual)
             if ((weight is not None and weight.dtype is not dtype)
                     or (bias is not None and bias.dtype is not dtype)):

@@ -479,13 +479,10 @@ def _transform_route() -> str:
     return TRANSFORM if all(i.key() == grad for i in _interpreters()) else CORE
 
 
-def _dual(tensors) -> bool:
-    """A tensor among ``tensors`` carries a forward-mode tangent of the current dual level
-    (``torch.autograd.forward_ad``): the kernels would read its primal and drop the
-    tangent, so the call takes the array-API core, which propagates it."""
-    level = _forward_ad._current_level
-    if level < 0:
-        return False
+def _dual(tensors, level) -> bool:
+    """A tensor among ``tensors`` carries a forward-mode tangent of dual level ``level``
+    (``torch.autograd.forward_ad``, an open level): the kernels would read its primal and
+    drop the tangent, so the call takes the array-API core, which propagates it."""
     for t in tensors:
         if t is not None and torch._VF._unpack_dual(t, level)[1] is not None:
             return True
@@ -500,10 +497,11 @@ def _route(*tensors) -> str:
     """How a call on these tensors (the first one is x) runs: ``RUN`` (the runner itself:
     nothing for autograd to record), ``AUTOGRAD`` (:class:`_EagerNorm`: autograd records,
     nothing else looks), ``TRANSFORM`` (:class:`_TransformNorm`, under torch.func
-    transforms), ``CORE`` (the array-API core: under vmap or jvp transforms, and where a
-    tensor carries a forward-mode tangent) or ``OP`` (the registered op: torch.compile or
-    torch.jit.trace tracing, torch function or dispatch modes, tensor subclasses, tensors
-    left over from a finished transform, a device without a runner)."""
+    transforms of reverse mode), ``CORE`` (the array-API core: under any other transform,
+    :func:`_transform_route`, and where a tensor carries a forward-mode tangent) or ``OP``
+    (the registered op: torch.compile or torch.jit.trace tracing, torch function or dispatch
+    modes, tensor subclasses, tensors left over from a finished transform, a device without
+    a runner)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_tracing()  # torch.jit.trace records ops, not CuPy launches
             or torch._C._is_torch_function_mode_enabled()
@@ -524,7 +522,8 @@ def _route(*tensors) -> str:
                 return OP
             if grad and t.requires_grad:
                 records = True
-    if _forward_ad._current_level >= 0 and _dual(tensors):
+    level = _forward_ad._current_level
+    if level >= 0 and _dual(tensors, level):
         return CORE
     if not records:
         return RUN
