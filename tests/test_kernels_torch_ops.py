@@ -204,7 +204,7 @@ def test_torch_func_grad_of_grad(case):
     """torch.func.grad of a loss of torch.func.grad (the transform route's backward with a
     graph) equals the same of the array-API core."""
     plan, *tensors = _inputs(case)
-    x, w, b, res = (None if t is None else t.detach() for t in tensors)
+    x, w, b, res = _data(*tensors)
 
     def penalty(forward):
         def loss(x):
@@ -319,7 +319,7 @@ def test_functionalize(case):
     """torch.func.functionalize, alone and around or inside vmap and grad, takes the
     array-API core (a Python autograd.Function has no functionalize rule: it raised NYI)."""
     plan, *tensors = _inputs(case)
-    x, w, b, res = (None if t is None else t.detach() for t in tensors)
+    x, w, b, res = _data(*tensors)
     xs = torch.stack([x, x * 0.5 - 1])
 
     def call(forward):
