@@ -41,6 +41,28 @@ template <> __device__ __forceinline__ double from_acc<double>(double v) { retur
 __device__ __forceinline__ float inv_sqrt(float v) { return 1.0f / sqrtf(v); }
 __device__ __forceinline__ double inv_sqrt(double v) { return 1.0 / sqrt(v); }
 
+// A row's statistics from its sums where x (so y) is T: mean = sum / n, rstd = 1 / sqrt(v).
+// float32 and float64 take the correctly rounded forms above. 16-bit types take the hardware's
+// approximations, a multiply by 1 / n (the caller's, made once) and rsqrtf (rsqrt.approx: within
+// 2 ulp of float32, the CUDA guide's bound; 0, Inf and NaN as 1 / sqrt gives them): their
+// outputs round to 2^-9 (bfloat16) or 2^-12 (float16) of themselves, thousands of times
+// coarser, and the IEEE division and 1 / sqrt cost ~30 instructions a row, where the row
+// kernels are bound by the instructions they issue. Kernels whose registers do not allow the
+// approximations' code (rows.cu: rows_fwd_warp, the block and warp backwards) name
+// ExactRowStats, or divide.
+template <typename T> struct ExactRowStats {
+    typedef acc_t<T> A;
+    __device__ __forceinline__ static A mean(A sum, A n, A) { return sum / n; }
+    __device__ __forceinline__ static A rstd(A v) { return inv_sqrt(v); }
+};
+template <typename T> struct RowStats : ExactRowStats<T> {};
+struct RowStatsApprox {
+    __device__ __forceinline__ static float mean(float sum, float, float inv_n) { return sum * inv_n; }
+    __device__ __forceinline__ static float rstd(float v) { return rsqrtf(v); }
+};
+template <> struct RowStats<__half> : RowStatsApprox {};
+template <> struct RowStats<__nv_bfloat16> : RowStatsApprox {};
+
 // h = x + residual rounded to T, as the caller's library adds two arrays of dtype T.
 template <typename T> __device__ __forceinline__ T add_in_dtype(T a, T b) {
     return from_acc<T>(to_acc(a) + to_acc(b));
@@ -65,6 +87,27 @@ template <typename T> __device__ __forceinline__ Vec16<T> load16(const T* p) {
 
 template <typename T> __device__ __forceinline__ void store16(T* p, const Vec16<T>& v) {
     *reinterpret_cast<Vec16<T>*>(p) = v;
+}
+
+// bfloat16 element j of the 32-bit words at `words` (2 a word, little-endian) as float: one bit
+// operation on its word (the low half shifted up, the high half masked), where
+// __bfloat162float of a high half took two (a byte permute to the low half, then the shift).
+// 16-bit kernels widen every element they read, in every pass that reads it.
+__device__ __forceinline__ float bf16_of_words(const void* words, int j) {
+    unsigned word;
+    memcpy(&word, static_cast<const char*>(words) + 4 * (j >> 1), 4);
+    const unsigned bits = (j & 1) ? (word & 0xffff0000u) : (word << 16);
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+// Element j of a 16-byte vector in the accumulation type: to_acc(t.v[j]) (bf16_of_words).
+template <typename T> __device__ __forceinline__ acc_t<T> vec_acc(const Vec16<T>& t, int j) {
+    return to_acc(t.v[j]);
+}
+template <> __device__ __forceinline__ float vec_acc<__nv_bfloat16>(const Vec16<__nv_bfloat16>& t, int j) {
+    return bf16_of_words(&t, j);
 }
 
 // store16 to global memory in one st.global.v4: where the compiler split a Vec16 built element
@@ -495,7 +538,7 @@ __device__ __forceinline__ void param_vec(const Param<T>& q, int p, acc_t<T> (&o
         for (int j = 0; j < V; ++j) out[j] = none;
     } else if (q.in_t) {
         const Vec16<T> t = load16(static_cast<const T*>(q.ptr) + p);
-        for (int j = 0; j < V; ++j) out[j] = to_acc(t.v[j]);
+        for (int j = 0; j < V; ++j) out[j] = vec_acc(t, j);
     } else {
         for (int h = 0; h < V; h += VA) {
             const Vec16<A> t = load16(static_cast<const A*>(q.ptr) + p + h);

@@ -119,7 +119,7 @@ __device__ __forceinline__ void load_row(acc_t<T> (&v)[ITEMS], const T* __restri
             if (idx < count) {
                 const Vec16<T> xv = input_vec16(x, res, h, idx);
                 ANYNORM_UNROLL
-                for (int j = 0; j < V; ++j) v[k + j] = to_acc(xv.v[j]) - shift;
+                for (int j = 0; j < V; ++j) v[k + j] = vec_acc(xv, j) - shift;
             } else {
                 ANYNORM_UNROLL
                 for (int j = 0; j < V; ++j) v[k + j] = A(0);
@@ -205,12 +205,13 @@ __device__ __forceinline__ void store_row_stats(A* __restrict__ mean, A* __restr
 
 // The forward of a row a team holds as v = x - shift (or h - shift) in registers: two passes
 // of d = v - shift (mean(d), then sum((d - mean(d))^2)), the statistics (rank 0), and y = (v -
-// mean) * rstd * w + b at the row starting at element `base`.
-template <typename T, int ITEMS, typename Team>
+// mean) * rstd * w + b at the row starting at element `base`. `Stats`: common.cuh's RowStats
+// (rows_fwd_warp takes the exact forms, see there).
+template <typename T, int ITEMS, typename Team, typename Stats = RowStats<T>>
 __device__ __forceinline__ void normalize_row(acc_t<T> (&v)[ITEMS], acc_t<T> shift, T* __restrict__ y,
                                               const Param<T>& w, const Param<T>& b,
                                               acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd,
-                                              long long row, long long base, int count,
+                                              long long row, long long base, int count, acc_t<T> inv_n,
                                               const IndexMap& map, bool plain, bool vec, int center,
                                               acc_t<T> eps, acc_t<T>* smem) {
     typedef acc_t<T> A;
@@ -218,7 +219,7 @@ __device__ __forceinline__ void normalize_row(acc_t<T> (&v)[ITEMS], acc_t<T> shi
     const int rank = Team::rank();
     const A n = A(count);
     A mu = A(0);
-    if (center) mu = Team::allsum(sum_items(v), smem) / n;
+    if (center) mu = Stats::mean(Team::allsum(sum_items(v), smem), n, inv_n);
     A ss = A(0);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) {
@@ -227,7 +228,7 @@ __device__ __forceinline__ void normalize_row(acc_t<T> (&v)[ITEMS], acc_t<T> shi
             ss += d * d;
         }
     }
-    const A r = inv_sqrt(Team::allsum(ss, smem) / n + eps);
+    const A r = Stats::rstd(Stats::mean(Team::allsum(ss, smem), n, inv_n) + eps);
     if (rank == 0) store_row_stats(mean, rstd, row, shift + mu, r);
     if (y == 0) return;
     if (vec && plain && param_vec_ok(w) && param_vec_ok(b)) {  // w, b in 16-byte vectors too
@@ -257,14 +258,14 @@ __device__ __forceinline__ void normalize_row(acc_t<T> (&v)[ITEMS], acc_t<T> shi
 
 // One row of the forward, read and normalized: y = (v - mean) * rstd * w + b, v = x (or h =
 // x + res, written).
-template <typename T, int ITEMS, typename Team>
+template <typename T, int ITEMS, typename Team, typename Stats = RowStats<T>>
 __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __restrict__ res,
                                             T* __restrict__ h, T* __restrict__ y,
                                             const Param<T> w,
                                             const Param<T> b, acc_t<T>* __restrict__ mean,
                                             acc_t<T>* __restrict__ rstd, long long row, int count,
-                                            const IndexMap& map, bool plain, int center, acc_t<T> eps,
-                                            acc_t<T>* smem) {
+                                            acc_t<T> inv_n, const IndexMap& map, bool plain, int center,
+                                            acc_t<T> eps, acc_t<T>* smem) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value;
     const long long base = row * count;
@@ -278,8 +279,8 @@ __device__ __forceinline__ void forward_row(const T* __restrict__ x, const T* __
     const A shift = center ? row_shift(x, res) : A(0);
     A v[ITEMS];
     load_row<T, ITEMS>(v, x, res, h, count, Team::rank(), Team::size(), vec, shift);
-    normalize_row<T, ITEMS, Team>(v, shift, y, w, b, mean, rstd, row, base, count, map, plain, vec, center,
-                                  eps, smem);
+    normalize_row<T, ITEMS, Team, Stats>(v, shift, y, w, b, mean, rstd, row, base, count, inv_n, map, plain,
+                                         vec, center, eps, smem);
 }
 
 // Where the backward adds up dy * xhat and dy for dweight/dbias: `add` per item, `end_row`
@@ -457,7 +458,7 @@ __device__ __forceinline__ void unstage_row(acc_t<T> (&v)[ITEMS], const uint4* s
         }
         const A sh = in ? shift : A(0);
         ANYNORM_UNROLL
-        for (int j = 0; j < V; ++j) v[k * V + j] = to_acc(t.v[j]) - sh;
+        for (int j = 0; j < V; ++j) v[k * V + j] = vec_acc(t, j) - sh;
     }
 }
 
@@ -659,7 +660,10 @@ __device__ __forceinline__ void backward_rows(const T* __restrict__ dy, const T*
     }
 }
 
-// Short rows: one warp per row, several warps per block, grid-stride over rows.
+// Short rows: one warp per row, several warps per block, grid-stride over rows. The statistics
+// in their exact forms (ExactRowStats): with RowStats' approximations ptxas took 76 registers
+// for 16-bit ITEMS=16 (37.5% occupancy at the launcher's 128 threads; 60 with the exact forms),
+// and a launch bound of 64 made them spill.
 template <typename T, int ITEMS>
 __global__ void rows_fwd_warp(
         const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
@@ -671,8 +675,9 @@ __global__ void rows_fwd_warp(
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
     const bool plain = (p_div == 1 && p_len == count);
     for (long long row = WarpTeam::first_row(); row < rows; row += WarpTeam::row_stride())
-        forward_row<T, ITEMS, WarpTeam>(x, res, h, y, w, b, mean, rstd, row, (int)count, map, plain,
-                                        center, acc_t<T>(eps), (acc_t<T>*)0);
+        forward_row<T, ITEMS, WarpTeam, ExactRowStats<T>>(x, res, h, y, w, b, mean, rstd, row, (int)count,
+                                                          acc_t<T>(0), map, plain, center, acc_t<T>(eps),
+                                                          (acc_t<T>*)0);
 }
 
 template <typename T, int ITEMS>
@@ -743,26 +748,27 @@ __device__ __forceinline__ void normalize_live_row(acc_t<T> (&v)[ITEMS], const b
                                                    acc_t<T> shift, T* __restrict__ y, const Param<T>& w,
                                                    const Param<T>& b, bool params_vec, acc_t<T>* __restrict__ mean,
                                                    acc_t<T>* __restrict__ rstd, long long row, long long base,
-                                                   int count, const IndexMap& map, bool plain, int center,
-                                                   acc_t<T> eps, acc_t<T>* smem, int& phase) {
+                                                   int count, acc_t<T> inv_n, const IndexMap& map, bool plain,
+                                                   int center, acc_t<T> eps, acc_t<T>* smem, int& phase) {
     typedef acc_t<T> A;
     const int V = VecLen<T>::value, K = ITEMS / V;
     const int rank = threadIdx.x, size = blockDim.x;
     const A n = A(count);
     A mu = A(0);
-    if (center) mu = block_allsum_open(sum_items(v), smem + 32 * (phase++ & 1)) / n;
+    if (center) mu = RowStats<T>::mean(block_allsum_open(sum_items(v), smem + 32 * (phase++ & 1)), n, inv_n);
     A ss = A(0);
     ANYNORM_UNROLL
     for (int k = 0; k < K; ++k) {
         if (live[k]) {
             ANYNORM_UNROLL
             for (int j = 0; j < V; ++j) {
-                const A d = v[k * V + j] - mu;
-                ss += d * d;
+                v[k * V + j] -= mu;  // kept for y: recomputed there, it cost an add an element
+                ss += v[k * V + j] * v[k * V + j];
             }
         }
     }
-    const A r = inv_sqrt(block_allsum_open(ss, smem + 32 * (phase++ & 1)) / n + eps);
+    const A var = RowStats<T>::mean(block_allsum_open(ss, smem + 32 * (phase++ & 1)), n, inv_n);
+    const A r = RowStats<T>::rstd(var + eps);
     if (rank == 0) store_row_stats(mean, rstd, row, shift + mu, r);
     if (y == 0) return;
     ANYNORM_UNROLL
@@ -785,7 +791,7 @@ __device__ __forceinline__ void normalize_live_row(acc_t<T> (&v)[ITEMS], const b
             }
             Vec16<T> out;
             ANYNORM_UNROLL
-            for (int j = 0; j < V; ++j) out.v[j] = from_acc<T>((v[k * V + j] - mu) * r * wv[j] + bv[j]);
+            for (int j = 0; j < V; ++j) out.v[j] = from_acc<T>(v[k * V + j] * r * wv[j] + bv[j]);
             store16(y + base + idx, out);
         }
     }
@@ -797,8 +803,8 @@ __device__ __forceinline__ void staged_fwd_rows(const T* __restrict__ x, const T
                                                 T* __restrict__ h, T* __restrict__ y, const Param<T>& w,
                                                 const Param<T>& b, acc_t<T>* __restrict__ mean,
                                                 acc_t<T>* __restrict__ rstd, long long rows, int n,
-                                                const IndexMap& map, bool plain, int center, acc_t<T> eps,
-                                                acc_t<T>* smem, int depth, unsigned slot_bytes) {
+                                                acc_t<T> inv_n, const IndexMap& map, bool plain, int center,
+                                                acc_t<T> eps, acc_t<T>* smem, int depth, unsigned slot_bytes) {
     typedef acc_t<T> A;
     const int rank = threadIdx.x, size = blockDim.x;
     Ring ring = {dynamic_shared<uint4>(), (int)(slot_bytes / 16u), depth, 0};
@@ -829,8 +835,8 @@ __device__ __forceinline__ void staged_fwd_rows(const T* __restrict__ x, const T
         ring.wait();
         A v[ITEMS];
         unstage_row<T, ITEMS>(v, ring.at(), size, team_row(row, rows, n), rank, size, shift, res, h);
-        normalize_live_row<T, ITEMS>(v, live, shift, y, w, b, params_vec, mean, rstd, row, row * n, n, map, plain,
-                                     center, eps, smem, phase);
+        normalize_live_row<T, ITEMS>(v, live, shift, y, w, b, params_vec, mean, rstd, row, row * n, n, inv_n, map,
+                                     plain, center, eps, smem, phase);
         ring.advance();
         row = next;
     }
@@ -870,15 +876,16 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
                         (plain || p_div % VecLen<T>::value == 0);
     const unsigned slot_bytes = fwd_slot_bytes<T, ITEMS>(res != 0);
     const int depth = staged ? min(FWD_STAGES, (int)(dynamic_smem_bytes() / slot_bytes)) : 0;
+    const A inv_n = A(1) / A(n);  // RowStats' of 16-bit rows, once
     if (depth < 2) {  // read as it goes
 #pragma unroll 1
         for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
-            forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, map, plain, center,
+            forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, inv_n, map, plain, center,
                                              A(eps), smem);
         return;
     }
-    staged_fwd_rows<T, ITEMS>(x, res, h, y, w, b, mean, rstd, rows, n, map, plain, center, A(eps), smem, depth,
-                              slot_bytes);
+    staged_fwd_rows<T, ITEMS>(x, res, h, y, w, b, mean, rstd, rows, n, inv_n, map, plain, center, A(eps), smem,
+                              depth, slot_bytes);
 }
 
 // The part of a row each of the C blocks of a cluster holds: ceil(count / C) rounded up to
@@ -933,7 +940,7 @@ __device__ __forceinline__ acc_t<T> held_sum(const T* v, int lo, int len, acc_t<
     for (int j = lo + threadIdx.x * V; j < len; j += blockDim.x * V) {
         const Vec16<T> a = load16(v + j);
         ANYNORM_UNROLL
-        for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
+        for (int k = 0; k < V; ++k) s += vec_acc(a, k) - shift;
     }
     return s;
 }
@@ -995,7 +1002,7 @@ __device__ __forceinline__ void forward_rows_held(
                 const Vec16<T> a = input_vec16(xr, rr, hr, j);
                 store16(v + j, a);
                 ANYNORM_UNROLL
-                for (int k = 0; k < V; ++k) s += to_acc(a.v[k]) - shift;
+                for (int k = 0; k < V; ++k) s += vec_acc(a, k) - shift;
             }
         } else {
             for (int j = lo + tid; j < len; j += threads) {
@@ -1011,7 +1018,7 @@ __device__ __forceinline__ void forward_rows_held(
                 const Vec16<T> a = load16(v + j);
                 ANYNORM_UNROLL
                 for (int k = 0; k < V; ++k) {
-                    const A d = (to_acc(a.v[k]) - shift) - mu;
+                    const A d = (vec_acc(a, k) - shift) - mu;
                     ss += d * d;
                 }
             }
@@ -1032,7 +1039,7 @@ __device__ __forceinline__ void forward_rows_held(
                 param_vec(b, j, bv, A(0));
                 Vec16<T> o;
                 ANYNORM_UNROLL
-                for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(((to_acc(a.v[k]) - shift) - mu) * r * wv[k] + bv[k]);
+                for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(((vec_acc(a, k) - shift) - mu) * r * wv[k] + bv[k]);
                 store16(yr + j, o);
             }
         } else if (vec && !plain && p_div % V == 0) {  // segments of whole vectors: one p a vector
@@ -1042,7 +1049,7 @@ __device__ __forceinline__ void forward_rows_held(
                 const A wk = weight_at(w, p) * r, bk = bias_at(b, p);
                 Vec16<T> o;
                 ANYNORM_UNROLL
-                for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(((to_acc(a.v[k]) - shift) - mu) * wk + bk);
+                for (int k = 0; k < V; ++k) o.v[k] = from_acc<T>(((vec_acc(a, k) - shift) - mu) * wk + bk);
                 store16(yr + j, o);
             }
         } else {
@@ -1186,9 +1193,9 @@ __device__ __forceinline__ void backward_rows_held(
                         const Vec16<T> a = load16(xs + j), d = load16(gs + j);
                         ANYNORM_UNROLL
                         for (int q = 0; q < V; ++q) {
-                            const A dv = to_acc(d.v[q]);
+                            const A dv = vec_acc(d, q);
                             sd += dv;
-                            sdx += dv * (((to_acc(a.v[q]) - shift) - mu) * r);
+                            sdx += dv * (((vec_acc(a, q) - shift) - mu) * r);
                         }
                     }
                 } else {
@@ -1226,9 +1233,9 @@ __device__ __forceinline__ void backward_rows_held(
                 }
                 ANYNORM_UNROLL
                 for (int k = 0; k < V; ++k) {
-                    const A g = to_acc(d.v[k]) * wv[k];
+                    const A g = vec_acc(d, k) * wv[k];
                     sg += g;
-                    sgx += g * (((to_acc(a.v[k]) - shift) - mu) * r);
+                    sgx += g * (((vec_acc(a, k) - shift) - mu) * r);
                 }
             }
         } else {
@@ -1258,8 +1265,8 @@ __device__ __forceinline__ void backward_rows_held(
                 Vec16<T> o;
                 ANYNORM_UNROLL
                 for (int k = 0; k < V; ++k) {
-                    const A xh = ((to_acc(a.v[k]) - shift) - mu) * r;
-                    o.v[k] = from_acc<T>(r * (to_acc(d.v[k]) * wv[k] - mg - xh * mgx));
+                    const A xh = ((vec_acc(a, k) - shift) - mu) * r;
+                    o.v[k] = from_acc<T>(r * (vec_acc(d, k) * wv[k] - mg - xh * mgx));
                 }
                 store16_global(dxr + j, o);
             }
@@ -1270,8 +1277,8 @@ __device__ __forceinline__ void backward_rows_held(
                 Vec16<T> o;
                 ANYNORM_UNROLL
                 for (int k = 0; k < V; ++k) {
-                    const A xh = ((to_acc(a.v[k]) - shift) - mu) * r;
-                    o.v[k] = from_acc<T>(r * (to_acc(d.v[k]) * wk - mg - xh * mgx));
+                    const A xh = ((vec_acc(a, k) - shift) - mu) * r;
+                    o.v[k] = from_acc<T>(r * (vec_acc(d, k) * wk - mg - xh * mgx));
                 }
                 store16_global(dxr + j, o);
             }
@@ -1468,7 +1475,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
     A wv[ITEMS], bv[ITEMS];
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     team_param<T, ITEMS>(bv, b, A(0), n, rank, size, vec);
-    const A fn = A(n), e = A(eps);
+    const A fn = A(n), inv_n = A(1) / fn, e = A(eps);  // inv_n: RowStats' of 16-bit rows
     const long long groups = mt.groups(rows);
     for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
         const TeamRow at = mt.row_in(g, rows, n);
@@ -1482,29 +1489,27 @@ __global__ void __launch_bounds__(MULTI_BLOCK, 4) rows_fwd_multi(
         A v[ITEMS];
         load_row<T, ITEMS>(v, xr, rr, hr, len, rank, size, vec, shift);
         A mu = A(0);
-        if (center) mu = team_sum(sum_items(v), size, smem) / fn;
+        if (center) mu = RowStats<T>::mean(team_sum(sum_items(v), size, smem), fn, inv_n);
         A ss = A(0);
         if (vec && ITEMS == V) {  // one vector a thread (MULTI_ITEMS): in the row or not as a whole
             ANYNORM_UNROLL
             for (int k = 0; k < ITEMS; ++k) {
-                const A d = v[k] - mu;
-                ss += d * d;
+                v[k] -= mu;  // kept for y (as normalize_live_row)
+                ss += v[k] * v[k];
             }
             if (team_item<V>(0, rank, size, true) >= len) ss = A(0);  // its zeros would add mu^2
         } else {
             ANYNORM_UNROLL
             for (int k = 0; k < ITEMS; ++k) {
-                if (team_item<V>(k, rank, size, vec) < len) {
-                    const A d = v[k] - mu;
-                    ss += d * d;
-                }
+                v[k] -= mu;  // past the row too: never stored
+                if (team_item<V>(k, rank, size, vec) < len) ss += v[k] * v[k];
             }
         }
-        const A r = inv_sqrt(team_sum(ss, size, smem) / fn + e);
+        const A r = RowStats<T>::rstd(RowStats<T>::mean(team_sum(ss, size, smem), fn, inv_n) + e);
         if (active && rank == 0) store_row_stats(mean, rstd, row, shift + mu, r);
         if (y) {
             ANYNORM_UNROLL
-            for (int k = 0; k < ITEMS; ++k) v[k] = (v[k] - mu) * r * wv[k] + bv[k];
+            for (int k = 0; k < ITEMS; ++k) v[k] = v[k] * r * wv[k] + bv[k];
             store_row<T, ITEMS>(y + base, v, len, rank, size, vec);
         }
     }
@@ -1560,7 +1565,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
     team_param<T, ITEMS>(wv, w, A(1), n, rank, size, vec);
     ANYNORM_UNROLL
     for (int k = 0; k < ITEMS; ++k) sw[k] = sb[k] = A(0);
-    const A fn = A(n);
+    const A fn = A(n), inv_n = A(1) / fn;  // inv_n: RowStats' of 16-bit rows
     for (long long grp = blockIdx.x; grp < groups; grp += gridDim.x) {
         const TeamRow at = mt.row_in(grp, rows, n);
         const long long row = at.row, base = at.base;
@@ -1594,7 +1599,7 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
         }
         // xhat about the row's exact mean, as backward_row: mean(d) of d = x - shift again
         A mu = A(0);
-        if (center) mu = team_sum(sum_items(xh), size, smem) / fn;
+        if (center) mu = RowStats<T>::mean(team_sum(sum_items(xh), size, smem), fn, inv_n);
         A sg = A(0), sgx = A(0);
         // one vector a thread (MULTI_ITEMS): no bounds per item, as past the row its dy is zero
         // and so is every term it adds (past the row nothing it holds is written)
@@ -1611,8 +1616,8 @@ __global__ void __launch_bounds__(MULTI_BLOCK, MultiBwdBlocks<T>::value) rows_bw
             }
         }
         team_sum2(sg, sgx, size, smem);
-        const A mg = center ? sg / fn : A(0);
-        const A mgx = sgx / fn;
+        const A mg = center ? RowStats<T>::mean(sg, fn, inv_n) : A(0);
+        const A mgx = RowStats<T>::mean(sgx, fn, inv_n);
         ANYNORM_UNROLL
         for (int k = 0; k < ITEMS; ++k) g[k] = r * (g[k] - mg - xh[k] * mgx);
         store_row<T, ITEMS>(dx + base, g, len, rank, size, vec);
@@ -1748,7 +1753,7 @@ __global__ void rows_stats_partial(const T* __restrict__ x, const T* __restrict_
         Welford<A> s = welford_empty<A>();
         for (long long j = (long long)threadIdx.x * V; j < vlen; j += (long long)blockDim.x * V) {
             const Vec16<T> xv = input_vec16(x, res, h, base + j);
-            for (int q = 0; q < V; ++q) welford_push(s, to_acc(xv.v[q]) - shift);
+            for (int q = 0; q < V; ++q) welford_push(s, vec_acc(xv, q) - shift);
         }
         for (long long j = vlen + threadIdx.x; j < len; j += blockDim.x) {
             welford_push(s, to_acc(input_value(x, res, h, base + j)) - shift);
@@ -1797,8 +1802,8 @@ __global__ void rows_grad_partial(const T* __restrict__ dy, const T* __restrict_
             const Vec16<T> xv = load16(x + base + j);
             const Vec16<T> dv = load16(dy + base + j);
             for (int q = 0; q < V; ++q) {
-                const A g = to_acc(dv.v[q]) * weight_at(w, param_at(map, base + j + q));
-                const A d = to_acc(xv.v[q]) - mu;
+                const A g = vec_acc(dv, q) * weight_at(w, param_at(map, base + j + q));
+                const A d = vec_acc(xv, q) - mu;
                 sg += g;
                 sgx += g * d * r;
                 sd += d;

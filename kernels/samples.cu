@@ -269,7 +269,7 @@ cols_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, const void* __restr
                 ANYNORM_UNROLL
                 for (int j = 0; j < V; ++j, at.next(I)) {
                     const int q = per_col ? at.c : at.r;
-                    out.v[j] = from_acc<T>(((to_acc(v.v[j]) - s.shift()[at.c]) - s.m()[at.c]) * s.rs()[at.c] * s.pw()[q] +
+                    out.v[j] = from_acc<T>(((vec_acc(v, j) - s.shift()[at.c]) - s.m()[at.c]) * s.rs()[at.c] * s.pw()[q] +
                                            s.pb()[q]);
                 }
                 store16_global(y + base + p.lo() + f, out);
@@ -364,8 +364,8 @@ cols_bwd_cluster(const T* __restrict__ dy, const T* __restrict__ x, const void* 
                 Vec16<T> out;
                 ANYNORM_UNROLL
                 for (int j = 0; j < V; ++j, at.next(I)) {
-                    const A xh = ((to_acc(xv.v[j]) - s.shift()[at.c]) - s.m()[at.c]) * s.rs()[at.c];
-                    const A g = to_acc(dv.v[j]) * s.pw()[per_col ? at.c : at.r];
+                    const A xh = ((vec_acc(xv, j) - s.shift()[at.c]) - s.m()[at.c]) * s.rs()[at.c];
+                    const A g = vec_acc(dv, j) * s.pw()[per_col ? at.c : at.r];
                     out.v[j] = from_acc<T>(s.rs()[at.c] * (g - s.ka()[at.c] - xh * s.kb()[at.c]));
                 }
                 store16_global(dx + base + p.lo() + f, out);

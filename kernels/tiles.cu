@@ -454,11 +454,19 @@ __device__ __forceinline__ void tile_vec_sum(A (&a)[CPT], A (&b)[CPT], const Til
     __syncthreads();  // red is reused
 }
 
+// Element j of a tile vector in the accumulation type (bfloat16: bf16_of_words, CPT even).
+template <typename T, int CPT> __device__ __forceinline__ acc_t<T> tile_acc(const TileVec<T, CPT>& t, int j) {
+    return to_acc(t.v[j]);
+}
+template <int CPT> __device__ __forceinline__ float tile_acc(const TileVec<__nv_bfloat16, CPT>& t, int j) {
+    return CPT % 2 ? to_acc(t.v[j]) : bf16_of_words(&t, j);
+}
+
 template <typename T, int CPT>
 __device__ __forceinline__ void load_cols(const T* p, acc_t<T> (&v)[CPT]) {
     const TileVec<T, CPT> t = *reinterpret_cast<const TileVec<T, CPT>*>(p);
     ANYNORM_UNROLL
-    for (int j = 0; j < CPT; ++j) v[j] = to_acc(t.v[j]);
+    for (int j = 0; j < CPT; ++j) v[j] = tile_acc(t, j);
 }
 
 // Tile column of the first column of each of the thread's CPT columns' statistics.

@@ -316,3 +316,48 @@ def test_backward_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
     counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", text)) for op in ops}
     assert counts["LDG.E.128"] >= 1 and counts["STG.E.128"] >= 1, counts  # w; dx
     assert counts["LDGSTS.E.BYPASS.128"] >= 2 and counts["LDS.128"] >= 4, counts
+
+
+def _row_loops(text):
+    """The instructions of each loop whose body shuffles (a row loop: its team sums), as
+    lists of (address, instruction), from the target of a branch back to the branch."""
+    code = [(int(m.group(1), 16), m.group(2).strip())
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    loops = []
+    for address, instruction in code:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", instruction)
+        if m and int(m.group(1), 16) < address:
+            body = [(a, i) for a, i in code if int(m.group(1), 16) <= a <= address]
+            if any("SHFL" in i for _, i in body):
+                loops.append(body)
+    return loops
+
+
+# The row kernels whose float16/bfloat16 statistics take common.cuh's RowStats approximations
+# (rows_fwd_warp and the block and warp backwards keep the exact forms: with RowStats ptxas
+# took 76 registers for rows_fwd_warp<16-bit, 16>, and the ITEMS=16 block backwards spilled on
+# sm_80 under their 64-register bound).
+APPROX_STATS = ("rows_fwd_block", "rows_fwd_multi", "rows_bwd_multi")
+
+
+def test_16_bit_row_statistics_take_no_ieee_slow_path(rows_sass):
+    """common.cuh's RowStats: the float16/bfloat16 row kernels of APPROX_STATS take mean = sum
+    * (1 / n) (the reciprocal made once a launch) and rstd = rsqrtf (MUFU.RSQ) in their row
+    loops, so no IEEE division or square root subroutine is called there (CALL.REL: each
+    division by n and 1 / sqrt had one, ~30 instructions a row between them, in kernels bound
+    by the instructions they issue), and every forward row loop takes its rstd by MUFU.RSQ.
+    float32 and float64 keep the correctly rounded forms: their row loops call the
+    subroutines."""
+    dtype, code = rows_sass
+    for kernel in APPROX_STATS:
+        for items in _compile.items_of(kernel, dtype):
+            name = _compile.name_expression(kernel, dtype, items)
+            loops = _row_loops(code[name])
+            assert loops, name
+            calls = [sum("CALL.REL" in i for _, i in body) for body in loops]
+            if VEC[dtype] == 8:
+                assert not any(calls), (name, calls)
+                if kernel.startswith("rows_fwd"):
+                    assert all(any("MUFU.RSQ" in i for _, i in body) for body in loops), name
+            else:
+                assert any(calls), (name, calls)
