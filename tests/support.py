@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from dataclasses import dataclass
 
 import array_api_compat
@@ -326,3 +327,17 @@ def torch_functional(op, x, weight=None, bias=None, *, eps=None, axis=-1, channe
     else:
         out = F.group_norm(moved, num_groups, weight, bias, 1e-5 if eps is None else eps)
     return torch.movedim(out, 1, channel_axis)
+
+
+def sass_loops(text):
+    """The loops of a ``cuobjdump -sass`` listing: for every branch back (a BRA to a lower
+    address), its instructions from the branch's target to the branch, in order (text only,
+    the predicate included)."""
+    code = [(int(m.group(1), 16), m.group(2).strip())
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    loops = []
+    for address, instruction in code:
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", instruction)
+        if branch and int(branch.group(1), 16) < address:
+            loops.append([i for a, i in code if int(branch.group(1), 16) <= a <= address])
+    return loops

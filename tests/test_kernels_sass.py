@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from support import sass_loops
 
 pytest.importorskip("cupy", exc_type=ImportError)  # anynorm._cuda imports CuPy (no GPU needed)
 from anynorm._cuda import _compile  # noqa: E402
@@ -319,18 +320,8 @@ def test_backward_rows_held_in_shared_memory_move_in_16_byte_vectors(rows_sass):
 
 
 def _row_loops(text):
-    """The instructions of each loop whose body shuffles (a row loop: its team sums), as
-    lists of (address, instruction), from the target of a branch back to the branch."""
-    code = [(int(m.group(1), 16), m.group(2).strip())
-            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
-    loops = []
-    for address, instruction in code:
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", instruction)
-        if m and int(m.group(1), 16) < address:
-            body = [(a, i) for a, i in code if int(m.group(1), 16) <= a <= address]
-            if any("SHFL" in i for _, i in body):
-                loops.append(body)
-    return loops
+    """The loops whose body shuffles (row loops: their team sums), as lists of instructions."""
+    return [body for body in sass_loops(text) if any("SHFL" in i for i in body)]
 
 
 # The row kernels whose float16/bfloat16 statistics take common.cuh's RowStats approximations
@@ -354,10 +345,10 @@ def test_16_bit_row_statistics_take_no_ieee_slow_path(rows_sass):
             name = _compile.name_expression(kernel, dtype, items)
             loops = _row_loops(code[name])
             assert loops, name
-            calls = [sum("CALL.REL" in i for _, i in body) for body in loops]
+            calls = [sum("CALL.REL" in i for i in body) for body in loops]
             if VEC[dtype] == 8:
                 assert not any(calls), (name, calls)
                 if kernel.startswith("rows_fwd"):
-                    assert all(any("MUFU.RSQ" in i for _, i in body) for body in loops), name
+                    assert all(any("MUFU.RSQ" in i for i in body) for body in loops), name
             else:
                 assert any(calls), (name, calls)

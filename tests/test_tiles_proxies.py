@@ -30,6 +30,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from support import sass_loops
 
 cupy = pytest.importorskip("cupy", exc_type=ImportError)
 try:
@@ -245,23 +246,11 @@ def test_sample_clusters_move_in_128_bits_and_no_local_memory(tmp_path, dtype):
         assert not re.search(r"\b(LDL|STL)\b", code), f"{kernel}<{dtype}>: local memory"
 
 
-def _loop_bodies(code):
-    """Instructions of each backward branch's loop (target .. branch), in SASS order."""
-    ins = [(int(m.group(1), 16), m.group(2).strip())
-           for m in re.finditer(r"/\*([0-9a-f]{4,5})\*/\s+(.*?);", code)]
-    bodies = []
-    for addr, text in ins:
-        branch = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)\s*$", text)
-        if branch and int(branch.group(1), 16) < addr:
-            bodies.append([t for a, t in ins if int(branch.group(1), 16) <= a <= addr])
-    return bodies
-
-
 def vector_row_loops(code, loads=(1,)):
     """Sizes of the loops that walk a tile's rows in shared-memory vectors: ``loads`` (a count
     in) 64- or 128-bit shared loads and no other, float adds, no global memory."""
     sizes = []
-    for body in _loop_bodies(code):
+    for body in sass_loops(code):
         shared = [b for b in body if re.search(r"\bLDS", b)]
         if (len(shared) in loads and all(re.search(r"\bLDS\.(64|128)\b", s) for s in shared)
                 and not any(re.search(r"\b(LDG|STG|LDGSTS)", b) for b in body)
