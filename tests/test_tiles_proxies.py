@@ -282,7 +282,6 @@ def test_backward_tile_arithmetic_in_vectors(tmp_path, dtype):
     assert not vector_row_loops(code["cols_bwd_tile"], (1, 2))
 
 
-
 def test_bfloat16_tiles_widen_as_cheaply_as_float16(tmp_path):
     """tiles.cu's tile_acc widens a bfloat16 element in one bit operation on its 32-bit word (a
     shift or a mask), as float16's takes one conversion: the vector passes of the forward and
@@ -296,6 +295,7 @@ def test_bfloat16_tiles_widen_as_cheaply_as_float16(tmp_path):
                         + vector_row_loops(code["cols_bwd_tile_vec"], (2,)))
     assert len(loops["bfloat16"]) == len(loops["float16"]) >= 8, loops
     assert all(b <= h for b, h in zip(loops["bfloat16"], loops["float16"])), loops
+
 
 if os.environ.get("ANYNORM_PRINT_PROXIES"):  # a table for notes: ANYNORM_PRINT_PROXIES=1 pytest -s -k table
     def test_print_table(reports):
