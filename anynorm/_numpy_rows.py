@@ -15,6 +15,11 @@ in a core's L2) are read from memory once; per block::
 (no one-pass ``E[x^2] - E[x]^2`` anywhere; sums over more than ``SUM_RUN`` terms are added
 in float64 over runs, and the centring is redone where the first mean missed by > std/4).
 
+Where the host could build anynorm's CPU kernel (:mod:`anynorm._native`, ``kernels/cpu_rows.cpp``:
+the same statistics with float64 sums, each row read from memory once and its three passes
+run from L1), a thread's rows go to it in one call instead of the passes above (float16,
+float32 and float64; NCHW instance/group norm too, runs of >= ``MIN_RUN_NATIVE``).
+
 Broadcast passes (a column ``r``, a row ``w``) run as fast as same-shape ones once NumPy's
 ufunc buffer is no longer than the rows (:func:`bufsize`, set by the executor around the
 blocked loops; at NumPy's default 8192 they were 2x slower).  float16 blocks are converted
@@ -27,6 +32,7 @@ import math
 
 import numpy as np
 
+from . import _native
 from ._numpy_half import float_to_half, half_to_float
 
 __all__ = ["COL_RUN", "REDUCE_RUN", "ROW_BLOCK_BYTES", "SUM_RUN", "RowsForward", "bufsize", "col_sums", "far_off",
@@ -34,6 +40,7 @@ __all__ = ["COL_RUN", "REDUCE_RUN", "ROW_BLOCK_BYTES", "SUM_RUN", "RowsForward",
 
 ROW_BLOCK_BYTES = 512 << 10  # accumulation-dtype bytes of x per block (256K: 1.1x the time)
 MIN_RUN = 64  # shortest run of constant parameters for the "per run" affine step
+MIN_RUN_NATIVE = 8  # the same for the compiled kernel (a run's loop: one vector or more)
 SKIP_CORRECTION = 0.25  # largest |mean| * rstd of a block at which the correction is skipped
 
 
@@ -175,11 +182,11 @@ def far_off(c, q, eps):
     return bool(np.any(np.greater(c2, SKIP_CORRECTION ** 2 * (q - c2 + eps))))
 
 
-def _affine_mode(layout, has_params):
+def _affine_mode(layout, has_params, min_run=MIN_RUN):
     """``("none" | "outer" | "run", tail)``: how parameters vary along a row, or None.
 
     "outer": only along the reduced axes (one vector of n per row); "run": constant over
-    the merged axes from ``tail`` on (reduced, not parameter axes: >= MIN_RUN elements),
+    the merged axes from ``tail`` on (reduced, not parameter axes: >= ``min_run`` elements),
     so one value per run of those elements.
     """
     d = len(layout.shape)
@@ -190,7 +197,7 @@ def _affine_mode(layout, has_params):
     tail = d
     while tail > 0 and tail - 1 in layout.reduce and tail - 1 not in layout.param:
         tail -= 1
-    return ("run", tail) if tail < d and math.prod(layout.shape[tail:]) >= MIN_RUN else None
+    return ("run", tail) if tail < d and math.prod(layout.shape[tail:]) >= min_run else None
 
 
 class RowsForward:
@@ -212,15 +219,18 @@ class RowsForward:
         half = np.dtype(plan.dtype) != np.dtype(plan.acc_dtype)
         if half and (residual is not None or np.dtype(plan.dtype) != np.float16):
             return None
-        mode = _affine_mode(layout, weight is not None or bias is not None)
-        # float32/float64 NCHW instance/group norm: the general blocking measured as fast or
-        # 10-15% faster than "run" (whose gain is the per-block float16 conversion)
-        if mode is None or mode[0] == "run" and not half:
+        kernel = _native.rows_kernel(plan.dtype)
+        mode = _affine_mode(layout, weight is not None or bias is not None,
+                            MIN_RUN if kernel is None else MIN_RUN_NATIVE)
+        # without the kernel, float32/float64 NCHW instance/group norm: the general blocking
+        # measured as fast or 10-15% faster than "run" (whose gain is the per-block float16
+        # conversion)
+        if mode is None or mode[0] == "run" and not half and kernel is None:
             return None
-        return cls(plan, layout, k, mode, x, weight, bias, residual, half)
+        return cls(plan, layout, k, mode, x, weight, bias, residual, half, kernel)
 
-    def __init__(self, plan, layout, k, mode, x, weight, bias, residual, half):
-        self.plan, self.half = plan, half
+    def __init__(self, plan, layout, k, mode, x, weight, bias, residual, half, kernel=None):
+        self.plan, self.half, self.kernel = plan, half, kernel
         self.acc = acc = np.dtype(plan.acc_dtype)
         self.rows = math.prod(layout.shape[:k])
         self.n = math.prod(layout.shape[k:])
@@ -255,7 +265,10 @@ class RowsForward:
         return [(s, min(s + rb, self.rows)) for s in range(0, self.rows, rb)]
 
     def buffers(self):
-        """Per-thread scratch: block-sized float temporaries (and uint32 ones for float16)."""
+        """Per-thread scratch: block-sized float temporaries (and uint32 ones for float16);
+        none for the compiled kernel."""
+        if self.kernel is not None:
+            return {}
         shape = (self.block_rows, self.n)
         bufs = {"t": np.empty(shape, self.acc)}
         if self.half:
@@ -264,8 +277,30 @@ class RowsForward:
         return bufs
 
     def run(self, blocks, bufs):
+        if self.kernel is not None:
+            self._native(blocks[0][0], blocks[-1][1])  # a thread's blocks are consecutive
+            return
         for s0, s1 in blocks:
             self._block(s0, s1, bufs)
+
+    def _native(self, s0, s1):
+        """Rows ``s0:s1`` by ``kernels/cpu_rows.cpp``: one read of each row, three passes
+        over it in L1."""
+        n, size = self.n, self.y2.itemsize
+
+        def at(a, itemsize=size, per_row=n):
+            return 0 if a is None else a.ctypes.data + s0 * per_row * itemsize
+
+        acc = self.acc.itemsize
+        w_run = 0 if self.mode == "outer" else self.run_length
+        per_run = n // self.run_length
+        params = [0 if p is None else p.ctypes.data + (0 if w_run == 0 else s0 * per_run * acc)
+                  for p in (self.w, self.b)]
+        mean = at(self.mean, acc, 1) if self.plan.center else 0
+        err = self.kernel(at(self.x2), at(self.r2), at(self.h2), at(self.y2), *params, w_run,
+                          mean, at(self.rstd, acc, 1), s1 - s0, n, int(self.plan.center), self.plan.eps)
+        if err:
+            raise RuntimeError(f"anynorm's CPU kernel refused rows of {n} (runs of {w_run})")
 
     def _block(self, s0, s1, bufs):
         rb, plan = s1 - s0, self.plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from anynorm import _numpy, _numpy_columns, _numpy_rows, _reference
+from anynorm import _native, _numpy, _numpy_columns, _numpy_rows, _reference
 from anynorm._plan import make_plan
 
 # (op, shape, keyword arguments of make_plan)
@@ -41,13 +41,18 @@ DTYPES = [np.float32, np.float64, np.float16]
 TOL = {np.float16: 2e-2, np.float32: 2e-5, np.float64: 1e-12}
 
 
-@pytest.fixture(params=["one box", "many boxes", "one sample per box", "threads", "small ufunc buffer"])
+@pytest.fixture(params=["one box", "many boxes", "one sample per box", "threads", "small ufunc buffer",
+                        "numpy passes"])
 def blocking(request, monkeypatch):
     """Run each case as one box (short tails after the reduced axes take several samples per
     box), as one sample per box (what longer tails get), as many tiny boxes, split across
-    threads, and with NumPy's ufunc buffer cut to the inner loop length (what inner loops of
-    384 to 8191 elements get) in many boxes on two threads."""
+    threads, with NumPy's ufunc buffer cut to the inner loop length (what inner loops of
+    384 to 8191 elements get) in many boxes on two threads, and with the row path's NumPy
+    passes where the compiled CPU kernel (``anynorm._native``) would take the rows (what a
+    host without a C++ compiler runs)."""
     monkeypatch.setattr(_numpy, "SMALL_ELEMENTS", 1)  # the test shapes are small
+    if request.param == "numpy passes":
+        monkeypatch.setattr(_native, "_library", False)
     if request.param == "small ufunc buffer":
         monkeypatch.setattr(_numpy_rows, "MIN_BUFSIZE_INNER", 1)
     if request.param in ("many boxes", "threads", "small ufunc buffer"):

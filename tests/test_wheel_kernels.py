@@ -1,4 +1,5 @@
-"""The built wheel carries the CUDA sources, and the installed package's loader finds them."""
+"""The built wheel carries the CUDA and CPU kernel sources, and the installed package's loaders
+find them (the CPU kernel also builds from there where the host has a C++ compiler)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import zipfile
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-KERNEL_FILES = sorted(p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".cu", ".cuh"))
+KERNEL_FILES = sorted(p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".cu", ".cuh", ".cpp"))
 
 # Runs in a fresh interpreter whose sys.path holds only the unpacked wheel (plus the
 # standard library and site-packages), from a directory outside the repository.
@@ -27,6 +28,8 @@ print(sources.kernel_dir())
 for name in sources.SOURCE_FILES:
     text = sources.read_source(name)
     assert "__global__" in text and '#include "common.cuh"' not in text, name
+from anynorm import _native
+assert _native.rows_kernel("float32") is not None or _native._compiler() is None, _native.status
 print("ok")
 """
 
@@ -57,6 +60,7 @@ def test_installed_package_finds_kernel_sources(wheel, tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)
+    env["ANYNORM_CACHE_DIR"] = str(tmp_path / "cache")
     run = subprocess.run([sys.executable, "-c", _PROBE], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr

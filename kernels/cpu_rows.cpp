@@ -1,0 +1,308 @@
+// anynorm's CPU kernel: layer norm and RMS norm over contiguous rows in one read of each row.
+//
+// The NumPy executor's row path (anynorm/_numpy_rows.py) calls it through ctypes where the
+// host has a C++ compiler (anynorm/_native.py compiles it at first use, -O3 -march=native,
+// into a per-user cache).  Each row of n elements, held in L1/L2 after its first pass:
+//
+//     m1  = sum(x) / n                            (float64 sums, 8 lanes)
+//     c   = sum(x - m1) / n;  q = sum((x - m1)^2) / n
+//     var = max(q - c*c, 0);  mean = m1 + c;  rstd = 1 / sqrt(var + eps)
+//     y   = (x - mean) * rstd * w + b             (RMS norm: m1 = c = 0, no b)
+//
+// float32 and float16 rows form y in float32 with the mean split into two floats
+// (`x - hi` is exact near the data, `- lo` restores the rest), so data offset far from zero
+// keep float32 rounding; float64 rows work in float64 throughout.  Parameters (in the
+// accumulation type: float32 for float16/float32 x, float64 for float64) are indexed by the
+// position in the row (`w_run == 0`: layer/RMS norm) or are constant over runs of `w_run`
+// elements, indexed by `(row * n + i) / w_run` (NCHW instance/group norm: a run is a channel's
+// spatial extent).  With `res`, h = x + res (rounded to x's type) is written to `h` and
+// normalized.  A NaN or Inf in a row makes that row's output NaN, and no other row's.
+//
+// Built with GCC/Clang vector extensions (8 lanes of the widest type a loop handles), which
+// compile to whatever SIMD -march=native offers.  Entry points (extern "C", 0 on success):
+//
+//     anynorm_rows_<f16|f32|f64>(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+// float16 rows where converting them is cheap: x86 with F16C, or a CPU whose compiler
+// converts _Float16 in hardware (AArch64); elsewhere the NumPy executor keeps them
+#if defined(__FLT16_MAX__) && (defined(__F16C__) || defined(__aarch64__))
+#define HAVE_F16 1
+#else
+#define HAVE_F16 0
+#endif
+#if HAVE_F16 && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef double vd __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(32)));
+
+template <typename T> struct Lanes;  // 8 elements of T as one vector
+template <> struct Lanes<double> { typedef double type __attribute__((vector_size(64))); };
+template <> struct Lanes<float> { typedef float type __attribute__((vector_size(32))); };
+#if HAVE_F16
+template <> struct Lanes<_Float16> { typedef _Float16 type __attribute__((vector_size(16))); };
+#endif
+
+template <typename T> inline typename Lanes<T>::type load(const T *p) {
+    typename Lanes<T>::type v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+template <typename T> inline void store(T *p, typename Lanes<T>::type v) { memcpy(p, &v, sizeof v); }
+template <typename T> inline vf narrow(const T *p) { return __builtin_convertvector(load(p), vf); }
+template <typename T> inline void store_f32(T *p, vf v) {  // rounded once to T
+    store(p, __builtin_convertvector(v, typename Lanes<T>::type));
+}
+#if HAVE_F16 && defined(__F16C__)
+// GCC converts _Float16 vectors element by element in software unless the CPU has
+// AVX512-FP16; F16C converts 8 at once (round to nearest even, as a cast)
+template <> inline vf narrow<_Float16>(const _Float16 *p) {
+    __m128i v;
+    memcpy(&v, p, 16);
+    __m256 f = _mm256_cvtph_ps(v);
+    vf out;
+    memcpy(&out, &f, 32);
+    return out;
+}
+template <> inline void store_f32<_Float16>(_Float16 *p, vf v) {
+    __m256 f;
+    memcpy(&f, &v, 32);
+    __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    memcpy(p, &h, 16);
+}
+#endif
+template <typename T> inline vd wide(const T *p) { return __builtin_convertvector(narrow(p), vd); }
+template <> inline vd wide<double>(const double *p) { return load(p); }
+
+// Statistics of one row: m1 (the first mean, 0 for RMS norm), c = mean(x - m1) and
+// q = mean((x - m1)^2), in float64.  Four independent accumulators a loop (a vector add's
+// latency is 3-4 cycles, two issue a cycle), 32 elements an iteration.
+inline double total(vd a) {
+    double s = 0;
+    for (int k = 0; k < 8; k++) s += a[k];
+    return s;
+}
+inline double total(vf a) {
+    double s = 0;
+    for (int k = 0; k < 8; k++) s += (double)a[k];
+    return s;
+}
+
+template <typename T> inline double sum_wide(const T *x, long long n) {  // sum(x) in float64
+    vd a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    long long i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 += wide(x + i);
+        a1 += wide(x + i + 8);
+        a2 += wide(x + i + 16);
+        a3 += wide(x + i + 24);
+    }
+    for (; i + 8 <= n; i += 8) a0 += wide(x + i);
+    double s = total((a0 + a1) + (a2 + a3));
+    for (; i < n; i++) s += (double)x[i];
+    return s;
+}
+
+// float64 rows: both passes in float64
+inline void row_moments(const double *x, long long n, int center, double *m1, double *c, double *q) {
+    const double m = center ? sum_wide(x, n) / (double)n : 0.0;
+    vd u0 = {0}, u1 = {0}, q0 = {0}, q1 = {0};
+    long long i = 0;
+    for (; i + 16 <= n; i += 16) {
+        vd d0 = load(x + i) - m, d1 = load(x + i + 8) - m;
+        u0 += d0;
+        u1 += d1;
+        q0 += d0 * d0;
+        q1 += d1 * d1;
+    }
+    for (; i + 8 <= n; i += 8) {
+        vd d0 = load(x + i) - m;
+        u0 += d0;
+        q0 += d0 * d0;
+    }
+    double su = total(u0 + u1), sq = total(q0 + q1);
+    for (; i < n; i++) {
+        double d = x[i] - m;
+        su += d;
+        sq += d * d;
+    }
+    *m1 = m;
+    *c = center ? su / (double)n : 0.0;
+    *q = sq / (double)n;
+}
+
+// float32 and float16 rows: sums of float32 terms over chunks of SUM_CHUNK elements (16
+// lanes of at most 128 terms each) added in float64, so that long rows keep float32
+// rounding.  The first mean m1 is rounded to float32 and d = x - m1 formed in float32 (exact
+// near the data: far-offset rows keep their digits); where m1 missed the mean by more than a
+// quarter of the spread (c^2 > q / 16: q - c^2 would lose bits), d is formed again about
+// m1 + c.
+const long long SUM_CHUNK = 2048;
+
+template <typename T> inline double sum_f32(const T *x, long long n, float m, double *squares) {
+    double su = 0.0, sq = 0.0;
+    for (long long c0 = 0; c0 < n; c0 += SUM_CHUNK) {
+        const long long c1 = c0 + SUM_CHUNK < n ? c0 + SUM_CHUNK : n;
+        vf u0 = {0}, u1 = {0}, q0 = {0}, q1 = {0};
+        long long i = c0;
+        for (; i + 16 <= c1; i += 16) {
+            vf d0 = narrow(x + i) - m, d1 = narrow(x + i + 8) - m;
+            u0 += d0;
+            u1 += d1;
+            if (squares) {
+                q0 += d0 * d0;
+                q1 += d1 * d1;
+            }
+        }
+        for (; i + 8 <= c1; i += 8) {
+            vf d0 = narrow(x + i) - m;
+            u0 += d0;
+            if (squares) q0 += d0 * d0;
+        }
+        su += total(u0 + u1);
+        if (squares) sq += total(q0 + q1);
+        for (; i < c1; i++) {
+            double d = (double)((float)x[i] - m);
+            su += d;
+            sq += d * d;
+        }
+    }
+    if (squares) *squares = sq;
+    return su;
+}
+
+template <typename T>
+inline void row_moments(const T *x, long long n, int center, double *m1, double *c, double *q) {
+    const double inv_n = 1.0 / (double)n;
+    float m = center ? (float)(sum_f32(x, n, 0.0f, nullptr) * inv_n) : 0.0f;
+    double sq, su = sum_f32(x, n, m, &sq);
+    if (center && su * su > sq * (double)n / 16.0) {  // c^2 > q / 16
+        m = (float)((double)m + su * inv_n);
+        su = sum_f32(x, n, m, &sq);
+    }
+    *m1 = (double)m;
+    *c = center ? su * inv_n : 0.0;
+    *q = sq * inv_n;
+}
+
+// y = ((x - hi) - lo) * r * w + b over elements [i0, i1) of a row, in float32 (float16 and
+// float32 rows), as (x - hi) * r - lo * r and then * w + b (fused multiply-adds where the CPU
+// has them); wp/bp null: no weight / no bias; `scalar_params`: w and b are wp[0], bp[0]
+template <typename T>
+inline void affine_f32(const T *x, T *y, long long i0, long long i1, float hi, float lo, float r,
+                       const float *wp, const float *bp, int scalar_params) {
+    long long i = i0;
+    const float lor = lo * r;
+    if (scalar_params || (!wp && !bp)) {
+        const float s = r * (wp ? wp[0] : 1.0f), los = lo * s, b0 = bp ? bp[0] : 0.0f;
+        for (; i + 8 <= i1; i += 8) store_f32(y + i, ((narrow(x + i) - hi) * s - los) + b0);
+        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * s - los) + b0);
+    } else if (wp && bp) {
+        for (; i + 8 <= i1; i += 8) store_f32(y + i, ((narrow(x + i) - hi) * r - lor) * load(wp + i) + load(bp + i));
+        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) * wp[i] + bp[i]);
+    } else if (wp) {
+        for (; i + 8 <= i1; i += 8) store_f32(y + i, ((narrow(x + i) - hi) * r - lor) * load(wp + i));
+        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) * wp[i]);
+    } else {
+        for (; i + 8 <= i1; i += 8) store_f32(y + i, ((narrow(x + i) - hi) * r - lor) + load(bp + i));
+        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) + bp[i]);
+    }
+}
+
+// the same in float64 (float64 rows): y = ((x - m1) - c) * r * w + b
+inline void affine_f64(const double *x, double *y, long long i0, long long i1, double m1, double c,
+                       double r, const double *wp, const double *bp, int scalar_params) {
+    long long i = i0;
+    const double w0 = wp ? wp[0] : 1.0, b0 = bp ? bp[0] : 0.0;
+    if (scalar_params || (!wp && !bp)) {
+        const double s = r * w0;
+        for (; i + 8 <= i1; i += 8) store(y + i, ((load(x + i) - m1) - c) * s + b0);
+        for (; i < i1; i++) y[i] = ((x[i] - m1) - c) * s + b0;
+        return;
+    }
+    for (; i + 8 <= i1; i += 8) {
+        vd v = ((load(x + i) - m1) - c) * r;
+        if (wp) v *= load(wp + i);
+        if (bp) v += load(bp + i);
+        store(y + i, v);
+    }
+    for (; i < i1; i++) {
+        double v = ((x[i] - m1) - c) * r;
+        if (wp) v *= wp[i];
+        if (bp) v += bp[i];
+        y[i] = v;
+    }
+}
+
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+
+template <typename T>
+inline void affine(const T *x, T *y, long long i0, long long i1, double m1, double c, double r,
+                   const typename Acc<T>::type *wp, const typename Acc<T>::type *bp, int scalar_params) {
+    const double mean = m1 + c;
+    const float hi = (float)mean, lo = (float)(mean - (double)hi);
+    affine_f32(x, y, i0, i1, hi, lo, (float)r, wp, bp, scalar_params);
+}
+template <>
+inline void affine<double>(const double *x, double *y, long long i0, long long i1, double m1, double c,
+                           double r, const double *wp, const double *bp, int scalar_params) {
+    affine_f64(x, y, i0, i1, m1, c, r, wp, bp, scalar_params);
+}
+
+template <typename T>
+int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
+         const typename Acc<T>::type *b, long long w_run, typename Acc<T>::type *mean,
+         typename Acc<T>::type *rstd, long long nrows, long long n, int center, double eps) {
+    typedef typename Acc<T>::type A;
+    if (n <= 0 || (w_run > 0 && n % w_run)) return 1;
+    for (long long r = 0; r < nrows; r++) {
+        const T *xr = x + r * n;
+        if (res) {  // h = x + res in T, then the row of h is normalized
+            T *hr = h + r * n;
+            const T *rr = res + r * n;
+            for (long long i = 0; i < n; i++) hr[i] = (T)(xr[i] + rr[i]);
+            xr = hr;
+        }
+        double m1, c, q;
+        row_moments(xr, n, center, &m1, &c, &q);
+        double var = q - c * c;
+        if (var < 0.0) var = 0.0;  // NaN stays NaN
+        const double rs = 1.0 / sqrt(var + eps);
+        if (mean) mean[r] = (A)(m1 + c);
+        if (rstd) rstd[r] = (A)rs;
+        T *yr = y + r * n;
+        if (w_run <= 0) {
+            affine(xr, yr, 0, n, m1, c, rs, w, b, 0);
+        } else {
+            for (long long s = 0; s < n; s += w_run) {
+                long long k = (r * n + s) / w_run;
+                affine(xr, yr, s, s + w_run, m1, c, rs, w ? w + k : 0, b ? b + k : 0, 1);
+            }
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+
+#define ANYNORM_ROWS(SUFFIX, T)                                                                    \
+    extern "C" int anynorm_rows_##SUFFIX(const T *x, const T *res, T *h, T *y,                   \
+                                         const Acc<T>::type *w, const Acc<T>::type *b,             \
+                                         long long w_run, Acc<T>::type *mean, Acc<T>::type *rstd, \
+                                         long long nrows, long long n, int center, double eps) {  \
+        return rows<T>(x, res, h, y, w, b, w_run, mean, rstd, nrows, n, center, eps);            \
+    }
+
+ANYNORM_ROWS(f32, float)
+ANYNORM_ROWS(f64, double)
+#if HAVE_F16
+ANYNORM_ROWS(f16, _Float16)
+#endif

@@ -1,0 +1,212 @@
+"""The compiled CPU row kernel (``kernels/cpu_rows.cpp`` through ``anynorm._native``).
+
+It builds with the host's C++ compiler (CI has one: the CUDA emulator needs g++), takes the
+NumPy executor's rows (layer/RMS norm over trailing axes, NCHW instance/group norm), matches
+the float64 reference to float32 rounding on every dtype, row length and offset, keeps a NaN
+in its row, and where it cannot be built the NumPy passes run instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import reference
+from anynorm import _native, _numpy
+from anynorm._numpy_rows import RowsForward
+from anynorm._plan import make_plan
+
+pytestmark = pytest.mark.skipif(_native._compiler() is None, reason="no C++ compiler on this host")
+
+EPS32 = float(np.finfo(np.float32).eps)
+# y's error bound in units of the largest |y| (float32 and float16 round y last)
+Y_TOL = {np.float16: 2 * 2.0 ** -11, np.float32: 8 * EPS32, np.float64: 1e-13}
+ROW_LENGTHS = [1, 7, 8, 9, 16, 33, 770, 4099]
+
+
+def _f16_supported():
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    import platform
+    return " f16c" in flags or platform.machine() in ("aarch64", "arm64")
+
+
+def _forward(op, x, weight=None, bias=None, residual=None, kernel=True, **kw):
+    """anynorm's NumPy executor on x, with or without the compiled kernel."""
+    plan = make_plan(op, x, weight, bias, residual, **kw)
+    saved = _native._library
+    if not kernel:
+        _native._library = False
+    try:
+        layout = _numpy._Layout(plan, [x] if residual is None else [x, residual])
+        call = RowsForward.make(plan, layout, x, weight, bias, residual)
+        assert call is not None and (call.kernel is not None) == kernel
+        call.run(call.blocks(), call.buffers())
+        return call.results()
+    finally:
+        _native._library = saved
+
+
+def _max_err(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
+
+
+def test_kernel_builds_with_the_hosts_compiler():
+    for dtype in (np.float32, np.float64):
+        assert _native.rows_kernel(dtype) is not None, _native.status
+    assert _native.status.startswith("loaded"), _native.status
+    assert (_native.rows_kernel(np.float16) is not None) == _f16_supported()
+    assert _native.rows_kernel(np.int32) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", ROW_LENGTHS)
+@pytest.mark.parametrize("params", ["w b", "w", "b", "none"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_rows_match_float64_reference(op, params, n, dtype):
+    """Every row length (vector loops and their tails) and parameter combination: y, mean and
+    rstd against float64, and no worse than the NumPy passes."""
+    if dtype == np.float16 and _native.rows_kernel(dtype) is None:
+        pytest.skip("no float16 kernel on this CPU")
+    if op == "rms_norm" and params in ("w b", "b"):
+        pytest.skip("RMS norm has no bias")
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((5, n)) * 2 + 1.5).astype(dtype)
+    w = rng.standard_normal(n).astype(dtype) if "w" in params else None
+    b = rng.standard_normal(n).astype(dtype) if "b" in params else None
+    x.flags.writeable = False
+    eps = 1e-5
+    y, _, mean, rstd = _forward(op, x, w, b, eps=eps)
+    y_np = _forward(op, x, w, b, kernel=False, eps=eps)[0]
+    exact = reference.forward(op, x.astype(np.float64), None if w is None else w.astype(np.float64),
+                              None if b is None else b.astype(np.float64), eps=eps, axis=-1)
+    scale = max(float(np.max(np.abs(exact[0]))), 1.0)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert _max_err(y, exact[0]) <= Y_TOL[dtype] * scale
+    assert _max_err(y, exact[0]) <= 1.5 * _max_err(y_np, exact[0]) + Y_TOL[dtype] * scale / 4
+    acc = np.float64 if dtype == np.float64 else np.float32
+    stats_tol = 1e-13 if dtype == np.float64 else 4 * EPS32
+    if op == "layer_norm":
+        np.testing.assert_allclose(mean.reshape(-1), exact[1].reshape(-1), rtol=stats_tol, atol=stats_tol)
+    np.testing.assert_allclose(rstd.reshape(-1), exact[2].reshape(-1), rtol=stats_tol)
+    assert rstd.dtype == acc
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6, 1e7])
+@pytest.mark.parametrize("n", [9, 4096, 70000])
+def test_rows_far_from_zero_keep_float32_rounding(n, offset):
+    """float32 rows offset far from their spread (std 1, and 0.05 at 1e7 where the offset's
+    ulp exceeds a quarter of it and the centring is redone): y within a few ulps of the
+    float64 result, the mean to the offset's rounding."""
+    rng = np.random.default_rng(7)
+    spread = 0.05 if offset >= 1e7 else 1.0
+    x = (offset + spread * rng.standard_normal((4, n))).astype(np.float32)
+    y, _, mean, rstd = _forward("layer_norm", x)
+    y_ref, mean_ref, rstd_ref = reference.forward("layer_norm", x.astype(np.float64), eps=1e-5, axis=-1)
+    assert _max_err(y, y_ref) <= 8 * EPS32 * float(np.max(np.abs(y_ref)))
+    assert _max_err(mean.reshape(-1), mean_ref.reshape(-1)) <= EPS32 * offset
+    np.testing.assert_allclose(rstd.reshape(-1), rstd_ref.reshape(-1), rtol=8 * EPS32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_residual_sum_is_written_and_normalized(op, dtype):
+    rng = np.random.default_rng(2)
+    x, res = (rng.standard_normal((6, 100)).astype(dtype) for _ in range(2))
+    w = rng.standard_normal(100).astype(dtype)
+    y, h, _, _ = _forward(op, x, w, residual=res)
+    np.testing.assert_array_equal(h, x + res)
+    y_ref = reference.forward(op, (x + res).astype(np.float64), w.astype(np.float64), eps=1e-5, axis=-1)[0]
+    assert _max_err(y, y_ref) <= Y_TOL[dtype] * float(np.max(np.abs(y_ref)))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op,shape,kw", [
+    ("instance_norm", (2, 3, 8, 9), dict(channel_axis=1)),  # runs of 72: whole vectors
+    ("instance_norm", (2, 5, 7, 7), dict(channel_axis=1)),  # runs of 49: vector tails
+    ("group_norm", (2, 8, 9, 9), dict(channel_axis=1, num_groups=4)),  # 2 runs a row
+    ("group_norm", (3, 6, 65), dict(channel_axis=1, num_groups=3)),
+])
+def test_channel_runs_take_their_own_parameters(op, shape, kw, dtype):
+    """NCHW instance/group norm: a weight and bias constant on each channel's spatial run,
+    indexed across rows (``w_run``)."""
+    if dtype == np.float16 and _native.rows_kernel(dtype) is None:
+        pytest.skip("no float16 kernel on this CPU")
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(shape) * 3 + 2).astype(dtype)
+    c = shape[1]
+    w, b = rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype)
+    y, _, mean, rstd = _forward(op, x, w, b, **kw)
+    y_ref = reference.forward(op, x.astype(np.float64), w.astype(np.float64), b.astype(np.float64),
+                              eps=1e-5, **kw)[0]
+    assert _max_err(y, y_ref) <= Y_TOL[dtype] * float(np.max(np.abs(y_ref)))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_non_finite_value_stays_in_its_row(op, bad):
+    """A NaN or Inf makes its row NaN (layer norm; RMS norm: as the reference) and leaves the
+    other rows as they were."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 37)).astype(np.float32)
+    clean = _forward(op, x)[0]
+    x[2, 5] = bad
+    y = _forward(op, x)[0]
+    np.testing.assert_array_equal(np.delete(y, 2, axis=0), np.delete(clean, 2, axis=0))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        y_ref = reference.forward(op, x.astype(np.float64), eps=1e-5, axis=-1)[0]
+    np.testing.assert_array_equal(np.isnan(y[2]), np.isnan(y_ref[2]))
+
+
+def _python(code, **env):
+    """Run ``code`` in a fresh interpreter with anynorm's repository on the path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env = {**os.environ, "PYTHONPATH": root, **env}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()
+
+
+_PROBE = """
+    import numpy as np, anynorm
+    from anynorm import _native
+    x = (1e4 + np.random.default_rng(0).standard_normal((64, 1000))).astype(np.float32)
+    y = anynorm.layer_norm(x)
+    d = x.astype(np.float64); d -= d.mean(-1, keepdims=True)
+    exact = d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-5)
+    print(_native.status)
+    print(float(np.abs(y - exact).max()))
+"""
+
+
+def test_built_once_then_loaded_from_the_cache(tmp_path):
+    cache = str(tmp_path / "cache")
+    status, err = _python(_PROBE, ANYNORM_CACHE_DIR=cache)
+    assert status.startswith("loaded " + cache), status
+    built = [f for f in os.listdir(cache) if f.endswith(".so")]
+    assert len(built) == 1, built
+    stamp = os.stat(os.path.join(cache, built[0])).st_mtime_ns
+    status2, err2 = _python(_PROBE, ANYNORM_CACHE_DIR=cache)
+    assert status2 == status and os.listdir(cache) == built
+    assert os.stat(os.path.join(cache, built[0])).st_mtime_ns == stamp
+    assert float(err) <= 8 * EPS32 and float(err2) == float(err)
+
+
+@pytest.mark.parametrize("env,expected", [
+    (dict(ANYNORM_NATIVE="0"), "disabled by ANYNORM_NATIVE"),
+    (dict(ANYNORM_CXX="false"), "build or load failed"),
+])
+def test_without_the_kernel_the_numpy_passes_run(tmp_path, env, expected):
+    """Switched off, or with a compiler that fails: the NumPy executor's passes, as exact."""
+    status, err = _python(_PROBE, ANYNORM_CACHE_DIR=str(tmp_path / "cache"), **env)
+    assert status.startswith(expected), status
+    assert float(err) <= 8 * EPS32
