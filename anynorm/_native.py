@@ -1,4 +1,4 @@
-"""anynorm's CPU kernel (``kernels/cpu_rows.cpp``), compiled at first use and called by ctypes.
+"""anynorm's CPU kernel (``kernels/cpu.cpp``), compiled at first use and called by ctypes.
 
 NumPy cannot fuse the passes of a normalization: its best row path reads each block of rows
 six times from cache (a sum, ``x - m``, a dot product, ``* rstd``, ``* w``, ``+ b``) and sits
@@ -28,9 +28,9 @@ import numpy as np
 
 from ._cuda._sources import kernel_dir
 
-__all__ = ["rows_kernel", "status", "SOURCE"]
+__all__ = ["cols_kernel", "rows_kernel", "status", "SOURCE"]
 
-SOURCE = "cpu_rows.cpp"
+SOURCE = "cpu.cpp"
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the first is refused
 _COMPILE_SECONDS = 120
 
@@ -38,8 +38,11 @@ _lock = threading.Lock()
 _library = None  # the loaded ctypes library, False once loading failed
 status = "not loaded yet"
 
-_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_double]
+_ARGS = {
+    "rows": [ctypes.c_void_p] * 6 + [ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_double],
+    "cols": [ctypes.c_void_p] * 6 + [ctypes.c_longlong] * 5 + [ctypes.c_int, ctypes.c_double],
+}
 _SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 
 
@@ -76,7 +79,7 @@ def _build(compiler, source_path, cache):
     st = os.stat(compiler)
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), str((st.st_size, st.st_mtime_ns)).encode(),
                                      _cpu_signature().encode(), platform.machine().encode()])).hexdigest()[:24]
-    target = os.path.join(cache, f"cpu_rows-{key}.so")
+    target = os.path.join(cache, f"cpu-{key}.so")
     if os.path.isfile(target):
         return target
     os.makedirs(cache, exist_ok=True)
@@ -114,20 +117,16 @@ def _load():
     except OSError as exc:
         status = f"build or load failed: {exc}"
         return False
-    for suffix in _SUFFIX.values():
-        fn = getattr(lib, f"anynorm_rows_{suffix}", None)
-        if fn is not None:
-            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+    for kind, args in _ARGS.items():
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, f"anynorm_{kind}_{suffix}", None)
+            if fn is not None:
+                fn.argtypes, fn.restype = args, ctypes.c_int
     status = f"loaded {path}"
     return lib
 
 
-def rows_kernel(dtype):
-    """The ctypes function normalizing rows of ``dtype`` (float16/32/64), or None.
-
-    ``fn(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)`` with buffer addresses
-    (0 for absent ones): see ``kernels/cpu_rows.cpp``.  Returns non-zero on bad sizes.
-    """
+def _kernel(kind, dtype):
     global _library
     suffix = _SUFFIX.get(np.dtype(dtype))
     if suffix is None:
@@ -138,4 +137,22 @@ def rows_kernel(dtype):
             if _library is None:
                 _library = _load()
             lib = _library
-    return getattr(lib, f"anynorm_rows_{suffix}", None) if lib else None
+    return getattr(lib, f"anynorm_{kind}_{suffix}", None) if lib else None
+
+
+def rows_kernel(dtype):
+    """The ctypes function normalizing rows of ``dtype`` (float16/32/64), or None.
+
+    ``fn(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)`` with buffer addresses
+    (0 for absent ones): see ``kernels/cpu.cpp``.  Returns non-zero on bad sizes.
+    """
+    return _kernel("rows", dtype)
+
+
+def cols_kernel(dtype):
+    """The ctypes function normalizing the columns of samples viewed as (B, P, Q), or None.
+
+    ``fn(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)``: see
+    ``kernels/cpu.cpp``.  Returns non-zero on bad sizes.
+    """
+    return _kernel("cols", dtype)

@@ -45,7 +45,7 @@ import os
 import numpy as np
 
 from . import _reference
-from ._numpy_columns import ColumnsForward
+from ._numpy_columns import ColumnsForward, NativeColumns
 from ._numpy_half import half_to_float
 from ._numpy_rows import RowsForward, bufsize, col_sums, reduce_sums, row_dots, row_sums
 from ._plan import plan_for
@@ -598,7 +598,7 @@ def forward(plan, x, weight=None, bias=None, residual=None):
         if order is not None:
             return _forward_in_memory_order(plan, order, x, weight, bias, residual)
     layout = _Layout(plan, [x] if residual is None else [x, residual])
-    for path in (RowsForward, ColumnsForward):
+    for path in (RowsForward, NativeColumns, ColumnsForward):
         call = path.make(plan, layout, x, weight, bias, residual)
         if call is not None:
             _run(call.blocks(), call.run, call.buffers, _parallel(x), call.inner)

@@ -31,10 +31,10 @@ import math
 
 import numpy as np
 
-from . import _numpy_rows
+from . import _native, _numpy_rows
 from ._numpy_half import float_to_half, half_to_float
 
-__all__ = ["ColumnsForward"]
+__all__ = ["ColumnsForward", "NativeColumns"]
 
 # float32/float64 NHWC take "cl" too (IN/GN 32x56x56x64: 10.3/10.8 ms in the general
 # blocking, 6.1-6.8 here, at 4 samples per block)
@@ -57,6 +57,9 @@ CF_BLOCK_BYTES = 2 << 20
 # inner loops of 196 elements ran each pass at 2x the time per element)
 CF_FOLD_BELOW = 384
 CF_IN_Y = True  # "cf" blocks of whole samples centre x into y's block (no temporary)
+# NativeColumns: a strip of a sample's columns (all P rows) stays in L2 for its y pass (256 KiB:
+# NHWC 32x56x56x64 float32 in strips of 16 of its 64 channels, 5.5x a copy; 1 MiB: whole, 2.9x)
+NATIVE_STRIP_BYTES = 1 << 20
 
 
 def _pattern(layout):
@@ -336,6 +339,71 @@ class ColumnsForward:
         plan = self.plan
         mean = self.mean.reshape(plan.stats_shape) if plan.center else None
         return self.y, None, mean, self.rstd.reshape(plan.stats_shape)
+
+
+class NativeColumns:
+    """A ``"cf"``/``"cl"`` call through ``kernels/cpu.cpp``'s column kernel (:mod:`anynorm._native`):
+    each strip of a sample's columns read from memory once, its statistics from chunks of
+    rows summed in L1 and merged in float64, y written in one more pass from L2.
+    ``make`` returns None where the kernel is not built or the layout is not one of these."""
+
+    @classmethod
+    def make(cls, plan, layout, x, weight, bias, residual):
+        if residual is not None or not plan.center or not x.flags.c_contiguous:
+            return None
+        found = _pattern(layout)
+        kernel = None if found is None else _native.cols_kernel(plan.dtype)
+        return None if kernel is None else cls(plan, layout, found, x, weight, bias, kernel)
+
+    def __init__(self, plan, layout, found, x, weight, bias, kernel):
+        self.plan, self.kernel, (kind, lead) = plan, kernel, found
+        self.acc = acc = np.dtype(plan.acc_dtype)
+        shape = layout.shape
+        self.B = shape[0] if lead else 1
+        self.P, self.Q = shape[lead], math.prod(shape[lead + 1:])
+        groups = shape[lead + 1] if len(shape) - lead == 3 else self.Q
+        self.param_rows = kind == "cf"
+        self.group = 1 if kind == "cf" else self.Q // groups
+        self.x3 = x.reshape(self.B, self.P, self.Q)
+        self.y = np.empty(plan.shape, plan.dtype)
+        stats = self.B * (self.Q // self.group)
+        self.mean, self.rstd = np.empty(stats, acc), np.empty(stats, acc)
+        self.w, self.b = (None if p is None else self._params(layout, lead, p) for p in (weight, bias))
+        size = np.dtype(plan.dtype).itemsize
+        unit = math.lcm(self.group, 8) if self.P * math.lcm(self.group, 8) * size <= NATIVE_STRIP_BYTES \
+            else self.group
+        fit = NATIVE_STRIP_BYTES // (self.P * size) // unit * unit
+        self.strip = self.Q if self.P * self.Q * size <= NATIVE_STRIP_BYTES else min(self.Q, max(unit, fit))
+
+    def _params(self, layout, lead, arr):
+        """weight/bias as one value a row (P, "cf") or a column (Q, "cl")."""
+        p = np.asarray(arr, dtype=self.acc).reshape(layout.param_shape[lead:])
+        if self.param_rows:
+            return np.ascontiguousarray(p.reshape(self.P))
+        return np.ascontiguousarray(np.broadcast_to(p, (1,) + layout.shape[lead + 1:])).reshape(self.Q)
+
+    inner = None  # no NumPy loops: the ufunc buffer stays as it is
+
+    def blocks(self):
+        return [(b, b + 1) for b in range(self.B)]
+
+    def buffers(self):
+        return {}
+
+    def run(self, blocks, bufs):
+        b0, b1 = blocks[0][0], blocks[-1][1]  # a thread's samples are consecutive
+        sample, acc = self.P * self.Q * self.x3.itemsize, self.acc.itemsize
+        stats = self.Q // self.group
+        err = self.kernel(self.x3.ctypes.data + b0 * sample, self.y.ctypes.data + b0 * sample,
+                          0 if self.w is None else self.w.ctypes.data, 0 if self.b is None else self.b.ctypes.data,
+                          self.mean.ctypes.data + b0 * stats * acc, self.rstd.ctypes.data + b0 * stats * acc,
+                          b1 - b0, self.P, self.Q, self.group, self.strip, int(self.param_rows), self.plan.eps)
+        if err:
+            raise RuntimeError(f"anynorm's CPU kernel refused columns ({self.P}, {self.Q}, group {self.group})")
+
+    def results(self):
+        plan = self.plan
+        return self.y, None, self.mean.reshape(plan.stats_shape), self.rstd.reshape(plan.stats_shape)
 
 
 def _correct_columns(d, m, v, eps):

@@ -15,7 +15,7 @@ in a core's L2) are read from memory once; per block::
 (no one-pass ``E[x^2] - E[x]^2`` anywhere; sums over more than ``SUM_RUN`` terms are added
 in float64 over runs, and the centring is redone where the first mean missed by > std/4).
 
-Where the host could build anynorm's CPU kernel (:mod:`anynorm._native`, ``kernels/cpu_rows.cpp``:
+Where the host could build anynorm's CPU kernel (:mod:`anynorm._native`, ``kernels/cpu.cpp``:
 the same statistics with float64 sums, each row read from memory once and its three passes
 run from L1), a thread's rows go to it in one call instead of the passes above (float16,
 float32 and float64; NCHW instance/group norm too, runs of >= ``MIN_RUN_NATIVE``).
@@ -284,7 +284,7 @@ class RowsForward:
             self._block(s0, s1, bufs)
 
     def _native(self, s0, s1):
-        """Rows ``s0:s1`` by ``kernels/cpu_rows.cpp``: one read of each row, three passes
+        """Rows ``s0:s1`` by ``kernels/cpu.cpp``: one read of each row, three passes
         over it in L1."""
         n, size = self.n, self.y2.itemsize
 

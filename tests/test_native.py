@@ -1,9 +1,10 @@
-"""The compiled CPU row kernel (``kernels/cpu_rows.cpp`` through ``anynorm._native``).
+"""The compiled CPU kernels (``kernels/cpu.cpp`` through ``anynorm._native``).
 
-It builds with the host's C++ compiler (CI has one: the CUDA emulator needs g++), takes the
-NumPy executor's rows (layer/RMS norm over trailing axes, NCHW instance/group norm), matches
-the float64 reference to float32 rounding on every dtype, row length and offset, keeps a NaN
-in its row, and where it cannot be built the NumPy passes run instead.
+They build with the host's C++ compiler (CI has one: the CUDA emulator needs g++), take the
+NumPy executor's rows (layer/RMS norm over trailing axes, NCHW instance/group norm) and
+columns (channels-first layer norm, NHWC instance/group norm), match the float64 reference to
+float32 rounding on every dtype, length and offset, keep a NaN in its slice, and where they
+cannot be built the NumPy passes run instead.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 
 import reference
-from anynorm import _native, _numpy
+from anynorm import _native, _numpy, _numpy_columns
+from anynorm._numpy_columns import NativeColumns
 from anynorm._numpy_rows import RowsForward
 from anynorm._plan import make_plan
 
@@ -59,12 +61,22 @@ def _max_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
 
 
-def test_kernel_builds_with_the_hosts_compiler():
-    for dtype in (np.float32, np.float64):
-        assert _native.rows_kernel(dtype) is not None, _native.status
+def _forward_columns(op, x, weight=None, bias=None, **kw):
+    """anynorm's NumPy executor on x through the compiled column kernel."""
+    plan = make_plan(op, x, weight, bias, **kw)
+    call = NativeColumns.make(plan, _numpy._Layout(plan, [x]), x, weight, bias, None)
+    assert call is not None
+    call.run(call.blocks(), call.buffers())
+    return call.results()
+
+
+def test_kernels_build_with_the_hosts_compiler():
+    for kernel in (_native.rows_kernel, _native.cols_kernel):
+        for dtype in (np.float32, np.float64):
+            assert kernel(dtype) is not None, _native.status
+        assert (kernel(np.float16) is not None) == _f16_supported()
+        assert kernel(np.int32) is None
     assert _native.status.startswith("loaded"), _native.status
-    assert (_native.rows_kernel(np.float16) is not None) == _f16_supported()
-    assert _native.rows_kernel(np.int32) is None
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
@@ -164,6 +176,79 @@ def test_non_finite_value_stays_in_its_row(op, bad):
     with np.errstate(invalid="ignore", divide="ignore"):
         y_ref = reference.forward(op, x.astype(np.float64), eps=1e-5, axis=-1)[0]
     np.testing.assert_array_equal(np.isnan(y[2]), np.isnan(y_ref[2]))
+
+
+COLUMN_CASES = [
+    ("layer_norm", (2, 5, 30, 37), dict(axis=1)),  # channels-first, odd spatial size
+    ("layer_norm", (2, 96, 7, 7), dict(axis=1)),  # ConvNeXt's last stage: 49 columns
+    ("layer_norm", (2, 300, 6, 6), dict(axis=1)),  # more channels than a chunk of rows
+    ("instance_norm", (2, 9, 9, 6), dict(channel_axis=-1)),  # fewer channels than a vector
+    ("instance_norm", (2, 20, 20, 64), dict(channel_axis=-1)),
+    ("instance_norm", (2, 3, 4, 5, 40), dict(channel_axis=-1)),  # NDHWC
+    ("group_norm", (2, 8, 8, 32), dict(channel_axis=-1, num_groups=8)),
+    ("group_norm", (2, 5, 7, 12), dict(channel_axis=-1, num_groups=3)),
+    ("group_norm", (2, 30, 30, 20), dict(channel_axis=-1, num_groups=2)),
+]
+
+
+@pytest.mark.parametrize("strips", ["wide", "a vector", "a group"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("op,shape,kw", COLUMN_CASES, ids=lambda v: str(v).replace(" ", ""))
+def test_columns_match_float64_reference(op, shape, kw, affine, dtype, strips, monkeypatch):
+    """Channels-first layer norm and NHWC instance/group norm: y, mean, rstd against float64,
+    a sample's columns in one strip, in strips of whole 8-column vectors (and groups), or of
+    one group (the scalar loops)."""
+    if dtype == np.float16 and _native.cols_kernel(dtype) is None:
+        pytest.skip("no float16 kernel on this CPU")
+    rng = np.random.default_rng(sum(shape))
+    x = (rng.standard_normal(shape) * 3 + 2).astype(dtype)
+    x.flags.writeable = False
+    plan = make_plan(op, x, **kw)
+    if strips != "wide":
+        call = NativeColumns.make(plan, _numpy._Layout(plan, [x]), x, None, None, None)
+        unit = np.lcm(call.group, 8) if strips == "a vector" else 1
+        monkeypatch.setattr(_numpy_columns, "NATIVE_STRIP_BYTES", call.P * unit * x.itemsize)
+        expected = min(call.Q, np.lcm(call.group, 8) if strips == "a vector" else call.group)
+        assert NativeColumns.make(plan, _numpy._Layout(plan, [x]), x, None, None, None).strip == expected
+    w = rng.standard_normal(plan.param_shape).astype(dtype) if affine else None
+    b = rng.standard_normal(plan.param_shape).astype(dtype) if affine else None
+    args = {k: v for k, v in kw.items() if k != "num_groups"}
+    y, _, mean, rstd = _forward_columns(op, x, w, b, **kw)
+    exact = reference.forward(op, x.astype(np.float64), None if w is None else w.astype(np.float64),
+                              None if b is None else b.astype(np.float64), eps=1e-5,
+                              num_groups=kw.get("num_groups"), **args)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert _max_err(y, exact[0]) <= Y_TOL[dtype] * float(np.max(np.abs(exact[0])))
+    stats_tol = 1e-13 if dtype == np.float64 else 4 * EPS32
+    np.testing.assert_allclose(mean.reshape(-1), exact[1].reshape(-1), rtol=stats_tol, atol=stats_tol)
+    np.testing.assert_allclose(rstd.reshape(-1), exact[2].reshape(-1), rtol=stats_tol)
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("op,shape,kw", COLUMN_CASES, ids=lambda v: str(v).replace(" ", ""))
+def test_columns_far_from_zero_keep_float32_rounding(op, shape, kw, offset):
+    x = (offset + np.random.default_rng(8).standard_normal(shape)).astype(np.float32)
+    args = {k: v for k, v in kw.items() if k != "num_groups"}
+    y, _, mean, rstd = _forward_columns(op, x, **kw)
+    y_ref, mean_ref, rstd_ref = reference.forward(op, x.astype(np.float64), eps=1e-5,
+                                                  num_groups=kw.get("num_groups"), **args)
+    assert _max_err(y, y_ref) <= 8 * EPS32 * float(np.max(np.abs(y_ref)))
+    assert _max_err(mean.reshape(-1), mean_ref.reshape(-1)) <= EPS32 * offset
+    np.testing.assert_allclose(rstd.reshape(-1), rstd_ref.reshape(-1), rtol=8 * EPS32)
+
+
+def test_column_nan_stays_in_its_slice():
+    """A NaN in one (sample, group) of an NHWC group norm makes that slice NaN, no other."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 6, 6, 16)).astype(np.float32)
+    clean = _forward_columns("group_norm", x, channel_axis=-1, num_groups=4)[0]
+    x[1, 2, 3, 5] = np.nan  # sample 1, group 1 (channels 4-7)
+    y = _forward_columns("group_norm", x, channel_axis=-1, num_groups=4)[0]
+    nan = np.zeros(x.shape, bool)
+    nan[1, :, :, 4:8] = True
+    np.testing.assert_array_equal(np.isnan(y), nan)
+    np.testing.assert_array_equal(y[~nan], clean[~nan])
 
 
 def _python(code, **env):

@@ -27,6 +27,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
+#include <vector>
+
 // float16 rows where converting them is cheap: x86 with F16C, or a CPU whose compiler
 // converts _Float16 in hardware (AArch64); elsewhere the NumPy executor keeps them
 #if defined(__FLT16_MAX__) && (defined(__F16C__) || defined(__aarch64__))
@@ -291,6 +294,209 @@ int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
     return 0;
 }
 
+
+// ---- columns: statistics over the middle axis of x viewed as (B, P, Q) -------------------
+//
+// Channels-first layer norm (P = C, Q = H*W, a statistic per column, weight and bias per row
+// p: `param_rows`) and NHWC instance/group norm (P = H*W, Q = C, a statistic per `group`
+// adjacent columns, weight and bias per column).  A sample's columns are taken in strips of
+// `strip` columns (a multiple of `group`; the caller sizes P x strip to stay in L2), a strip's
+// rows in chunks of at most COL_CHUNK_ROWS.  A chunk is summed twice down its rows, four
+// column vectors at a time (one 128-byte piece a row, the sums in registers): the column
+// means m1 in float32, then d = x - m1, sum(d) and sum(d*d); each column's state (mean, M2)
+// is merged across chunks in float64 by Chan's formula, then a group's columns likewise, and
+// y is written in one more pass over the strip:
+//
+//     y = (x - hi) * (r * w) + (b - lo * r * w)          (hi + lo: the mean in two floats)
+
+const long long COL_CHUNK_ROWS = 128;  // float32 sums of at most this many terms a column
+
+template <typename T> struct Work { typedef float type; typedef vf vec; };
+template <> struct Work<double> { typedef double type; typedef vd vec; };
+
+template <typename T> inline vf lanes(const T *p) { return narrow(p); }
+inline vd lanes(const double *p) { return load(p); }
+template <typename T> inline void put(T *p, vf v) { store_f32(p, v); }
+inline void put(double *p, vd v) { store(p, v); }
+
+template <typename T>
+int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>::type *b,
+         typename Acc<T>::type *mean, typename Acc<T>::type *rstd, long long nb, long long P,
+         long long Q, long long group, long long strip, int param_rows, double eps) {
+    typedef typename Acc<T>::type A;
+    typedef typename Work<T>::type F;
+    typedef typename Work<T>::vec V;
+    if (P <= 0 || Q <= 0 || group <= 0 || Q % group || strip <= 0 || strip % group) return 1;
+    const long long S = Q / group;  // statistics a sample
+    std::vector<double> cmean(strip), cm2(strip);
+    std::vector<F> m1(strip), su(strip), sq(strip), hi(strip), rs(strip), lor(strip);
+    for (long long bi = 0; bi < nb; bi++) {
+        for (long long q0 = 0; q0 < Q; q0 += strip) {
+            const long long W = q0 + strip < Q ? strip : Q - q0, WV = W / 8 * 8;
+            const T *xs = x + bi * P * Q + q0;
+            T *ys = y + bi * P * Q + q0;
+            const long long R = COL_CHUNK_ROWS;
+            std::fill(cmean.begin(), cmean.end(), 0.0);
+            std::fill(cm2.begin(), cm2.end(), 0.0);
+            double done = 0.0;
+            for (long long p0 = 0; p0 < P; p0 += R) {
+                const long long p1 = p0 + R < P ? p0 + R : P;
+                const F inv = (F)1 / (F)(p1 - p0);
+                // four column vectors' sums in registers down the chunk's rows: one 128-byte
+                // piece of each row (a page and two lines a row, not one a vector)
+                long long q = 0;
+                for (; q + 32 <= WV; q += 32) {
+                    const T *col = xs + q;
+                    V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    for (long long p = p0; p < p1; p++) {
+                        const T *e = col + p * Q;
+                        a0 += lanes(e);
+                        a1 += lanes(e + 8);
+                        a2 += lanes(e + 16);
+                        a3 += lanes(e + 24);
+                    }
+                    const V m0 = a0 * inv, m1v = a1 * inv, m2 = a2 * inv, m3 = a3 * inv;
+                    V u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0}, s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+                    for (long long p = p0; p < p1; p++) {
+                        const T *e = col + p * Q;
+                        const V d0 = lanes(e) - m0, d1 = lanes(e + 8) - m1v, d2 = lanes(e + 16) - m2,
+                                d3 = lanes(e + 24) - m3;
+                        u0 += d0;
+                        u1 += d1;
+                        u2 += d2;
+                        u3 += d3;
+                        s0 += d0 * d0;
+                        s1 += d1 * d1;
+                        s2 += d2 * d2;
+                        s3 += d3 * d3;
+                    }
+                    store(m1.data() + q, m0);
+                    store(m1.data() + q + 8, m1v);
+                    store(m1.data() + q + 16, m2);
+                    store(m1.data() + q + 24, m3);
+                    store(su.data() + q, u0);
+                    store(su.data() + q + 8, u1);
+                    store(su.data() + q + 16, u2);
+                    store(su.data() + q + 24, u3);
+                    store(sq.data() + q, s0);
+                    store(sq.data() + q + 8, s1);
+                    store(sq.data() + q + 16, s2);
+                    store(sq.data() + q + 24, s3);
+                }
+                // single column vectors (4 rows a step)
+                for (; q < WV; q += 8) {
+                    const T *col = xs + q;
+                    V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    long long p = p0;
+                    for (; p + 4 <= p1; p += 4) {
+                        a0 += lanes(col + p * Q);
+                        a1 += lanes(col + (p + 1) * Q);
+                        a2 += lanes(col + (p + 2) * Q);
+                        a3 += lanes(col + (p + 3) * Q);
+                    }
+                    for (; p < p1; p++) a0 += lanes(col + p * Q);
+                    const V m = ((a0 + a1) + (a2 + a3)) * inv;
+                    store(m1.data() + q, m);
+                    V u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0}, s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+                    for (p = p0; p + 4 <= p1; p += 4) {
+                        const V d0 = lanes(col + p * Q) - m, d1 = lanes(col + (p + 1) * Q) - m;
+                        const V d2 = lanes(col + (p + 2) * Q) - m, d3 = lanes(col + (p + 3) * Q) - m;
+                        u0 += d0;
+                        u1 += d1;
+                        u2 += d2;
+                        u3 += d3;
+                        s0 += d0 * d0;
+                        s1 += d1 * d1;
+                        s2 += d2 * d2;
+                        s3 += d3 * d3;
+                    }
+                    for (; p < p1; p++) {
+                        const V d0 = lanes(col + p * Q) - m;
+                        u0 += d0;
+                        s0 += d0 * d0;
+                    }
+                    store(su.data() + q, (u0 + u1) + (u2 + u3));
+                    store(sq.data() + q, (s0 + s1) + (s2 + s3));
+                }
+                for (; q < W; q++) {
+                    F a = 0, u = 0, v = 0;
+                    for (long long p = p0; p < p1; p++) a += (F)xs[p * Q + q];
+                    const F m = a * inv;
+                    for (long long p = p0; p < p1; p++) {
+                        const F d = (F)xs[p * Q + q] - m;
+                        u += d;
+                        v += d * d;
+                    }
+                    m1[q] = m;
+                    su[q] = u;
+                    sq[q] = v;
+                }
+                const double nc = (double)(p1 - p0), total_n = done + nc;
+                for (long long q = 0; q < W; q++) {  // Chan: merge the chunk's state
+                    const double c = (double)su[q] / nc, mc = (double)m1[q] + c;
+                    double m2c = (double)sq[q] - (double)su[q] * c;
+                    if (m2c < 0.0) m2c = 0.0;
+                    const double delta = mc - cmean[q];
+                    cmean[q] += delta * (nc / total_n);
+                    cm2[q] += m2c + delta * delta * (done * nc / total_n);
+                }
+                done = total_n;
+            }
+            for (long long g = 0; g < W / group; g++) {  // a group's columns (P rows each)
+                const long long c0 = g * group;
+                double gm = 0.0;
+                for (long long k = 0; k < group; k++) gm += cmean[c0 + k];
+                gm /= (double)group;
+                double m2 = 0.0;
+                for (long long k = 0; k < group; k++) {
+                    const double e = cmean[c0 + k] - gm;
+                    m2 += cm2[c0 + k] + (double)P * e * e;
+                }
+                double var = m2 / ((double)P * (double)group);
+                if (var < 0.0) var = 0.0;
+                const double r = 1.0 / sqrt(var + eps);
+                const long long s = bi * S + (q0 + c0) / group;
+                if (mean) mean[s] = (A)gm;
+                if (rstd) rstd[s] = (A)r;
+                const F h = (F)gm, l = (F)(gm - (double)h), rf = (F)r;
+                for (long long k = 0; k < group; k++) {
+                    hi[c0 + k] = h;
+                    rs[c0 + k] = rf;
+                    lor[c0 + k] = l * rf;
+                }
+            }
+            if (param_rows) {  // y = (x - hi) * (r * w_p) + (b_p - lo * r * w_p)
+                for (long long p = 0; p < P; p++) {
+                    const T *row = xs + p * Q;
+                    T *out = ys + p * Q;
+                    const F wp = w ? (F)w[p] : (F)1, bp = b ? (F)b[p] : (F)0;
+                    long long q = 0;
+                    for (; q < WV; q += 8) {
+                        const V sc = load(rs.data() + q) * wp;
+                        put(out + q, (lanes(row + q) - load(hi.data() + q)) * sc + (bp - load(lor.data() + q) * wp));
+                    }
+                    for (; q < W; q++) out[q] = (T)(((F)row[q] - hi[q]) * (rs[q] * wp) + (bp - lor[q] * wp));
+                }
+            } else {  // y = (x - hi) * sc + sh with sc = r * w_q, sh = b_q - lo * r * w_q per column
+                for (long long q = 0; q < W; q++) {
+                    const F wq = w ? (F)w[q0 + q] : (F)1, bq = b ? (F)b[q0 + q] : (F)0;
+                    lor[q] = bq - lor[q] * wq;
+                    rs[q] *= wq;
+                }
+                for (long long p = 0; p < P; p++) {
+                    const T *row = xs + p * Q;
+                    T *out = ys + p * Q;
+                    long long q = 0;
+                    for (; q < WV; q += 8)
+                        put(out + q, (lanes(row + q) - load(hi.data() + q)) * load(rs.data() + q) + load(lor.data() + q));
+                    for (; q < W; q++) out[q] = (T)(((F)row[q] - hi[q]) * rs[q] + lor[q]);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 }  // namespace
 
 #define ANYNORM_ROWS(SUFFIX, T)                                                                    \
@@ -301,8 +507,19 @@ int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
         return rows<T>(x, res, h, y, w, b, w_run, mean, rstd, nrows, n, center, eps);            \
     }
 
+#define ANYNORM_COLS(SUFFIX, T)                                                                     \
+    extern "C" int anynorm_cols_##SUFFIX(const T *x, T *y, const Acc<T>::type *w, const Acc<T>::type *b, \
+                                         Acc<T>::type *mean, Acc<T>::type *rstd, long long nb,       \
+                                         long long P, long long Q, long long group, long long strip, \
+                                         int param_rows, double eps) {                               \
+        return cols<T>(x, y, w, b, mean, rstd, nb, P, Q, group, strip, param_rows, eps);          \
+    }
+
 ANYNORM_ROWS(f32, float)
 ANYNORM_ROWS(f64, double)
+ANYNORM_COLS(f32, float)
+ANYNORM_COLS(f64, double)
 #if HAVE_F16
 ANYNORM_ROWS(f16, _Float16)
+ANYNORM_COLS(f16, _Float16)
 #endif
