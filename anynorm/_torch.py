@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import _numpy, _reference, _torch_channels_last, _torch_rms
+from . import _native, _numpy, _reference, _torch_channels_last, _torch_rms
 
 __all__ = ["forward", "forward_runner", "backward"]
 
@@ -454,11 +454,12 @@ def _prefers_native(plan):
 
 def _native_first(plan):
     """Where torch's own routine beats the NumPy executor on the CPU (measured, see
-    asv_bench/README.md): half dtypes (NumPy's float16 conversions are slow, bfloat16 it
-    lacks); group and instance norm; layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond
-    that torch's row kernel falls to a fraction of memory bandwidth); other layer/RMS axes
-    when the contiguous run after them is short (ConvNeXt's late stages: 14 x 14)."""
-    if plan.dtype in _HALF:
+    asv_bench/README.md): bfloat16 (NumPy lacks it), float16 where anynorm's CPU kernel is
+    not built (NumPy's float16 conversions are slow); group and instance norm; layer/RMS
+    norm rows up to NATIVE_MAX_ROW long (beyond that torch's row kernel falls to a fraction
+    of memory bandwidth); other layer/RMS axes when the contiguous run after them is short
+    (ConvNeXt's late stages: 14 x 14)."""
+    if plan.dtype == torch.bfloat16 or plan.dtype == torch.float16 and _native.rows_kernel(np.float16) is None:
         return True
     if plan.op in ("layer_norm", "rms_norm"):
         if _trailing(plan):

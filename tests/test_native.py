@@ -295,3 +295,27 @@ def test_without_the_kernel_the_numpy_passes_run(tmp_path, env, expected):
     status, err = _python(_PROBE, ANYNORM_CACHE_DIR=str(tmp_path / "cache"), **env)
     assert status.startswith(expected), status
     assert float(err) <= 8 * EPS32
+
+
+def test_torch_float16_rows_run_the_kernel():
+    """float16 torch CPU tensors with rows past NATIVE_MAX_ROW take the NumPy executor (and so
+    the kernel) where it is built, as float32 ones do: 2-5x faster than torch's float16
+    kernel (asv_bench/README.md), exact far from zero."""
+    torch = pytest.importorskip("torch")
+    import anynorm
+    from anynorm import _torch
+
+    if _native.rows_kernel(np.float16) is None:
+        pytest.skip("no float16 kernel on this CPU")
+    n = 2 * _torch.NATIVE_MAX_ROW
+    x = (300 + torch.randn(8, n)).to(torch.float16)
+    w, b = torch.rand(n).to(torch.float16), torch.rand(n).to(torch.float16)
+    assert not _torch._native_first(make_plan("layer_norm", x, w, b))
+    assert _torch._native_first(make_plan("layer_norm", x.to(torch.bfloat16), w.to(torch.bfloat16),
+                                          b.to(torch.bfloat16)))
+    with torch.no_grad():
+        y = anynorm.layer_norm(x, w, b)
+    assert y.dtype == torch.float16
+    exact = reference.forward("layer_norm", x.numpy().astype(np.float64), w.numpy().astype(np.float64),
+                              b.numpy().astype(np.float64), eps=1e-5, axis=-1)[0]
+    assert _max_err(y.numpy(), exact) <= Y_TOL[np.float16] * float(np.max(np.abs(exact)))
