@@ -112,6 +112,17 @@ def _naive_numpy_layer_norm(x, eps=1e-5):
     return (x - mean) / np.sqrt(var + eps)
 
 
+def cpu_kernels():
+    """What became of the compiled CPU kernels: loaded from where, or why not (the NumPy
+    executor then runs its NumPy passes)."""
+    from anynorm import _native
+
+    _native.rows_kernel(np.float32)  # builds or loads them on first use
+    if _native.status.startswith("loaded"):
+        return _native.status
+    return f"not used ({_native.status}); NumPy arrays take the slower NumPy passes"
+
+
 def report_parity(rng):
     x_np = rng.standard_normal(SHAPE).astype(np.float32) * 3 + 1
     found, absent = _libraries()
@@ -243,6 +254,7 @@ def main(argv=None):
             parser.exit(2, problem)
     rng = np.random.default_rng(0)
     print(f"anynorm {anynorm.__version__}, backend={anynorm.get_backend()!r}, x: float32 {SHAPE}")
+    print(f"CPU kernels (kernels/cpu.cpp): {cpu_kernels()}")
     report_parity(rng)
     report_speed(rng, max(1, args.rounds))
     if args.plot:

@@ -1,27 +1,28 @@
-// anynorm's CPU kernel: layer norm and RMS norm over contiguous rows in one read of each row.
+// anynorm's CPU kernels: layer norm and RMS norm over contiguous rows, and statistics over a
+// middle axis (channels-first layer norm, NHWC instance/group norm), each slice read from
+// memory once and kept in cache for its passes.
 //
-// The NumPy executor's row path (anynorm/_numpy_rows.py) calls it through ctypes where the
-// host has a C++ compiler (anynorm/_native.py compiles it at first use, -O3 -march=native,
-// into a per-user cache).  Each row of n elements, held in L1/L2 after its first pass:
+// The NumPy executor (anynorm/_numpy_rows.py, anynorm/_numpy_columns.py) calls them through
+// ctypes where the host has a C++ compiler (anynorm/_native.py builds this file at first use,
+// -O3 -march=native, into a per-user cache).  Both take the corrected two-pass statistics
 //
-//     m1  = sum(x) / n                            (float64 sums, 8 lanes)
-//     c   = sum(x - m1) / n;  q = sum((x - m1)^2) / n
+//     m1 = a first mean;  c = mean(x - m1);  q = mean((x - m1)^2)
 //     var = max(q - c*c, 0);  mean = m1 + c;  rstd = 1 / sqrt(var + eps)
 //     y   = (x - mean) * rstd * w + b             (RMS norm: m1 = c = 0, no b)
 //
-// float32 and float16 rows form y in float32 with the mean split into two floats
-// (`x - hi` is exact near the data, `- lo` restores the rest), so data offset far from zero
-// keep float32 rounding; float64 rows work in float64 throughout.  Parameters (in the
-// accumulation type: float32 for float16/float32 x, float64 for float64) are indexed by the
-// position in the row (`w_run == 0`: layer/RMS norm) or are constant over runs of `w_run`
-// elements, indexed by `(row * n + i) / w_run` (NCHW instance/group norm: a run is a channel's
-// spatial extent).  With `res`, h = x + res (rounded to x's type) is written to `h` and
-// normalized.  A NaN or Inf in a row makes that row's output NaN, and no other row's.
+// with float32 sums of at most a few hundred terms added in float64, and `x - m1` formed
+// where it is exact (near the data), so rows far from zero keep float32 rounding.  float32
+// and float16 slices form y in float32 with the mean split into two floats (`x - hi` exact,
+// `- lo` the rest); float64 ones work in float64 throughout.  Parameters come in the
+// accumulation type (float32 for float16/float32 x, float64 for float64).  A NaN or Inf in a
+// slice makes that slice's output NaN, and no other slice's.
 //
 // Built with GCC/Clang vector extensions (8 lanes of the widest type a loop handles), which
-// compile to whatever SIMD -march=native offers.  Entry points (extern "C", 0 on success):
+// compile to whatever SIMD -march=native offers.  Entry points (extern "C", 0 on success; the
+// arguments at each kernel below and in kernels/README.md):
 //
 //     anynorm_rows_<f16|f32|f64>(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)
+//     anynorm_cols_<f16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
 
 #include <math.h>
 #include <stdint.h>
@@ -81,12 +82,6 @@ template <> inline void store_f32<_Float16>(_Float16 *p, vf v) {
     memcpy(p, &h, 16);
 }
 #endif
-template <typename T> inline vd wide(const T *p) { return __builtin_convertvector(narrow(p), vd); }
-template <> inline vd wide<double>(const double *p) { return load(p); }
-
-// Statistics of one row: m1 (the first mean, 0 for RMS norm), c = mean(x - m1) and
-// q = mean((x - m1)^2), in float64.  Four independent accumulators a loop (a vector add's
-// latency is 3-4 cycles, two issue a cycle), 32 elements an iteration.
 inline double total(vd a) {
     double s = 0;
     for (int k = 0; k < 8; k++) s += a[k];
@@ -98,24 +93,28 @@ inline double total(vf a) {
     return s;
 }
 
-template <typename T> inline double sum_wide(const T *x, long long n) {  // sum(x) in float64
+// Statistics of one row: m1 (the first mean, 0 for RMS norm), c = mean(x - m1) and
+// q = mean((x - m1)^2), in float64.  Several independent accumulators a loop (a vector add's
+// latency is 3-4 cycles, two issue a cycle).
+
+inline double sum_f64(const double *x, long long n) {
     vd a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     long long i = 0;
     for (; i + 32 <= n; i += 32) {
-        a0 += wide(x + i);
-        a1 += wide(x + i + 8);
-        a2 += wide(x + i + 16);
-        a3 += wide(x + i + 24);
+        a0 += load(x + i);
+        a1 += load(x + i + 8);
+        a2 += load(x + i + 16);
+        a3 += load(x + i + 24);
     }
-    for (; i + 8 <= n; i += 8) a0 += wide(x + i);
+    for (; i + 8 <= n; i += 8) a0 += load(x + i);
     double s = total((a0 + a1) + (a2 + a3));
-    for (; i < n; i++) s += (double)x[i];
+    for (; i < n; i++) s += x[i];
     return s;
 }
 
 // float64 rows: both passes in float64
 inline void row_moments(const double *x, long long n, int center, double *m1, double *c, double *q) {
-    const double m = center ? sum_wide(x, n) / (double)n : 0.0;
+    const double m = center ? sum_f64(x, n) / (double)n : 0.0;
     vd u0 = {0}, u1 = {0}, q0 = {0}, q1 = {0};
     long long i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -172,9 +171,9 @@ template <typename T> inline double sum_f32(const T *x, long long n, float m, do
         su += total(u0 + u1);
         if (squares) sq += total(q0 + q1);
         for (; i < c1; i++) {
-            double d = (double)((float)x[i] - m);
+            const double d = (double)((float)x[i] - m);
             su += d;
-            sq += d * d;
+            if (squares) sq += d * d;
         }
     }
     if (squares) *squares = sq;
@@ -260,6 +259,12 @@ inline void affine<double>(const double *x, double *y, long long i0, long long i
     affine_f64(x, y, i0, i1, m1, c, r, wp, bp, scalar_params);
 }
 
+// ---- rows: statistics over the last axis of x viewed as (rows, n) ----------------------------
+//
+// Parameters by position in the row (`w_run == 0`: layer/RMS norm), or constant over runs of
+// `w_run` elements, indexed by `(row * n + i) / w_run` (NCHW instance/group norm: a run is a
+// channel's spatial extent).  With `res`, h = x + res (rounded to x's type) is written to `h`
+// and normalized.  Returns 1 for n <= 0 or n not a multiple of w_run.
 template <typename T>
 int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
          const typename Acc<T>::type *b, long long w_run, typename Acc<T>::type *mean,
@@ -318,6 +323,35 @@ template <typename T> inline vf lanes(const T *p) { return narrow(p); }
 inline vd lanes(const double *p) { return load(p); }
 template <typename T> inline void put(T *p, vf v) { store_f32(p, v); }
 inline void put(double *p, vd v) { store(p, v); }
+
+// sum(d) and sum(d*d), d = x - m1 per column, over rows [p0, p1) of a strip of W columns:
+// the columns' second pass where it is taken again (the first is fused with the means)
+template <typename T, typename F, typename V>
+void deviations(const T *xs, long long Q, long long p0, long long p1, long long W, const F *m1, F *su,
+                F *sq) {
+    long long q = 0;
+    for (; q + 8 <= W; q += 8) {
+        const V m = load(m1 + q);
+        V u = {0}, v = {0};
+        for (long long p = p0; p < p1; p++) {
+            const V d = lanes(xs + p * Q + q) - m;
+            u += d;
+            v += d * d;
+        }
+        store(su + q, u);
+        store(sq + q, v);
+    }
+    for (; q < W; q++) {
+        F u = 0, v = 0;
+        for (long long p = p0; p < p1; p++) {
+            const F d = (F)xs[p * Q + q] - m1[q];
+            u += d;
+            v += d * d;
+        }
+        su[q] = u;
+        sq[q] = v;
+    }
+}
 
 template <typename T>
 int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>::type *b,
@@ -431,6 +465,17 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                     su[q] = u;
                     sq[q] = v;
                 }
+                // where a column's first mean missed by more than a quarter of its spread
+                // (c^2 > q / 16: sq - su * c would lose bits), centre its chunk again on m1 + c
+                bool far = false;
+                for (long long q = 0; q < W; q++) {
+                    const F c = su[q] * inv;
+                    if (c * c > sq[q] * inv / 16) {
+                        m1[q] += c;
+                        far = true;
+                    }
+                }
+                if (far) deviations<T, F, V>(xs, Q, p0, p1, W, m1.data(), su.data(), sq.data());
                 const double nc = (double)(p1 - p0), total_n = done + nc;
                 for (long long q = 0; q < W; q++) {  // Chan: merge the chunk's state
                     const double c = (double)su[q] / nc, mc = (double)m1[q] + c;

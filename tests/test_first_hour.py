@@ -113,6 +113,7 @@ def test_demo_prints_median_and_spread_and_why_libraries_are_missing(capsys):
     out = capsys.readouterr().out
     assert re.search(r"numpy +anynorm +[\d.]+ ms / naive numpy +[\d.]+ ms = [\d.]+ +\(rounds: [\d.]+-[\d.]+\)", out), out
     assert "3 interleaved rounds" in out and "median" in out
+    assert re.search(r"^CPU kernels \(kernels/cpu.cpp\): (loaded /|not used \()", out, re.M), out
     _, absent = demo._libraries()
     for label, why in absent:
         assert re.search(rf"^{re.escape(label)} +skipped: ", out, re.M), (label, out)
