@@ -315,6 +315,7 @@ int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
 //     y = (x - hi) * (r * w) + (b - lo * r * w)          (hi + lo: the mean in two floats)
 
 const long long COL_CHUNK_ROWS = 128;  // float32 sums of at most this many terms a column
+const long long Y_BLOCK = 512;  // columns of channels-first y a block (3 x 2 KiB of constants)
 
 template <typename T> struct Work { typedef float type; typedef vf vec; };
 template <> struct Work<double> { typedef double type; typedef vd vec; };
@@ -362,7 +363,7 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
     typedef typename Work<T>::vec V;
     if (P <= 0 || Q <= 0 || group <= 0 || Q % group || strip <= 0 || strip % group) return 1;
     const long long S = Q / group;  // statistics a sample
-    std::vector<double> cmean(strip), cm2(strip);
+    std::vector<double> cmean(strip), cm2(strip), rr(strip);
     std::vector<F> m1(strip), su(strip), sq(strip), hi(strip), rs(strip), lor(strip);
     for (long long bi = 0; bi < nb; bi++) {
         for (long long q0 = 0; q0 < Q; q0 += strip) {
@@ -487,7 +488,23 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                 }
                 done = total_n;
             }
-            for (long long g = 0; g < W / group; g++) {  // a group's columns (P rows each)
+            if (group == 1) {  // a statistic a column: a loop the compiler vectorizes
+                const double inv_p = 1.0 / (double)P;
+                for (long long q = 0; q < W; q++) {
+                    const double var = cm2[q] * inv_p;
+                    const double r = 1.0 / sqrt((var < 0.0 ? 0.0 : var) + eps);  // NaN stays NaN
+                    const F h = (F)cmean[q], rf = (F)r;
+                    hi[q] = h;
+                    rs[q] = rf;
+                    lor[q] = (F)(cmean[q] - (double)h) * rf;
+                    rr[q] = r;
+                }
+                for (long long q = 0; q < W; q++) {
+                    if (mean) mean[bi * S + q0 + q] = (A)cmean[q];
+                    if (rstd) rstd[bi * S + q0 + q] = (A)rr[q];
+                }
+            }
+            for (long long g = 0; group > 1 && g < W / group; g++) {  // a group's columns (P rows each)
                 const long long c0 = g * group;
                 double gm = 0.0;
                 for (long long k = 0; k < group; k++) gm += cmean[c0 + k];
@@ -511,16 +528,20 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                 }
             }
             if (param_rows) {  // y = (x - hi) * (r * w_p) + (b_p - lo * r * w_p)
-                for (long long p = 0; p < P; p++) {
-                    const T *row = xs + p * Q;
-                    T *out = ys + p * Q;
-                    const F wp = w ? (F)w[p] : (F)1, bp = b ? (F)b[p] : (F)0;
-                    long long q = 0;
-                    for (; q < WV; q += 8) {
-                        const V sc = load(rs.data() + q) * wp;
-                        put(out + q, (lanes(row + q) - load(hi.data() + q)) * sc + (bp - load(lor.data() + q) * wp));
+                // in blocks of columns, all rows a block: the block's hi, r, lo * r stay in L1
+                for (long long c0 = 0; c0 < W; c0 += Y_BLOCK) {
+                    const long long c1 = c0 + Y_BLOCK < W ? c0 + Y_BLOCK : W, cv = c0 + (c1 - c0) / 8 * 8;
+                    for (long long p = 0; p < P; p++) {
+                        const T *row = xs + p * Q;
+                        T *out = ys + p * Q;
+                        const F wp = w ? (F)w[p] : (F)1, bp = b ? (F)b[p] : (F)0;
+                        long long q = c0;
+                        for (; q < cv; q += 8) {
+                            const V sc = load(rs.data() + q) * wp;
+                            put(out + q, (lanes(row + q) - load(hi.data() + q)) * sc + (bp - load(lor.data() + q) * wp));
+                        }
+                        for (; q < c1; q++) out[q] = (T)(((F)row[q] - hi[q]) * (rs[q] * wp) + (bp - lor[q] * wp));
                     }
-                    for (; q < W; q++) out[q] = (T)(((F)row[q] - hi[q]) * (rs[q] * wp) + (bp - lor[q] * wp));
                 }
             } else {  // y = (x - hi) * sc + sh with sc = r * w_q, sh = b_q - lo * r * w_q per column
                 for (long long q = 0; q < W; q++) {
