@@ -325,6 +325,14 @@ inline vd lanes(const double *p) { return load(p); }
 template <typename T> inline void put(T *p, vf v) { store_f32(p, v); }
 inline void put(double *p, vd v) { store(p, v); }
 
+// four independent accumulations of d and d*d (four add chains and four fma chains)
+template <typename V> inline void add_moments(const V (&d)[4], V (&u)[4], V (&v)[4]) {
+    for (int k = 0; k < 4; k++) {
+        u[k] += d[k];
+        v[k] += d[k] * d[k];
+    }
+}
+
 // sum(d) and sum(d*d), d = x - m1 per column, over rows [p0, p1) of a strip of W columns:
 // the columns' second pass where it is taken again (the first is fused with the means)
 template <typename T, typename F, typename V>
@@ -382,76 +390,41 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                 long long q = 0;
                 for (; q + 32 <= WV; q += 32) {
                     const T *col = xs + q;
-                    V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    V a[4] = {}, m[4], d[4], u[4] = {}, v[4] = {};
+                    for (long long p = p0; p < p1; p++)
+                        for (int k = 0; k < 4; k++) a[k] += lanes(col + p * Q + 8 * k);
+                    for (int k = 0; k < 4; k++) m[k] = a[k] * inv;
                     for (long long p = p0; p < p1; p++) {
-                        const T *e = col + p * Q;
-                        a0 += lanes(e);
-                        a1 += lanes(e + 8);
-                        a2 += lanes(e + 16);
-                        a3 += lanes(e + 24);
+                        for (int k = 0; k < 4; k++) d[k] = lanes(col + p * Q + 8 * k) - m[k];
+                        add_moments(d, u, v);
                     }
-                    const V m0 = a0 * inv, m1v = a1 * inv, m2 = a2 * inv, m3 = a3 * inv;
-                    V u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0}, s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-                    for (long long p = p0; p < p1; p++) {
-                        const T *e = col + p * Q;
-                        const V d0 = lanes(e) - m0, d1 = lanes(e + 8) - m1v, d2 = lanes(e + 16) - m2,
-                                d3 = lanes(e + 24) - m3;
-                        u0 += d0;
-                        u1 += d1;
-                        u2 += d2;
-                        u3 += d3;
-                        s0 += d0 * d0;
-                        s1 += d1 * d1;
-                        s2 += d2 * d2;
-                        s3 += d3 * d3;
+                    for (int k = 0; k < 4; k++) {
+                        store(m1.data() + q + 8 * k, m[k]);
+                        store(su.data() + q + 8 * k, u[k]);
+                        store(sq.data() + q + 8 * k, v[k]);
                     }
-                    store(m1.data() + q, m0);
-                    store(m1.data() + q + 8, m1v);
-                    store(m1.data() + q + 16, m2);
-                    store(m1.data() + q + 24, m3);
-                    store(su.data() + q, u0);
-                    store(su.data() + q + 8, u1);
-                    store(su.data() + q + 16, u2);
-                    store(su.data() + q + 24, u3);
-                    store(sq.data() + q, s0);
-                    store(sq.data() + q + 8, s1);
-                    store(sq.data() + q + 16, s2);
-                    store(sq.data() + q + 24, s3);
                 }
                 // single column vectors (4 rows a step)
                 for (; q < WV; q += 8) {
                     const T *col = xs + q;
-                    V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    V a[4] = {}, d[4], u[4] = {}, v[4] = {};
                     long long p = p0;
-                    for (; p + 4 <= p1; p += 4) {
-                        a0 += lanes(col + p * Q);
-                        a1 += lanes(col + (p + 1) * Q);
-                        a2 += lanes(col + (p + 2) * Q);
-                        a3 += lanes(col + (p + 3) * Q);
-                    }
-                    for (; p < p1; p++) a0 += lanes(col + p * Q);
-                    const V m = ((a0 + a1) + (a2 + a3)) * inv;
-                    store(m1.data() + q, m);
-                    V u0 = {0}, u1 = {0}, u2 = {0}, u3 = {0}, s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+                    for (; p + 4 <= p1; p += 4)
+                        for (int k = 0; k < 4; k++) a[k] += lanes(col + (p + k) * Q);
+                    for (; p < p1; p++) a[0] += lanes(col + p * Q);
+                    const V m = ((a[0] + a[1]) + (a[2] + a[3])) * inv;
                     for (p = p0; p + 4 <= p1; p += 4) {
-                        const V d0 = lanes(col + p * Q) - m, d1 = lanes(col + (p + 1) * Q) - m;
-                        const V d2 = lanes(col + (p + 2) * Q) - m, d3 = lanes(col + (p + 3) * Q) - m;
-                        u0 += d0;
-                        u1 += d1;
-                        u2 += d2;
-                        u3 += d3;
-                        s0 += d0 * d0;
-                        s1 += d1 * d1;
-                        s2 += d2 * d2;
-                        s3 += d3 * d3;
+                        for (int k = 0; k < 4; k++) d[k] = lanes(col + (p + k) * Q) - m;
+                        add_moments(d, u, v);
                     }
                     for (; p < p1; p++) {
-                        const V d0 = lanes(col + p * Q) - m;
-                        u0 += d0;
-                        s0 += d0 * d0;
+                        const V e = lanes(col + p * Q) - m;
+                        u[0] += e;
+                        v[0] += e * e;
                     }
-                    store(su.data() + q, (u0 + u1) + (u2 + u3));
-                    store(sq.data() + q, (s0 + s1) + (s2 + s3));
+                    store(m1.data() + q, m);
+                    store(su.data() + q, (u[0] + u[1]) + (u[2] + u[3]));
+                    store(sq.data() + q, (v[0] + v[1]) + (v[2] + v[3]));
                 }
                 for (; q < W; q++) {
                     F a = 0, u = 0, v = 0;
