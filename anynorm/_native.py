@@ -1,16 +1,18 @@
-"""anynorm's CPU kernel (``kernels/cpu.cpp``), compiled at first use and called by ctypes.
+"""anynorm's CPU kernels (``kernels/cpu.cpp``), compiled at first use and called by ctypes.
 
 NumPy cannot fuse the passes of a normalization: its best row path reads each block of rows
 six times from cache (a sum, ``x - m``, a dot product, ``* rstd``, ``* w``, ``+ b``) and sits
 at 3.2-3.4x the time of ``np.copyto`` for float32 rows of 4096, 5-7x for rows of 768.  The C++
-kernel reads a row from memory once and keeps it in L1 for its three passes.
+kernels read a row (or a strip of a sample's columns) from memory once and keep it in cache
+for their passes: :func:`rows_kernel` for statistics over trailing axes, :func:`cols_kernel`
+for statistics over a middle axis (channels-first layer norm, NHWC instance/group norm).
 
 Where the host has a C++ compiler (``ANYNORM_CXX``, ``CXX``, else the first of ``c++``,
-``g++``, ``clang++`` on PATH), the kernel is built once per source, compiler and CPU
+``g++``, ``clang++`` on PATH), the library is built once per source, compiler and CPU
 (``-O3 -march=native``) into ``$ANYNORM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/anynorm`` or
 ``~/.cache/anynorm``) and loaded from there by later processes.  Without a compiler, or with
-``ANYNORM_NATIVE=0``, :func:`rows_kernel` returns None and the NumPy executor runs its NumPy
-passes (the same results to float32 rounding); :data:`status` says which and why.
+``ANYNORM_NATIVE=0``, both return None and the NumPy executor runs its NumPy passes (the same
+results to float32 rounding); :data:`status` says which and why.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 Forward calls on C-contiguous arrays go to one of two specialised paths first:
 :mod:`anynorm._numpy_rows` (statistics over trailing axes: layer/RMS norm rows; NCHW
-instance/group norm in float16) and :mod:`anynorm._numpy_columns` (statistics over a middle
-axis: channels-first layer norm; NHWC instance/group norm), in cache-sized blocks, with
-float16 converted per block by :mod:`anynorm._numpy_half`.  Everything else (float32 NCHW
+instance/group norm in float16, or in every dtype with the CPU kernels) and
+:mod:`anynorm._numpy_columns` (statistics over a middle axis: channels-first layer norm;
+NHWC instance/group norm), in cache-sized blocks, with float16 converted per block by
+:mod:`anynorm._numpy_half`; where anynorm's CPU kernels are built (:mod:`anynorm._native`)
+both hand their rows and samples to them instead.  Everything else (float32 NCHW
 instance/group norm, strided views, odd axes, backward) runs the general blocking below,
 whose float16 inputs are converted by the same routine.  Every path runs its blocks with
 NumPy's ufunc buffer no longer than its inner loops (:func:`anynorm._numpy_rows.bufsize`:

@@ -15,10 +15,11 @@ in a core's L2) are read from memory once; per block::
 (no one-pass ``E[x^2] - E[x]^2`` anywhere; sums over more than ``SUM_RUN`` terms are added
 in float64 over runs, and the centring is redone where the first mean missed by > std/4).
 
-Where the host could build anynorm's CPU kernel (:mod:`anynorm._native`, ``kernels/cpu.cpp``:
-the same statistics with float64 sums, each row read from memory once and its three passes
-run from L1), a thread's rows go to it in one call instead of the passes above (float16,
-float32 and float64; NCHW instance/group norm too, runs of >= ``MIN_RUN_NATIVE``).
+Where the host could build anynorm's CPU kernels (:mod:`anynorm._native`, ``kernels/cpu.cpp``:
+the same corrected two-pass statistics from short float32 sums added in float64, each row
+read from memory once and its three passes run from L1), a thread's rows go to the row
+kernel in one call instead of the passes above (float16, float32 and float64; NCHW
+instance/group norm too, runs of >= ``MIN_RUN_NATIVE``).
 
 Broadcast passes (a column ``r``, a row ``w``) run as fast as same-shape ones once NumPy's
 ufunc buffer is no longer than the rows (:func:`bufsize`, set by the executor around the

@@ -47,9 +47,9 @@ def blocking(request, monkeypatch):
     """Run each case as one box (short tails after the reduced axes take several samples per
     box), as one sample per box (what longer tails get), as many tiny boxes, split across
     threads, with NumPy's ufunc buffer cut to the inner loop length (what inner loops of
-    384 to 8191 elements get) in many boxes on two threads, and with the row path's NumPy
-    passes where the compiled CPU kernel (``anynorm._native``) would take the rows (what a
-    host without a C++ compiler runs)."""
+    384 to 8191 elements get) in many boxes on two threads, and with the row and column
+    paths' NumPy passes where the compiled CPU kernels (``anynorm._native``) would take them
+    (what a host without a C++ compiler runs)."""
     monkeypatch.setattr(_numpy, "SMALL_ELEMENTS", 1)  # the test shapes are small
     if request.param == "numpy passes":
         monkeypatch.setattr(_native, "_library", False)
