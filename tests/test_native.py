@@ -128,6 +128,31 @@ def test_rows_far_from_zero_keep_float32_rounding(n, offset):
     np.testing.assert_allclose(rstd.reshape(-1), rstd_ref.reshape(-1), rtol=8 * EPS32)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("head", ["step", "ramp", "outlier"])
+def test_rows_whose_head_is_unlike_the_rest(head, dtype):
+    """The first mean comes from a row's first 64 elements: a step after them, a sorted ramp
+    or one far outlier among them make it miss, and the row is centred again on its mean."""
+    if dtype == np.float16 and _native.rows_kernel(dtype) is None:
+        pytest.skip("no float16 kernel on this CPU")
+    rng = np.random.default_rng(11)
+    n = 3000
+    x = rng.standard_normal((3, n))
+    if head == "step":
+        x[:, :64] += 40.0
+    elif head == "ramp":
+        x = np.sort(x, axis=1) * 30 + 500
+    else:
+        x[:, 3] = 2e3
+    x = x.astype(dtype)
+    y, _, mean, rstd = _forward("layer_norm", x)
+    y_ref, mean_ref, rstd_ref = reference.forward("layer_norm", x.astype(np.float64), eps=1e-5, axis=-1)
+    assert _max_err(y, y_ref) <= Y_TOL[dtype] * float(np.max(np.abs(y_ref)))
+    scale = float(np.max(np.abs(x.astype(np.float64))))
+    np.testing.assert_allclose(mean.reshape(-1), mean_ref.reshape(-1), rtol=0, atol=4 * EPS32 * scale)
+    np.testing.assert_allclose(rstd.reshape(-1), rstd_ref.reshape(-1), rtol=8 * EPS32)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_residual_sum_is_written_and_normalized(op, dtype):
@@ -272,7 +297,7 @@ _PROBE = """
     d = x.astype(np.float64); d -= d.mean(-1, keepdims=True)
     exact = d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-5)
     print(_native.status)
-    print(float(np.abs(y - exact).max()))
+    print(float(np.abs(y - exact).max() / np.abs(exact).max()))  # in units of max |y|
 """
 
 
