@@ -153,12 +153,13 @@ def test_rows_whose_head_is_unlike_the_rest(head, dtype):
     np.testing.assert_allclose(rstd.reshape(-1), rstd_ref.reshape(-1), rtol=8 * EPS32)
 
 
+@pytest.mark.parametrize("n", [100, 3000])  # 3000: rows in groups (ROW_GROUP), y by column chunks
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-def test_residual_sum_is_written_and_normalized(op, dtype):
+def test_residual_sum_is_written_and_normalized(op, dtype, n):
     rng = np.random.default_rng(2)
-    x, res = (rng.standard_normal((6, 100)).astype(dtype) for _ in range(2))
-    w = rng.standard_normal(100).astype(dtype)
+    x, res = (rng.standard_normal((6, n)).astype(dtype) for _ in range(2))
+    w = rng.standard_normal(n).astype(dtype)
     y, h, _, _ = _forward(op, x, w, residual=res)
     np.testing.assert_array_equal(h, x + res)
     y_ref = reference.forward(op, (x + res).astype(np.float64), w.astype(np.float64), eps=1e-5, axis=-1)[0]
