@@ -4,9 +4,11 @@
 //
 // The NumPy executor (anynorm/_numpy_rows.py, anynorm/_numpy_columns.py) calls them through
 // ctypes where the host has a C++ compiler (anynorm/_native.py builds this file at first use,
-// -O3 -march=native, into a per-user cache).  Both take the corrected two-pass statistics
+// -O3 -march=native, into a per-user cache).  Both sum the data shifted by a first mean
+// taken from the data, as the corrected two-pass does, and sum again about the full mean
+// where that shift was far (the variance then loses no bits):
 //
-//     m1 = a first mean (of a row's head, or of a chunk of a column)
+//     m1 = a first mean (of a row's first 64 elements, or of a chunk of a column)
 //     c = mean(x - m1);  q = mean((x - m1)^2), again about m1 + c where c^2 > q / 16
 //     var = max(q - c*c, 0);  mean = m1 + c;  rstd = 1 / sqrt(var + eps)
 //     y   = (x - mean) * rstd * w + b             (RMS norm: m1 = c = 0, no b)
