@@ -28,7 +28,6 @@
 //     anynorm_cols_<f16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
 
 #include <math.h>
-#include <stdint.h>
 #include <string.h>
 
 #include <algorithm>
@@ -268,11 +267,7 @@ inline void affine<double>(const double *x, double *y, long long i0, long long i
 }
 
 // ---- rows: statistics over the last axis of x viewed as (rows, n) ----------------------------
-//
-// Parameters by position in the row (`w_run == 0`: layer/RMS norm), or constant over runs of
-// `w_run` elements, indexed by `(row * n + i) / w_run` (NCHW instance/group norm: a run is a
-// channel's spatial extent).  With `res`, h = x + res (rounded to x's type) is written to `h`
-// and normalized.  Returns 1 for n <= 0 or n not a multiple of w_run.
+
 // A row's statistics and where its values are (x, or h with a residual)
 template <typename T> struct RowStats {
     const T *x;
@@ -307,6 +302,10 @@ inline RowStats<T> row_stats(const T *x, const T *res, T *h, long long r, long l
 // they go one by one).
 const long long ROW_GROUP = 4, ROW_CHUNK = 1024, ROW_PARAMS_L1 = 16 << 10;
 
+// Parameters by position in the row (`w_run == 0`: layer/RMS norm), or constant over runs of
+// `w_run` elements, indexed by `(row * n + i) / w_run` (NCHW instance/group norm: a run is a
+// channel's spatial extent).  With `res`, h = x + res (rounded to x's type) is written to `h`
+// and normalized.  Returns 1 for n <= 0 or n not a multiple of w_run.
 template <typename T>
 int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
          const typename Acc<T>::type *b, long long w_run, typename Acc<T>::type *mean,

@@ -10,6 +10,7 @@ cannot be built the NumPy passes run instead.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -37,7 +38,6 @@ def _f16_supported():
             flags = f.read()
     except OSError:
         return False
-    import platform
     return " f16c" in flags or platform.machine() in ("aarch64", "arm64")
 
 
