@@ -54,7 +54,12 @@ def _other_signature(a):
 
 
 _is_compiling = None  # torch.compiler.is_compiling, bound when the first tensor is seen
-_backend_now = _backend.get_backend  # the backend in force, as torch.compile may read it
+
+
+def _backend_now():
+    """The backend in force. Dynamo cannot trace its ContextVar read: bind_torch marks it so
+    that torch.compile takes the result as a constant of the graph."""
+    return _backend.get_backend()
 
 
 def _jit_tracing() -> bool:
@@ -66,19 +71,17 @@ def _jit_tracing() -> bool:
 
 def bind_torch():
     """Ready the torch-specific parts once torch is loaded (at ``import anynorm`` when torch
-    already is, else at the first call on a tensor)."""
-    global _is_compiling, _backend_now
-    import torch
-
-    if _is_compiling is not None or torch.compiler.is_compiling():
-        return  # done already, or inside a trace, which must not register anything
+    already is, else when a call first meets an array type). Marked as a constant result, so
+    that torch.compile runs it rather than tracing it when that call is traced (anynorm
+    imported before torch, its first call inside a compiled function): the ops are then
+    registered and the per-type caches seeded before the trace reads them."""
+    global _is_compiling
+    torch = sys.modules.get("torch")
+    if _is_compiling is not None or torch is None:
+        return
     from . import _register_torch_ops
 
-    def backend_in_force():
-        return _backend.get_backend()
-
-    # Dynamo cannot trace ContextVar.get: while tracing, the backend is a constant of the graph
-    _backend_now = torch.compiler.assume_constant_result(backend_in_force)
+    torch.compiler.assume_constant_result(_backend_now)
     import array_api_compat.torch as torch_namespace
 
     for tensor_type in (torch.Tensor, torch.nn.Parameter):
@@ -91,11 +94,10 @@ def bind_torch():
     _register_torch_ops()  # torch was imported after anynorm: the ops exist from this call on
 
 
+bind_torch._dynamo_marked_constant = True  # torch.compiler.assume_constant_result's mark
+
+
 def _torch_signature(t):
-    if _is_compiling is None:
-        bind_torch()
-        if _is_compiling is None:  # inside a trace before torch was bound
-            return None
     _TORCH_TYPES.add(type(t))
     return t.shape, t.stride(), t.dtype, t.device
 
@@ -111,6 +113,7 @@ def _sign(a):
         return None
     sign = _SIGNERS.get(type(a))
     if sign is None:
+        bind_torch()  # torch may have been loaded since the last new type
         try:
             kind = array_kind(a)
         except Exception:  # not an array at all: the uncached path raises the TypeError
@@ -228,6 +231,7 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
             call = _CALLS.get(key)
             if call is not None:
                 return call
+    bind_torch()  # a first call that signature() did not see (a list axis, say)
     try:
         plan = make_plan(op, x, weight, bias, residual, axis=axis, channel_axis=channel_axis,
                          num_groups=num_groups, eps=eps, cache=key is not None)
@@ -262,6 +266,7 @@ def backward_call(op, dy, x, weight, stats, axis, channel_axis, num_groups, eps,
             call = _CALLS.get(key)
             if call is not None:
                 return call
+    bind_torch()
     try:
         plan = make_plan(op, x, weight, axis=axis, channel_axis=channel_axis,
                          num_groups=num_groups, eps=eps, cache=key is not None)

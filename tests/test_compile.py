@@ -4,6 +4,9 @@ also give. (CUDA tensors trace through the ``anynorm::`` custom ops: tests/gpu.)
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -106,6 +109,21 @@ def test_cuda_executor_checks_trace_without_warnings():
                             fullgraph=True)(x)
     torch.testing.assert_close(got, x + (1.0 if want is None else 2.0))
     assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
+
+
+def run_first_call_compiled(*args):
+    """tests/first_call_compiled.py in a fresh process (anynorm imported before torch)."""
+    script = pathlib.Path(__file__).with_name("first_call_compiled.py")
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_fullgraph_first_call_of_a_process_imported_before_torch():
+    """Was: Dynamo could not trace ContextVar.get (the backend in force), and traced
+    array_api_compat's lru_cache-wrapped checks, when the process' first anynorm call on a
+    tensor was compiled and anynorm had been imported before torch."""
+    run_first_call_compiled("cpu")
 
 
 def test_fullgraph_gradients_on_cpu():

@@ -5,6 +5,7 @@ the custom ops in a fresh process (opcheck)."""
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -257,6 +258,16 @@ torch.library.opcheck(torch.ops.anynorm.forward.default,
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_compile_first_call_of_a_process_imported_before_torch():
+    """torch.compile(mode="reduce-overhead", fullgraph=True) of the process' first anynorm
+    call on CUDA tensors, anynorm imported before torch (failed on torch 2.11: Dynamo cannot
+    trace ContextVar.get, and the ops were not registered yet)."""
+    script = pathlib.Path(__file__).parent.parent / "first_call_compiled.py"
+    done = subprocess.run([sys.executable, str(script), "cuda", "reduce-overhead"],
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
