@@ -446,9 +446,12 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                         store(sq.data() + q + 8 * k, v[k]);
                     }
                 }
-                // single column vectors (4 rows a step)
-                for (; q < WV; q += 8) {
-                    const T *col = xs + q;
+                // single column vectors (4 rows a step); a strip's last W % 8 columns (W >= 8)
+                // as the vector of its last 8, which sums the columns it overlaps again (their
+                // m1, su and sq all from that pass)
+                for (const long long WT = W >= 8 ? W : WV; q < WT; q += 8) {
+                    const long long qv = q < WV ? q : W - 8;
+                    const T *col = xs + qv;
                     V a[4] = {}, d[4], u[4] = {}, v[4] = {};
                     long long p = p0;
                     for (; p + 4 <= p1; p += 4)
@@ -464,9 +467,9 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                         u[0] += e;
                         v[0] += e * e;
                     }
-                    store(m1.data() + q, m);
-                    store(su.data() + q, (u[0] + u[1]) + (u[2] + u[3]));
-                    store(sq.data() + q, (v[0] + v[1]) + (v[2] + v[3]));
+                    store(m1.data() + qv, m);
+                    store(su.data() + qv, (u[0] + u[1]) + (u[2] + u[3]));
+                    store(sq.data() + qv, (v[0] + v[1]) + (v[2] + v[3]));
                 }
                 for (; q < W; q++) {
                     F a = 0, u = 0, v = 0;
