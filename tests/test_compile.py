@@ -126,6 +126,27 @@ def test_fullgraph_first_call_of_a_process_imported_before_torch():
     run_first_call_compiled("cpu")
 
 
+def test_cuda_executor_checks_trace_in_a_fresh_process():
+    """The CUDA executor's check of the runtime (CuPy's device count), first asked inside a
+    trace: Dynamo cannot trace CuPy's runtime call (failed on an H200: a process whose first
+    call on CUDA tensors was compiled)."""
+    pytest.importorskip("cupy")
+    code = """
+import torch
+from anynorm._cuda import _executor
+from anynorm._plan import make_plan
+x = torch.randn(4, 8)
+plan = make_plan("layer_norm", x)
+out = torch.compile(lambda t: t + (1.0 if _executor.unsupported(plan, t) is None else 2.0),
+                    fullgraph=True)(x)
+want = x + (1.0 if _executor._runtime_problem() is None else 2.0)
+torch.testing.assert_close(out, want)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def test_fullgraph_gradients_on_cpu():
     torch.manual_seed(1)
     x = torch.randn(3, 8, 4, 4, requires_grad=True)

@@ -64,6 +64,11 @@ def _runtime_problem():
     return None
 
 
+# torch.compile's Dynamo runs it, rather than tracing CuPy's runtime call, where a process'
+# first CUDA call is compiled (torch.compiler.assume_constant_result's mark: a process' answer)
+_runtime_problem._dynamo_marked_constant = True
+
+
 @_once
 def _torch_ops():
     from . import _torch_ops
