@@ -6,10 +6,9 @@
 On a GPU a call costs its Python work (validation, plan, route, output allocation, launch
 arguments) plus the kernels; once the host takes longer than the kernels, the host sets the
 pace (a 64 x 768 layer norm runs in a few microseconds on an H100). This runs the same Python
-on CPU tensors with the CUDA-only steps replaced: the kernel launch by CuPy's own per-argument
-conversion (``CScalar`` for every argument that is not already a CuPy holder, which is what
-``RawKernel`` does before it calls the driver), the stream and device lookups by stand-ins
-that count them, CuPy workspaces by torch CPU tensors. Allocations are CPU ones, so figures are close to, not equal to, those
+on CPU tensors with the CUDA-only steps replaced: the driver's launch (``cuLaunchKernel``, which
+``_launcher.DirectStep`` calls with its argument words), the context, stream and device
+lookups by stand-ins that count them, CuPy workspaces by torch CPU tensors. Allocations are CPU ones, so figures are close to, not equal to, those
 on a GPU host. Printed per route of ``anynorm._cuda._torch_ops``: inference (the runner),
 training forward + backward (``_EagerNorm``) and both again through the registered custom op,
 the route torch.compile and dispatch modes take; and torch's own ``F.layer_norm`` on the same
@@ -49,12 +48,25 @@ class _ConvertingKernel:
     as CuPy does, no driver call (counted)."""
 
     max_dynamic_shared_size_bytes = 0
+    ptr = 0  # a CUfunction handle: _launcher binds it as a direct cuLaunchKernel step
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         _STUBBED["launches"] += 1
         if stream is not None:
             stream.ptr  # noqa: B018 - CuPy's _get_stream reads it
         return [a if isinstance(a, CPointer) else CScalar(a) for a in args]
+
+
+def _launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    """Stands in for CuPy's driver.launchKernel (cuLaunchKernel: a C call on a GPU host),
+    where _launcher launches a bound step's words directly."""
+    _STUBBED["launches"] += 1
+
+
+def _context_now():
+    """CuPy's driver.ctxGetCurrent: a C call (a context is current on a GPU host's thread)."""
+    _STUBBED["context checks"] = _STUBBED.get("context checks", 0) + 1
+    return 1
 
 
 def _raw_stream(device):
@@ -73,6 +85,9 @@ def _stub_cuda():
     """Route CPU tensors through the CUDA executor with the GPU-only steps replaced."""
     kernel = _ConvertingKernel()
     _launcher.get_kernel = lambda *args, **kw: kernel
+    _launcher._Function = _ConvertingKernel  # bound as CUDA functions are: direct launches
+    _launcher._launch_kernel = _launch_kernel
+    _launcher._current_context = _context_now
     _launcher.device_info = lambda device: _schedule.DeviceInfo(132, 227 * 1024, 8)  # an H100
     _launcher._current_device = lambda: -1  # x.get_device() of a CPU tensor
     _interop.torch_stream = _raw_stream

@@ -72,7 +72,9 @@ def cupy_stream(pointer: int, device: int):
 def run_on_torch_stream(bound, ptrs, device: int) -> None:
     """Launch a ``_launcher.BoundLaunch`` on torch's current stream of ``device``; the current
     device is switched only when it is another one."""
-    stream = cupy_stream(torch_stream(device), device)
+    stream = torch_stream(device)
+    if bound.direct is None:  # CuPy's launch: a CuPy stream object (made once per pointer)
+        stream = cupy_stream(stream, device)
     if current_device() == device:
         bound.run(ptrs, stream)
     else:
