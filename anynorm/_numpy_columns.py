@@ -60,6 +60,13 @@ CF_IN_Y = True  # "cf" blocks of whole samples centre x into y's block (no tempo
 # NativeColumns: a strip of a sample's columns (all P rows) stays in L2 for its y pass (256 KiB:
 # NHWC 32x56x56x64 float32 in strips of 16 of its 64 channels, 5.5x a copy; 1 MiB: whole, 2.9x)
 NATIVE_STRIP_BYTES = 1 << 20
+# Channels-first layer norm, whose y pass prefetches the next strip: strips of 256 KiB, a
+# whole sample up to 320 KiB.  A strip in its y pass and the next one both in a 1 MiB L2 (the
+# kernel alone, float32, / a copy: 32x96x56x56 3.35 in 1 MiB strips, 2.82 in 256 KiB;
+# 32x192x28x28 3.57 whole, 3.08 in 256 KiB; 32x384x14x14, 294 KiB a sample, 3.36 whole and
+# 3.86 in 256 KiB)
+NATIVE_CF_STRIP_BYTES = 256 << 10
+NATIVE_CF_WHOLE_BYTES = 320 << 10
 
 
 def _pattern(layout):
@@ -370,10 +377,11 @@ class NativeColumns:
         self.mean, self.rstd = np.empty(stats, acc), np.empty(stats, acc)
         self.w, self.b = (None if p is None else self._params(layout, lead, p) for p in (weight, bias))
         size = np.dtype(plan.dtype).itemsize
-        unit = math.lcm(self.group, 8) if self.P * math.lcm(self.group, 8) * size <= NATIVE_STRIP_BYTES \
-            else self.group
-        fit = NATIVE_STRIP_BYTES // (self.P * size) // unit * unit
-        self.strip = self.Q if self.P * self.Q * size <= NATIVE_STRIP_BYTES else min(self.Q, max(unit, fit))
+        whole, budget = (NATIVE_CF_WHOLE_BYTES, NATIVE_CF_STRIP_BYTES) if self.param_rows \
+            else (NATIVE_STRIP_BYTES, NATIVE_STRIP_BYTES)
+        unit = math.lcm(self.group, 8) if self.P * math.lcm(self.group, 8) * size <= budget else self.group
+        fit = budget // (self.P * size) // unit * unit
+        self.strip = self.Q if self.P * self.Q * size <= whole else min(self.Q, max(unit, fit))
 
     def _params(self, layout, lead, arr):
         """weight/bias as one value a row (P, "cf") or a column (Q, "cl")."""

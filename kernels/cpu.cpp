@@ -28,6 +28,7 @@
 //     anynorm_cols_<f16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
 
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include <algorithm>
@@ -367,6 +368,11 @@ inline vd lanes(const double *p) { return load(p); }
 template <typename T> inline void put(T *p, vf v) { store_f32(p, v); }
 inline void put(double *p, vd v) { store(p, v); }
 
+// The cache lines of [p, end) into L2, for reading soon
+inline void prefetch_l2(const char *p, const char *end) {
+    for (p -= (uintptr_t)p % 64; p < end; p += 64) __builtin_prefetch(p, 0, 2);
+}
+
 // four independent accumulations of d and d*d (four add chains and four fma chains)
 template <typename V> inline void add_moments(const V (&d)[4], V (&u)[4], V (&v)[4]) {
     for (int k = 0; k < 4; k++) {
@@ -546,12 +552,30 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                 }
             }
             if (param_rows) {  // y = (x - hi) * (r * w_p) + (b_p - lo * r * w_p)
-                // in blocks of columns, all rows a block: the block's hi, r, lo * r stay in L1
-                for (long long c0 = 0; c0 < W; c0 += Y_BLOCK) {
+                // in blocks of columns, all rows a block: the block's hi, r, lo * r stay in L1.
+                // Row p of block k also prefetches the k-th share of row p of the next strip
+                // (or of the next sample's first), whose statistics come next: read from memory
+                // in row order during this pass rather than by the statistics' column vectors,
+                // a page a row (32x384x14x14: 0.7x the time; 32x96x56x56 in 256 KiB strips:
+                // 0.75-0.8x).
+                const char *nx = nullptr;
+                long long NW = 0;  // the next strip's width
+                if (q0 + strip < Q) {
+                    nx = (const char *)(xs + strip);
+                    NW = std::min(strip, Q - q0 - strip);
+                } else if (bi + 1 < nb) {
+                    nx = (const char *)(x + (bi + 1) * P * Q);
+                    NW = std::min(strip, Q);
+                }
+                const long long nblk = (W + Y_BLOCK - 1) / Y_BLOCK, row_bytes = Q * (long long)sizeof(T);
+                for (long long c0 = 0, k = 0; c0 < W; c0 += Y_BLOCK, k++) {
                     const long long c1 = c0 + Y_BLOCK < W ? c0 + Y_BLOCK : W, cv = c0 + (c1 - c0) / 8 * 8;
+                    const long long f0 = k * NW / nblk * (long long)sizeof(T);
+                    const long long f1 = (k + 1) * NW / nblk * (long long)sizeof(T);
                     for (long long p = 0; p < P; p++) {
                         const T *row = xs + p * Q;
                         T *out = ys + p * Q;
+                        if (nx) prefetch_l2(nx + p * row_bytes + f0, nx + p * row_bytes + f1);
                         const F wp = w ? (F)w[p] : (F)1, bp = b ? (F)b[p] : (F)0;
                         long long q = c0;
                         for (; q < cv; q += 8) {

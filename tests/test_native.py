@@ -205,8 +205,9 @@ def test_non_finite_value_stays_in_its_row(op, bad):
 
 
 def _strip_bytes(monkeypatch, nbytes):
-    """NativeColumns' strips of ``nbytes`` of x."""
-    monkeypatch.setattr(_numpy_columns, "NATIVE_STRIP_BYTES", nbytes)
+    """NativeColumns' strips (channels-first and NHWC) of ``nbytes`` of x."""
+    for name in ("NATIVE_STRIP_BYTES", "NATIVE_CF_STRIP_BYTES", "NATIVE_CF_WHOLE_BYTES"):
+        monkeypatch.setattr(_numpy_columns, name, nbytes)
 
 
 COLUMN_CASES = [
