@@ -25,7 +25,9 @@ Sections, each a markdown table (``--sections`` picks some; ``kernels`` = rows,s
    the targets with pass/miss.
 4. e2e (issue 13): a bf16-autocast training step of timm's convnext_tiny (NCHW, channels_last),
    a pre-norm nn.TransformerEncoder, and the same pre-norm layers with anynorm's fused residual
-   and with explicit adds, native vs anynorm.nn.LayerNorm swapped in: ms per step, ratio, target, output differences.
+   and with explicit adds, native vs anynorm.nn.LayerNorm swapped in: ms per step, ratio, target, output differences;
+   ConvNeXt-T NCHW and the fused pre-norm layers again with forward and backward replayed as
+   CUDA graphs (the eager steps are host-bound: the graphed ones compare device time).
 
 Each anynorm result is checked against torch (max abs error) before it is timed, and so is
 Liger's (a note where it differs). ``--quick`` runs subsets of the sweeps (QUICK_ROW_WIDTHS,
@@ -1274,6 +1276,7 @@ class E2EModels:
     loss: Callable        # model output -> scalar loss
     config: dict
     notes: list
+    autocast_cache: bool = True  # False for CUDA-graphed models (torch.cuda.make_graphed_callables)
 
 
 def load_timm():
@@ -1356,16 +1359,37 @@ def e2e_cases(env):
         ("TransformerEncoder pre-norm", "transformer", lambda: transformer_models(env)),
         ("pre-norm blocks, fused residual", "transformer", lambda: fused_prenorm_models(env)),
         ("pre-norm blocks, explicit adds", "transformer", lambda: fused_prenorm_models(env, fused=False)),
+        ("convnext_tiny NCHW, graphed", "convnext",
+         lambda: graphed_models(env, lambda: convnext_models(env, channels_last=False))),
+        ("pre-norm blocks, fused residual, graphed", "transformer",
+         lambda: graphed_models(env, lambda: fused_prenorm_models(env))),
     ]
 
 
-def autocast(env):
-    return env.torch.autocast(env.device, dtype=env.torch.bfloat16)
+def graphed_models(env, build):
+    """``build()``'s models with forward and backward each captured as a CUDA graph
+    (``torch.cuda.make_graphed_callables``, a model at a time, under autocast without its cast
+    cache, as torch requires): a step replays two graphs and runs the optimizer, so the host's
+    Python no longer sets the pace (the eager steps are host-bound on an H200: the device idle
+    40-70% of them) and the step's time is the models' device time."""
+    if env.device != "cuda":
+        raise Unavailable("CUDA graphs need a CUDA device")
+    models = build()
+    torch = env.torch
+    with autocast(env, cache=False):
+        native, ours = (torch.cuda.make_graphed_callables(m, (models.x,)) for m in (models.native, models.ours))
+    notes = models.notes + ["forward and backward replayed as CUDA graphs (make_graphed_callables), "
+                            "autocast without its cast cache; the optimizer step eager"]
+    return dataclasses.replace(models, native=native, ours=ours, notes=notes, autocast_cache=False)
+
+
+def autocast(env, cache=True):
+    return env.torch.autocast(env.device, dtype=env.torch.bfloat16, cache_enabled=cache)
 
 
 def e2e_compare(env, models):
     """Max abs difference anynorm - native of the output (bf16 autocast) and of the loss."""
-    with env.torch.no_grad(), autocast(env):
+    with env.torch.no_grad(), autocast(env, models.autocast_cache):
         outs = [m(models.x) for m in (models.native, models.ours)]
         losses = [models.loss(out) for out in outs]
     return {"output": compare(outs[1], outs[0]), "loss": compare(losses[1], losses[0])}
@@ -1373,7 +1397,7 @@ def e2e_compare(env, models):
 
 def training_step(env, model, optimizer, models):
     """One bf16-autocast training step: forward, loss, backward, SGD step."""
-    with autocast(env):
+    with autocast(env, models.autocast_cache):
         loss = models.loss(model(models.x))
     loss.backward()
     optimizer.step()
