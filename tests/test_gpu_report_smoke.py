@@ -28,11 +28,12 @@ SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "asv_bench" / "gpu_rep
 # group norm and Stable Diffusion's NCHW group norm at their first and last stage) x 2 dtypes x
 # 2 passes; 2 shapes x (no_grad, train); ConvNeXt NCHW and channels_last, TransformerEncoder,
 # pre-norm blocks with the fused residual and with explicit adds
-EXPECTED_ROWS = {"rows": 48, "strided": 40, "overhead": 4, "e2e": 5}
+EXPECTED_ROWS = {"rows": 48, "strided": 40, "overhead": 4, "e2e": 7}
 CASE_KEYS = {"section", "name", "shape", "dtype", "pass", "lib", "error", "errors", "max_err", "check_ok"}
 # tiny e2e models: MiniConvNeXt (stem, one downsampling, two blocks, head), 2 pre-norm layers
 E2E_SWAPPED = {"convnext_tiny NCHW": 5, "convnext_tiny channels_last": 5, "TransformerEncoder pre-norm": 4,
                "pre-norm blocks, fused residual": 4, "pre-norm blocks, explicit adds": 4}
+E2E_GRAPHED = ("convnext_tiny NCHW, graphed", "pre-norm blocks, fused residual, graphed")  # CUDA only
 TIMM = importlib.util.find_spec("timm") is not None
 
 
@@ -86,6 +87,9 @@ def test_json_has_every_case_without_errors(report):
     for case in cases:
         assert CASE_KEYS <= set(case), case
         assert case["error"] is None, (case["name"], case["error"], case.get("traceback"))
+        if case["name"] in E2E_GRAPHED:  # CUDA graphs: not on a CPU run
+            assert case["unavailable"] == "CUDA graphs need a CUDA device", case
+            continue
         assert case["check_ok"] is True and math.isfinite(case["max_err"]), case
 
 
@@ -142,7 +146,8 @@ def test_overhead_rows(report):
 def test_e2e_rows(report):
     _, out = report
     rows = [c for c in json.loads((out / "gpu_report.json").read_text())["cases"] if c["section"] == "e2e"]
-    assert [r["name"] for r in rows] == list(E2E_SWAPPED)
+    assert [r["name"] for r in rows] == list(E2E_SWAPPED) + list(E2E_GRAPHED)
+    rows = rows[:len(E2E_SWAPPED)]
     for row in rows:
         assert row["unavailable"] is None and row["error"] is None, row
         expected = E2E_SWAPPED[row["name"]] if not (TIMM and row["kind"] == "convnext") else 23
@@ -163,6 +168,9 @@ def test_markdown_has_a_row_per_case(report):
     assert len(table_rows) == len(cases)
     for line, case in zip(table_rows, cases):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if case.get("unavailable"):
+            assert cells[0] == case["name"] and f"not run: {case['unavailable']}" in cells, line
+            continue
         assert cells[0] == case["name"] and "ok" in cells and "WRONG" not in cells, line
         assert "ERROR" not in line, line
         if case["section"] in ("overhead", "e2e") and case["target_met"] is not None:
