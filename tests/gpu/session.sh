@@ -36,7 +36,7 @@ fi
 mkdir -p "$R/head" "$R/e2e"
 timeout 120 python3 asv_bench/gpu_report.py --quick --budget-s 100 --sections rows,strided --out "$R/head" > "$R/head.log" 2>&1
 snap; elapsed head; tail -1 "$R/head.log"
-timeout 90 python3 asv_bench/gpu_report.py --quick --budget-s 60 --sections overhead,e2e --out "$R/e2e" > "$R/e2e.log" 2>&1
+timeout 130 python3 asv_bench/gpu_report.py --quick --budget-s 100 --sections overhead,e2e --out "$R/e2e" > "$R/e2e.log" 2>&1
 snap; elapsed e2e; tail -1 "$R/e2e.log"
 timeout 40 python3 asv_bench/gpu_host_profile.py --calls 1000 --rounds 3 > "$R/host_profile.txt" 2>&1
 snap; elapsed host; sed -n 2,8p "$R/host_profile.txt"
