@@ -384,6 +384,34 @@ def test_columns_touch_nothing_past_x_or_y():
     assert _python(_GUARDED) == ["ok"]
 
 
+@pytest.mark.parametrize("P, Q, group, strip, param_rows", [
+    (130, 196, 1, 196, 1), (130, 196, 1, 8, 1), (130, 196, 1, 1, 1), (50, 1100, 1, 1100, 1),
+    (50, 1100, 1, 680, 1), (40, 98, 1, 98, 1), (200, 64, 1, 64, 0), (200, 64, 2, 16, 0),
+    (200, 36, 3, 12, 0), (200, 36, 3, 3, 0)])
+def test_columns_streamed_y_as_stored(P, Q, group, strip, param_rows):
+    """float32 y by non-temporal stores (y 16-byte aligned, rows and strips in 16-byte pieces)
+    equals y by ordinary stores (y 4 bytes past that): whole strips, 512-column blocks, widths
+    of 4 mod 8, strips that start off a 16-byte boundary."""
+    kernel = _native.cols_kernel(np.float32)
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((2, P, Q)) * 0.05 + 1e3).astype(np.float32)
+    x[1, 3, Q // 2] = np.nan
+    n = P if param_rows else Q
+    w, b = (rng.random(n) + 0.5).astype(np.float32), (rng.random(n) - 0.5).astype(np.float32)
+    outs = []
+    for shift in (0, 1):
+        buf = np.zeros(x.size + 8, np.float32)
+        first = (-buf.ctypes.data % 16) // 4 + shift
+        y = buf[first:first + x.size]
+        mean, rstd = np.zeros(2 * Q // group, np.float32), np.zeros(2 * Q // group, np.float32)
+        assert kernel(x.ctypes.data, y.ctypes.data, w.ctypes.data, b.ctypes.data, mean.ctypes.data,
+                      rstd.ctypes.data, 2, P, Q, group, strip, param_rows, 1e-5) == 0
+        outs.append((y.copy(), mean, rstd))
+    for got, want in zip(*outs):
+        np.testing.assert_array_equal(got, want)
+    assert np.isnan(outs[0][0].reshape(2, P, Q)[1]).any() and not np.isnan(outs[0][0].reshape(2, P, Q)[0]).any()
+
+
 def test_column_nan_stays_in_its_slice():
     """A NaN in one (sample, group) of an NHWC group norm makes that slice NaN, no other."""
     rng = np.random.default_rng(9)
