@@ -398,6 +398,49 @@ inline void prefetch_l2(const char *p, const char *end) {
     for (p -= (uintptr_t)p % 64; p < end; p += 64) __builtin_prefetch(p, 0, 2);
 }
 
+// One vector of y, by non-temporal stores where NT
+template <bool NT, typename T, typename VV> inline void put_y(T *p, VV v) {
+    if (NT) put_nt(p, v);
+    else put(p, v);
+}
+
+// A row of channels-first y, columns [c0, c1), whole vectors up to cv: y = (x - hi) * (r * w_p)
+// + (b_p - lo * r * w_p). With NT the row ends 0 or 4 columns past cv (rows of 16-byte
+// pieces): those 4 go as the first half of a vector.
+template <bool NT, typename V, typename T, typename F>
+inline void cf_y_row(const T *row, T *out, long long c0, long long cv, long long c1, F wp, F bp,
+                     const F *hi, const F *rs, const F *lor) {
+    long long q = c0;
+    for (; q < cv; q += 8) {
+        const V sc = load(rs + q) * wp;
+        put_y<NT>(out + q, (lanes(row + q) - load(hi + q)) * sc + (bp - load(lor + q) * wp));
+    }
+    if (NT && q < c1) {
+        V t;
+        for (int j = 0; j < 8; j++) t[j] = 0;
+        for (int j = 0; j < 4; j++) t[j] = ((F)row[q + j] - hi[q + j]) * (rs[q + j] * wp) + (bp - lor[q + j] * wp);
+        put_nt4(out + q, t);
+        return;
+    }
+    for (; q < c1; q++) out[q] = (T)(((F)row[q] - hi[q]) * (rs[q] * wp) + (bp - lor[q] * wp));
+}
+
+// A row of NHWC y, its W columns (whole vectors up to WV): y = (x - hi) * sc + sh, sc and sh
+// (in rs, lor) per column; the tail as cf_y_row's
+template <bool NT, typename V, typename T, typename F>
+inline void cl_y_row(const T *row, T *out, long long WV, long long W, const F *hi, const F *rs, const F *lor) {
+    long long q = 0;
+    for (; q < WV; q += 8) put_y<NT>(out + q, (lanes(row + q) - load(hi + q)) * load(rs + q) + load(lor + q));
+    if (NT && q < W) {
+        V t;
+        for (int j = 0; j < 8; j++) t[j] = 0;
+        for (int j = 0; j < 4; j++) t[j] = ((F)row[q + j] - hi[q + j]) * rs[q + j] + lor[q + j];
+        put_nt4(out + q, t);
+        return;
+    }
+    for (; q < W; q++) out[q] = (T)(((F)row[q] - hi[q]) * rs[q] + lor[q]);
+}
+
 // four independent accumulations of d and d*d (four add chains and four fma chains)
 template <typename V> inline void add_moments(const V (&d)[4], V (&u)[4], V (&v)[4]) {
     for (int k = 0; k < 4; k++) {
@@ -603,37 +646,13 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                     const long long c1 = c0 + Y_BLOCK < W ? c0 + Y_BLOCK : W, cv = c0 + (c1 - c0) / 8 * 8;
                     const long long f0 = k * NW / nblk * (long long)sizeof(T);
                     const long long f1 = (k + 1) * NW / nblk * (long long)sizeof(T);
-                    if (nts) {
-                        for (long long p = 0; p < P; p++) {
-                            const T *row = xs + p * Q;
-                            T *out = ys + p * Q;
-                            if (nx) prefetch_l2(nx + p * row_bytes + f0, nx + p * row_bytes + f1);
-                            const F wp = w ? (F)w[p] : (F)1, bp = b ? (F)b[p] : (F)0;
-                            long long q = c0;
-                            for (; q < cv; q += 8) {
-                                const V sc = load(rs.data() + q) * wp;
-                                put_nt(out + q, (lanes(row + q) - load(hi.data() + q)) * sc + (bp - load(lor.data() + q) * wp));
-                            }
-                            if (q < c1) {  // 4 more (W = 4 mod 8): the vector of the last 8, its first half
-                                V t;
-                                for (int j = 0; j < 8; j++) t[j] = 0;
-                                for (int j = 0; j < 4; j++) t[j] = ((F)row[q + j] - hi[q + j]) * (rs[q + j] * wp) + (bp - lor[q + j] * wp);
-                                put_nt4(out + q, t);
-                            }
-                        }
-                        continue;
-                    }
                     for (long long p = 0; p < P; p++) {
                         const T *row = xs + p * Q;
                         T *out = ys + p * Q;
                         if (nx) prefetch_l2(nx + p * row_bytes + f0, nx + p * row_bytes + f1);
                         const F wp = w ? (F)w[p] : (F)1, bp = b ? (F)b[p] : (F)0;
-                        long long q = c0;
-                        for (; q < cv; q += 8) {
-                            const V sc = load(rs.data() + q) * wp;
-                            put(out + q, (lanes(row + q) - load(hi.data() + q)) * sc + (bp - load(lor.data() + q) * wp));
-                        }
-                        for (; q < c1; q++) out[q] = (T)(((F)row[q] - hi[q]) * (rs[q] * wp) + (bp - lor[q] * wp));
+                        if (nts) cf_y_row<true, V>(row, out, c0, cv, c1, wp, bp, hi.data(), rs.data(), lor.data());
+                        else cf_y_row<false, V>(row, out, c0, cv, c1, wp, bp, hi.data(), rs.data(), lor.data());
                     }
                 }
             } else {  // y = (x - hi) * sc + sh with sc = r * w_q, sh = b_q - lo * r * w_q per column
@@ -642,29 +661,9 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                     lor[q] = bq - lor[q] * wq;
                     rs[q] *= wq;
                 }
-                if (nts) {
-                    for (long long p = 0; p < P; p++) {
-                        const T *row = xs + p * Q;
-                        T *out = ys + p * Q;
-                        long long q = 0;
-                        for (; q < WV; q += 8)
-                            put_nt(out + q, (lanes(row + q) - load(hi.data() + q)) * load(rs.data() + q) + load(lor.data() + q));
-                        if (q < W) {
-                            V t;
-                            for (int j = 0; j < 8; j++) t[j] = 0;
-                            for (int j = 0; j < 4; j++) t[j] = ((F)row[q + j] - hi[q + j]) * rs[q + j] + lor[q + j];
-                            put_nt4(out + q, t);
-                        }
-                    }
-                    continue;
-                }
                 for (long long p = 0; p < P; p++) {
-                    const T *row = xs + p * Q;
-                    T *out = ys + p * Q;
-                    long long q = 0;
-                    for (; q < WV; q += 8)
-                        put(out + q, (lanes(row + q) - load(hi.data() + q)) * load(rs.data() + q) + load(lor.data() + q));
-                    for (; q < W; q++) out[q] = (T)(((F)row[q] - hi[q]) * rs[q] + lor[q]);
+                    if (nts) cl_y_row<true, V>(xs + p * Q, ys + p * Q, WV, W, hi.data(), rs.data(), lor.data());
+                    else cl_y_row<false, V>(xs + p * Q, ys + p * Q, WV, W, hi.data(), rs.data(), lor.data());
                 }
             }
         }
