@@ -31,30 +31,21 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from cupy._core._scalar import CScalar  # noqa: E402
-from cupy.cuda.function import CPointer  # noqa: E402
 
 import anynorm  # noqa: E402
 from anynorm import _backend  # noqa: E402
 from anynorm._cuda import _executor, _interop, _launcher, _schedule  # noqa: E402
 
 
-_STUBBED = {"launches": 0, "stream lookups": 0, "device checks": 0}
+_STUBBED = {"launches": 0, "context checks": 0, "stream lookups": 0, "device checks": 0}
 
 
-class _ConvertingKernel:
-    """Stands in for a CUDA function: converts the arguments as CuPy's launch does (every
-    argument that is not already a holder becomes a ``CScalar``), reads the stream's pointer
-    as CuPy does, no driver call (counted)."""
+class _StubFunction:
+    """Stands in for a CUDA function (its handle): ``_launcher`` binds it as a direct
+    ``cuLaunchKernel`` step, whose driver call ``_launch_kernel`` stands in for."""
 
     max_dynamic_shared_size_bytes = 0
-    ptr = 0  # a CUfunction handle: _launcher binds it as a direct cuLaunchKernel step
-
-    def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        _STUBBED["launches"] += 1
-        if stream is not None:
-            stream.ptr  # noqa: B018 - CuPy's _get_stream reads it
-        return [a if isinstance(a, CPointer) else CScalar(a) for a in args]
+    ptr = 0
 
 
 def _launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
@@ -65,7 +56,7 @@ def _launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra
 
 def _context_now():
     """CuPy's driver.ctxGetCurrent: a C call (a context is current on a GPU host's thread)."""
-    _STUBBED["context checks"] = _STUBBED.get("context checks", 0) + 1
+    _STUBBED["context checks"] += 1
     return 1
 
 
@@ -83,9 +74,9 @@ def _device_now():
 
 def _stub_cuda():
     """Route CPU tensors through the CUDA executor with the GPU-only steps replaced."""
-    kernel = _ConvertingKernel()
-    _launcher.get_kernel = lambda *args, **kw: kernel
-    _launcher._Function = _ConvertingKernel  # bound as CUDA functions are: direct launches
+    function = _StubFunction()
+    _launcher.get_kernel = lambda *args, **kw: function
+    _launcher._Function = _StubFunction  # bound as CUDA functions are: direct launches
     _launcher._launch_kernel = _launch_kernel
     _launcher._current_context = _context_now
     _launcher.device_info = lambda device: _schedule.DeviceInfo(132, 227 * 1024, 8)  # an H100
