@@ -110,6 +110,18 @@ template <> __device__ __forceinline__ float vec_acc<__nv_bfloat16>(const Vec16<
     return bf16_of_words(&t, j);
 }
 
+// A vector a thread holds across a loop, marked as changed at this point of each turn: the
+// compiler then cannot hoist what the loop computes from it (16-bit weights widened once, before
+// the loop, take twice the registers: lean_fwd_rows spilled at 64).
+template <typename T> __device__ __forceinline__ void keep_packed(Vec16<T>& t) {
+#ifndef ANYNORM_CUDA_EMU
+    uint4 bits;
+    memcpy(&bits, &t, 16);
+    asm volatile("" : "+r"(bits.x), "+r"(bits.y), "+r"(bits.z), "+r"(bits.w));
+    memcpy(&t, &bits, 16);
+#endif
+}
+
 // store16 to global memory in one st.global.v4: where the compiler split a Vec16 built element
 // by element into four scalar stores (rows_bwd_smem's dx, seen in its PTX), the bits still go
 // out as one 16-byte store (p: 16-byte aligned global memory).

@@ -842,6 +842,212 @@ __device__ __forceinline__ void staged_fwd_rows(const T* __restrict__ x, const T
     }
 }
 
+// Whether staged plain rows may take lean_fwd_rows with parameter `q`: none, or 16-byte
+// vectors of x's own type T (float32 rows: float32), which a thread then holds in registers
+// (K vectors of weight and bias: 8 registers each at K = 2).
+template <typename T> __device__ __forceinline__ bool lean_param_ok(const Param<T>& q) {
+    return !q.ptr || ((q.in_t || sizeof(T) == sizeof(acc_t<T>)) && aligned16(q.ptr));
+}
+
+// Whether staged plain 16-bit rows may take lean_fwd_rows<STASH> with parameter `q`: none, or
+// 16-byte aligned in either type; a thread keeps its vectors of them in float32 in shared memory
+// (stash_bytes past the ring: ITEMS weights and ITEMS biases of 4 bytes a thread), where they
+// would take twice the registers of 16-bit ones.
+template <typename T> __device__ __forceinline__ bool stash_param_ok(const Param<T>& q) {
+    return !q.ptr || aligned16(q.ptr);
+}
+
+template <typename T, int ITEMS> __device__ __forceinline__ unsigned stash_bytes() {
+    return 2u * ITEMS * (unsigned)sizeof(acc_t<T>) * blockDim.x;
+}
+
+// Which instantiations compile lean_fwd_rows: the staged ones of at most two vectors a thread
+// (the weight and bias a thread holds cost 4 registers a vector each; at four float32 vectors
+// they would not fit the 64 that ROW_BLOCK_MAX leaves).
+template <typename T, int ITEMS> struct FwdLean {
+    static const bool value = FwdStaged<T, ITEMS>::value && ITEMS / VecLen<T>::value <= 2;
+};
+
+// One row's vectors into `slot` by cp.async (stage_vectors' layout: [x, res][vector k][thread]):
+// `off` the thread's first element in the row, `live` its vectors in the row; one commit group,
+// empty past the last row.
+template <typename T, int ITEMS>
+__device__ __forceinline__ void lean_stage(uint4* slot, int size, const T* __restrict__ x, const T* __restrict__ res,
+                                           long long off, bool active, const bool (&live)[ITEMS / VecLen<T>::value]) {
+    const int V = VecLen<T>::value, K = ITEMS / V;
+    if (active) {
+        ANYNORM_UNROLL
+        for (int k = 0; k < K; ++k) {
+            if (live[k]) {
+                cp_async16(slot + k * size + threadIdx.x, x + off + k * size * V);
+                if (res) cp_async16(slot + (K + k) * size + threadIdx.x, res + off + k * size * V);
+            }
+        }
+    }
+    cp_async_commit();
+}
+
+// rows_fwd_block's row loop for plain rows (p = the position in the row): what staged_fwd_rows
+// does, with what is the same in every row of a block worked out once. A thread's weight and bias
+// vectors are the same in every row it meets, so it loads them once: into registers where they
+// pass lean_param_ok (in T: one conversion an element a row), else (STASH: 16-bit rows, float32
+// parameters) in float32 into its own words of shared memory past the ring, read back a row at a
+// time, where staged_fwd_rows loaded, converted and tested them for every row; its offsets in the row it stages, the row it
+// sums and the next row's first value advance by the block's row step instead of being
+// recomputed from the row index (64-bit products); eps is converted once. On an H200 (ncu,
+// 2026-11-27) staged_fwd_rows issued 33 instructions an element for bfloat16 rows of 4096 (16
+// a thread): about 100 a row staged the next row, 30 loaded its first value and 100 loaded
+// and converted the parameters, with the SM's issue slots the bound.
+template <typename T, int ITEMS, bool STASH>
+__device__ __forceinline__ void lean_fwd_rows(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,
+                                              T* __restrict__ y, const Param<T>& w, const Param<T>& b,
+                                              acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd,
+                                              int rows, int n, acc_t<T> inv_n, int center, acc_t<T> eps,
+                                              acc_t<T>* smem, int depth, unsigned slot_bytes) {
+    typedef acc_t<T> A;
+    const int V = VecLen<T>::value, K = ITEMS / V;
+    const int rank = threadIdx.x, size = blockDim.x;
+    uint4* const ring = dynamic_shared<uint4>();
+    const int vecs = (int)(slot_bytes / 16u);
+    const int stride = gridDim.x;
+    const long long step = (long long)stride * n;
+    bool live[K];
+    Vec16<T> wq[K], bq[K];
+    const T* const wp = static_cast<const T*>(w.ptr);
+    const T* const bp = static_cast<const T*>(b.ptr);
+    // STASH: this thread's weight and bias in A, 2 * V / VA 16-byte words a vector each, in its
+    // own words past the ring ([vector k][word q][thread], read back by this thread alone)
+    uint4* const stash = ring + depth * vecs;
+    const int VA = VecLen<A>::value, Q = 2 * V / VA;
+    ANYNORM_UNROLL
+    for (int k = 0; k < K; ++k) {
+        const int idx = (k * size + rank) * V;
+        live[k] = idx < n;
+        if (STASH) {
+            A wv[V], bv[V];
+            param_vec(w, live[k] ? idx : 0, wv, A(1));
+            param_vec(b, live[k] ? idx : 0, bv, A(0));
+            ANYNORM_UNROLL
+            for (int q = 0; q < Q; ++q) {
+                Vec16<A> t;
+                ANYNORM_UNROLL
+                for (int j = 0; j < VA; ++j) t.v[j] = q < Q / 2 ? wv[q * VA + j] : bv[(q - Q / 2) * VA + j];
+                memcpy(&stash[(k * Q + q) * size + rank], &t, 16);
+            }
+        } else {
+            ANYNORM_UNROLL
+            for (int j = 0; j < V; ++j) {
+                wq[k].v[j] = from_acc<T>(A(1));
+                bq[k].v[j] = from_acc<T>(A(0));
+            }
+            if (live[k] && wp) wq[k] = load16(wp + idx);
+            if (live[k] && bp) bq[k] = load16(bp + idx);
+        }
+    }
+    int row = blockIdx.x;
+    const int lead = rank * V;
+    long long at = (long long)row * n + lead;  // this thread's first element in `row`
+    const int lag = (depth - 1) * stride;      // the row staged while `row` is summed: row + lag
+    const long long ahead = (long long)lag * n, next = step - lead;  // from `at`: that row's, the next row's first
+    uint4* const last = ring + (depth - 1) * vecs;
+    uint4* slot = ring;                        // `row`'s slot
+    uint4* refill = last;                      // the slot read a row earlier
+    int phase = 0;
+#pragma unroll 1
+    for (int s = 0; s + 1 < depth; ++s)
+        lean_stage<T, ITEMS>(ring + s * vecs, size, x, res, at + s * step, row < rows - s * stride, live);
+    T x0 = T(0), r0 = T(0);  // the first values of `row`
+    if (center && row < rows) {
+        x0 = x[at - lead];
+        if (res) r0 = res[at - lead];
+    }
+#pragma unroll 1
+    while (row < rows) {
+        lean_stage<T, ITEMS>(refill, size, x, res, at + ahead, row < rows - lag, live);
+        const A shift = center ? to_acc(res ? add_in_dtype(x0, r0) : x0) : A(0);
+        if (center && row < rows - stride) {
+            x0 = x[at + next];
+            if (res) r0 = res[at + next];
+        }
+        cp_async_wait_pending(depth - 1);
+        const uint4* const held = slot;
+        A v[ITEMS];
+        ANYNORM_UNROLL
+        for (int k = 0; k < K; ++k) {
+            Vec16<T> t;
+            ANYNORM_UNROLL
+            for (int j = 0; j < V; ++j) t.v[j] = T(0);
+            if (live[k]) {
+                const uint4 bits = held[k * size + threadIdx.x];
+                memcpy(&t, &bits, 16);
+                if (res) {
+                    const uint4 rbits = held[(K + k) * size + threadIdx.x];
+                    Vec16<T> r;
+                    memcpy(&r, &rbits, 16);
+                    ANYNORM_UNROLL
+                    for (int j = 0; j < V; ++j) t.v[j] = add_in_dtype(t.v[j], r.v[j]);
+                    store16(h + at + k * size * V, t);
+                }
+            }
+            const A sh = live[k] ? shift : A(0);  // vectors past the row: zeros
+            ANYNORM_UNROLL
+            for (int j = 0; j < V; ++j) v[k * V + j] = vec_acc(t, j) - sh;
+        }
+        const A count = A(n);
+        A mu = A(0);
+        if (center) mu = RowStats<T>::mean(block_allsum_open(sum_items(v), smem + 32 * (phase++ & 1)), count, inv_n);
+        A ss = A(0);
+        ANYNORM_UNROLL
+        for (int k = 0; k < K; ++k) {
+            if (live[k]) {
+                ANYNORM_UNROLL
+                for (int j = 0; j < V; ++j) {
+                    v[k * V + j] -= mu;
+                    ss += v[k * V + j] * v[k * V + j];
+                }
+            }
+        }
+        const A r = RowStats<T>::rstd(RowStats<T>::mean(block_allsum_open(ss, smem + 32 * (phase++ & 1)), count,
+                                                        inv_n) + eps);
+        if (rank == 0) store_row_stats(mean, rstd, row, shift + mu, r);
+        if (y) {
+            ANYNORM_UNROLL
+            for (int k = 0; k < K; ++k) {
+                if (live[k]) {
+                    A wv[V], bv[V];
+                    if (STASH) {
+                        ANYNORM_UNROLL
+                        for (int q = 0; q < Q; ++q) {
+                            Vec16<A> t;
+                            memcpy(&t, &stash[(k * Q + q) * size + rank], 16);
+                            ANYNORM_UNROLL
+                            for (int j = 0; j < VA; ++j) (q < Q / 2 ? wv[q * VA + j] : bv[(q - Q / 2) * VA + j]) = t.v[j];
+                        }
+                    } else {
+                        if (sizeof(T) < sizeof(A)) {
+                            keep_packed(wq[k]);
+                            keep_packed(bq[k]);
+                        }
+                        ANYNORM_UNROLL
+                        for (int j = 0; j < V; ++j) {
+                            wv[j] = vec_acc(wq[k], j);
+                            bv[j] = vec_acc(bq[k], j);
+                        }
+                    }
+                    Vec16<T> out;
+                    ANYNORM_UNROLL
+                    for (int j = 0; j < V; ++j) out.v[j] = from_acc<T>(v[k * V + j] * r * wv[j] + bv[j]);
+                    store16(y + at + k * size * V, out);
+                }
+            }
+        }
+        refill = slot;
+        slot = slot == last ? ring : slot + vecs;
+        row += stride;
+        at += step;
+    }
+}
+
 // Medium rows: one block per row (blockDim.x threads, a power of two up to ROW_BLOCK_MAX),
 // grid-stride over rows on a persistent grid (the blocks resident). Where every row is whole
 // 16-byte vectors (16-bit and float32 types), each vector of one parameter (plain rows, or
@@ -868,7 +1074,9 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
     const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
     __shared__ A smem[64];
     const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
-    const bool plain = (p_div == 1 && p_len == count);
+    // rows without parameters count as plain whatever their map (p_len 1): nothing is indexed,
+    // and they are staged (only where the kernel stages: float64 spilled on sm_80 with it)
+    const bool plain = (p_div == 1 && p_len == count) || (FwdStaged<T, ITEMS>::value && !w_arg && !b_arg);
     const int n = (int)count;
     // staged: rows of whole vectors whose parameter is one a vector (plain rows, or segments of
     // whole vectors: NCHW instance and group norm rows of HW % V == 0)
@@ -886,6 +1094,53 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
     }
     staged_fwd_rows<T, ITEMS>(x, res, h, y, w, b, mean, rstd, rows, n, inv_n, map, plain, center, A(eps), smem,
                               depth, slot_bytes);
+}
+
+// rows_fwd_block for plain rows whose weight and bias are none or x's own type (the launcher's
+// choice: _schedule's _lean_rows), by lean_fwd_rows; rows it cannot stage or whose parameters
+// turn out misaligned are read as they go (forward_row). A kernel of its own: beside
+// staged_fwd_rows in one function, ptxas spilled every path at the 64 registers of the launch
+// bound, where lean_fwd_rows and forward_row together fit.
+template <typename T, int ITEMS>
+__global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_lean(
+        const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h, T* __restrict__ y,
+        const void* __restrict__ w_arg, const void* __restrict__ b_arg, acc_t<T>* __restrict__ mean,
+        acc_t<T>* __restrict__ rstd, long long rows, long long count, long long p_div,
+        long long p_len, int center, double eps, int param_in_t) {
+    typedef acc_t<T> A;
+    const Param<T> w = {w_arg, param_in_t & 1};
+    const Param<T> b = {b_arg, (param_in_t >> 1) & 1};
+    __shared__ A smem[64];
+    const IndexMap& map = block_index_map(count, 1, 1, p_div, p_len);
+    const bool plain = (p_div == 1 && p_len == count) || (!w_arg && !b_arg);  // as rows_fwd_block's
+    const int n = (int)count;
+    const unsigned slot_bytes = fwd_slot_bytes<T, ITEMS>(res != 0);
+    const A inv_n = A(1) / A(n);
+    if (FwdLean<T, ITEMS>::value && plain && rows <= 2147483647LL && rows_fwd_vec<T, ITEMS>(n, x, res, h, y)) {
+        // parameters in x's type held in registers; else (16-bit rows) float32 ones in shared
+        // memory past the ring, where the launch gave the room (_schedule's _lean_rows)
+        const unsigned room = dynamic_smem_bytes();
+        if (lean_param_ok(w) && lean_param_ok(b)) {
+            const int depth = min(FWD_STAGES, (int)(room / slot_bytes));
+            if (depth >= 2) {
+                lean_fwd_rows<T, ITEMS, false>(x, res, h, y, w, b, mean, rstd, (int)rows, n, inv_n, center, A(eps),
+                                               smem, depth, slot_bytes);
+                return;
+            }
+        } else if (sizeof(T) < sizeof(A) && stash_param_ok(w) && stash_param_ok(b) &&
+                   room >= stash_bytes<T, ITEMS>()) {
+            const int depth = min(FWD_STAGES, (int)((room - stash_bytes<T, ITEMS>()) / slot_bytes));
+            if (depth >= 2) {
+                lean_fwd_rows<T, ITEMS, true>(x, res, h, y, w, b, mean, rstd, (int)rows, n, inv_n, center, A(eps),
+                                              smem, depth, slot_bytes);
+                return;
+            }
+        }
+    }
+#pragma unroll 1
+    for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
+        forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, inv_n, map, plain, center, A(eps),
+                                         smem);
 }
 
 // The part of a row each of the C blocks of a cluster holds: ceil(count / C) rounded up to

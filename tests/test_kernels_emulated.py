@@ -466,22 +466,25 @@ def _tile_bytes(case, dtype, width, copies):
 
 def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, want_y=True,
                 path="warp", items=None, chunk=None, offset=0, grid=None, schedule=None, params_in_t=False,
-                slots=3):
+                slots=3, param_offset=0, stash=True):
     """Launch the forward kernels; returns float64 (y, h, mean, rstd) (None where not produced).
 
     ``grid`` replaces every grid extent that a kernel loops over (rows, outer, slices,
     elements): 1 makes each kernel walk its whole range from a single block or warp group.
-    ``params_in_t`` (tile path): weight and bias stored in x's dtype (``param_in_t`` flags).
-    ``slots`` (block path): the row slots of stage the launch gives the block (as the launcher
-    does: ``_schedule.fwd_slot_bytes`` each; 0 or 1: no room, rows read as they go)."""
+    ``params_in_t`` (tile, block and lean paths): weight and bias stored in x's dtype
+    (``param_in_t`` flags), ``param_offset`` elements past a 16-byte boundary.
+    ``slots`` (block and lean paths): the row slots of stage the launch gives the block (as the
+    launcher does: ``_schedule.fwd_slot_bytes`` each; 0 or 1: no room, rows read as they go);
+    ``stash`` (lean path, 16-bit rows, float32 parameters): room for the parameters past them
+    (``_schedule.lean_stash_bytes``)."""
     A = ACC[dtype]
     xd = emu.to_device(x.reshape(-1), dtype, offset)
     rd = None if res is None else emu.to_device(res.reshape(-1), dtype, offset)
     hd = None if res is None else emu.empty(case.total, dtype, offset)
     yd = emu.empty(case.total, dtype, offset) if want_y else None
     P = dtype if params_in_t else A
-    wd = None if w is None else emu.to_device(w, P)
-    bd = None if b is None else emu.to_device(b, P)
+    wd = None if w is None else emu.to_device(w, P, param_offset)
+    bd = None if b is None else emu.to_device(b, P, param_offset)
     pin = (int(w is not None) | int(b is not None) << 1) if params_in_t else 0
     mean = emu.empty(case.slices, A) if center else None
     rstd = emu.empty(case.slices, A)
@@ -499,17 +502,19 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
                                         (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, inner, group,
                                          width, case.p_div, case.p_len, center, eps, pin),
                                         shared_mem=_tile_bytes(case, dtype, width, 1), **launch)
-    elif path in ("warp", "block"):  # rows held in registers: a warp or a 256-thread block per row
+    elif path in ("warp", "block", "lean"):  # rows held in registers: a warp or a block per row
         per_row = 32 if path == "warp" else row_threads(reduced, items)
         assert inner == 1 and reduced <= per_row * items
         grid = grid or (_ceil(outer, ROWS_BLOCK // 32) if path == "warp" else outer)
         function = kernels(f"rows_fwd_{path}", dtype, items)
         smem = 0
-        if path == "block" and dtype != "float64":
+        if path != "warp" and dtype != "float64":
             smem = slots * _schedule.fwd_slot_bytes(dtype, items, per_row, res is not None)
+            if path == "lean" and stash and not params_in_t:
+                smem += _schedule.lean_stash_bytes(dtype, items, per_row)
             _opt_in(function, smem)
         function((grid,), (ROWS_BLOCK if path == "warp" else per_row,),
-                 (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps, 0),
+                 (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps, pin),
                  shared_mem=smem, **launch)
     else:
         nchunk = _ceil(reduced, chunk)
@@ -828,6 +833,35 @@ def test_rows_block_forward_reads_ahead(kernels, dtype, rows, count, grid, slots
             "stats_only": _VARIANTS["stats_only"], "misaligned": _VARIANTS["misaligned"],
             "random": dict(schedule=5, residual=True)}[variant]
     check_forward(kernels, layer_norm_rows(rows, count), dtype, path="block", items=_block_items(dtype, count),
+                  grid=grid, slots=slots, **opts)
+
+
+# rows_fwd_lean (plain rows, the weight and bias a thread holds across its rows: in registers,
+# or for 16-bit rows with float32 ones in its stash past the ring): (dtype, rows, count, grid) as
+# above, its instantiations only (two vectors a thread). Rows it cannot stage (no room for the
+# ring or the stash, misaligned x or parameters) are read as they go, as rows_fwd_block reads them.
+_LEAN_ROWS = [("bfloat16", 11, 4096, 3), ("float16", 9, 1000, 2), ("float32", 10, 2048, 4), ("bfloat16", 3, 16384, 5),
+              ("float32", 5, 520, 1), ("float16", 7, 776, 3)]
+_LEAN_VARIANTS = {"ln": {}, "rms": _VARIANTS["rms"], "residual": _VARIANTS["residual"],
+                  "stats_only": _VARIANTS["stats_only"], "no_params": _VARIANTS["no_params"],
+                  "weight_only": dict(bias=False), "random": dict(schedule=5, residual=True),
+                  "misaligned": _VARIANTS["misaligned"], "params_misaligned": dict(param_offset=1),
+                  "params_f32": dict(params_in_t=False), "params_f32_residual": dict(params_in_t=False, residual=True),
+                  "params_f32_rms": dict(params_in_t=False, **_VARIANTS["rms"]),
+                  "params_f32_misaligned": dict(params_in_t=False, param_offset=1),
+                  "params_f32_no_stash": dict(params_in_t=False, stash=False)}
+
+
+@pytest.mark.parametrize("variant", list(_LEAN_VARIANTS))
+@pytest.mark.parametrize("slots", [0, 2, 4])
+@pytest.mark.parametrize("dtype,rows,count,grid", _LEAN_ROWS)
+def test_rows_lean_forward(kernels, dtype, rows, count, grid, slots, variant):
+    """rows_fwd_lean on grids that leave each block several rows (the ring wraps, the last
+    block has fewer): y, h and the statistics against float64, its parameters in x's dtype
+    (as the launcher passes them), with the variants that send it back to rows read as they go."""
+    opts = dict(params_in_t=True) | _LEAN_VARIANTS[variant]
+    check_forward(kernels, layer_norm_rows(rows, count), dtype, path="lean", items=_block_items(dtype, count,
+                                                                                                "rows_fwd_lean"),
                   grid=grid, slots=slots, **opts)
 
 

@@ -24,8 +24,10 @@ CASES = [
     ("layer_norm", (4, 6), {}, "rows_fwd_multi", None),
     ("rms_norm", (4, 6), {"axis": -1}, "rows_fwd_multi", None),
     ("layer_norm", (5, 160), {}, "rows_fwd_multi", None),  # teams of 64 threads: two warps meet in smem
-    ("layer_norm", (3, 2000), {}, "rows_fwd_block", None),
-    ("rms_norm", (3, 2000), {"axis": -1}, "rows_fwd_block", None),
+    ("layer_norm", (3, 2000), {}, "rows_fwd_lean", None),
+    ("rms_norm", (3, 2000), {"axis": -1}, "rows_fwd_lean", None),
+    ("layer_norm", (3, 10000), {}, "rows_fwd_block", None),  # four float32 vectors a thread
+    ("rms_norm", (3, 10000), {"axis": -1}, "rows_fwd_block", None),
     ("layer_norm", (2, 17000), {}, "rows_stats_partial", None),
     ("rms_norm", (2, 17000), {"axis": -1}, "rows_stats_partial", None),
     ("layer_norm", (2, 17000), {}, "rows_fwd_smem", None),

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow
 
 FORWARD, BACKWARD = 0.5, 0.375
 TARGETS = {
-    "rows_fwd_warp": FORWARD, "rows_fwd_block": FORWARD, "rows_fwd_multi": FORWARD, "rows_bwd_multi": BACKWARD, "rows_fwd_smem": FORWARD,
+    "rows_fwd_warp": FORWARD, "rows_fwd_block": FORWARD, "rows_fwd_lean": FORWARD, "rows_fwd_multi": FORWARD, "rows_bwd_multi": BACKWARD, "rows_fwd_smem": FORWARD,
     "rows_fwd_cluster": FORWARD, "rows_bwd_cluster": BACKWARD,
     "rows_stats_partial": FORWARD,
     "rows_stats_finalize": FORWARD, "rows_apply_fwd": FORWARD,

@@ -27,15 +27,15 @@ F = torch.nn.functional
 
 # (op, shape, kwargs, forward kernel, backward kernel)
 CASES = [
-    ("layer_norm", (256, 4096), {}, "rows_fwd_block", "rows_bwd_block"),
-    ("layer_norm", (64, 768), {}, "rows_fwd_block", "rows_bwd_multi"),  # two vectors a thread forward
+    ("layer_norm", (256, 4096), {}, "rows_fwd_lean", "rows_bwd_block"),
+    ("layer_norm", (64, 768), {}, "rows_fwd_lean", "rows_bwd_multi"),  # two vectors a thread forward
     ("layer_norm", (64, 100), {}, "rows_fwd_multi", "rows_bwd_multi"),
     ("layer_norm", (64, 250), {}, "rows_fwd_multi", "rows_bwd_multi"),  # teams of 2 warps
-    ("layer_norm", (64, 500), {}, "rows_fwd_block", "rows_bwd_multi"),
+    ("layer_norm", (64, 500), {}, "rows_fwd_lean", "rows_bwd_multi"),
     ("layer_norm", (3, 20000), {}, "rows_stats_partial", "rows_grad_finalize"),
     ("instance_norm", (4, 8, 64), {"channel_axis": 1}, "rows_fwd_multi", "rows_bwd_multi"),
-    ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, "rows_fwd_block", "rows_bwd_block"),
-    ("rms_norm", (64, 768), {"axis": -1, "eps": 1e-6}, "rows_fwd_block", "rows_bwd_multi"),
+    ("instance_norm", (2, 3, 40, 50), {"channel_axis": 1}, "rows_fwd_lean", "rows_bwd_block"),
+    ("rms_norm", (64, 768), {"axis": -1, "eps": 1e-6}, "rows_fwd_lean", "rows_bwd_multi"),
     ("layer_norm", (5, 40000), {}, "rows_stats_partial", "rows_grad_finalize"),  # 2+ chunks a row
     ("layer_norm", (3, 20000), {}, "rows_fwd_smem", "rows_bwd_smem"),  # the row in shared memory
     ("layer_norm", (3, 20001), {}, "rows_fwd_smem", "rows_bwd_smem"),  # element by element

@@ -55,7 +55,7 @@ NVCC, CUOBJDUMP = _find("nvcc"), _find("cuobjdump")
 if NVCC is None or CUOBJDUMP is None:
     pytest.skip("nvcc or cuobjdump not found", allow_module_level=True)
 
-ROW_KERNELS = ("rows_fwd_warp", "rows_fwd_block", "rows_fwd_multi", "rows_bwd_warp", "rows_bwd_block", "rows_bwd_multi",
+ROW_KERNELS = ("rows_fwd_warp", "rows_fwd_block", "rows_fwd_lean", "rows_fwd_multi", "rows_bwd_warp", "rows_bwd_block", "rows_bwd_multi",
                "rows_bwd_block_params", "rows_bwd_warp_row_params", "rows_bwd_block_row_params")
 SMEM_ROWS = ("rows_fwd_smem", "rows_bwd_smem")  # rows held in shared memory (no ITEMS)
 CLUSTER_ROWS = ("rows_fwd_cluster", "rows_bwd_cluster")  # rows held across a cluster's blocks (ITEMS: the cluster size)
@@ -195,6 +195,37 @@ def test_block_forward_copies_its_next_rows_ahead(rows_sass):
         else:
             vectors = items // VEC[dtype]
             assert copies >= 4 * vectors and reads >= 2 * vectors, (name, copies, reads)
+
+
+def _staged_row_loops(text):
+    """The row loops of a staged forward: the loops (sass_loops) that copy rows ahead
+    (LDGSTS.E.BYPASS.128) and sum across the block (BAR.SYNC)."""
+    return [loop for loop in sass_loops(text)
+            if any("LDGSTS.E.BYPASS.128" in i for i in loop) and any(i.startswith("BAR.SYNC") for i in loop)]
+
+
+def test_lean_forward_holds_its_parameters(rows_sass):
+    """rows_fwd_lean (16-bit ITEMS=16, float32 ITEMS=8) loads a thread's weight and bias
+    vectors once, before its row loop (16-bit rows: two loops, the parameters in registers or
+    in the stash): each loop issues no global 16-byte load (x and the residual come by
+    cp.async, 2 per vector a thread at most: one row's), stores y (and h) as STG.E.128, and is
+    under 75% of rows_fwd_block's staged loop in instructions (every branch counted: the
+    per-row parameter loads, conversions and tests and the 64-bit row arithmetic it leaves
+    out; the stash loop reads 16-byte words of shared memory instead); float64 is built but
+    never staged."""
+    dtype, code = rows_sass
+    if dtype == "float64":
+        return
+    items = _compile.items_of("rows_fwd_lean", dtype)[0]
+    loops = _staged_row_loops(code[_compile.name_expression("rows_fwd_lean", dtype, items)])
+    (block,) = _staged_row_loops(code[_compile.name_expression("rows_fwd_block", dtype, items)])
+    assert len(loops) == (2 if VEC[dtype] == 8 else 1), len(loops)
+    vectors = items // VEC[dtype]
+    for lean in loops:
+        assert not [i for i in lean if re.search(r"\bLDG\.E\.128", i)], dtype
+        assert 0 < sum("LDGSTS.E.BYPASS.128" in i for i in lean) <= 2 * vectors
+        assert sum(bool(re.search(r"\bSTG\.E\.128\b", i)) for i in lean) >= vectors
+        assert len(lean) < 0.75 * len(block), (dtype, len(lean), len(block))
 
 
 def test_multi_row_backward_loads_the_weight_once(rows_sass):

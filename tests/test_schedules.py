@@ -46,18 +46,18 @@ def _strides(shape):
 
 def test_transformer_rows_are_one_kernel_each_way():
     """768 elements: forward a block of 64 threads a row, two 16-byte vectors each
-    (rows_fwd_block<16>, on the blocks resident: 16 an SM); backward teams of 128 threads (one
+    (rows_fwd_lean<16>, on the blocks resident: 16 an SM); backward teams of 128 threads (one
     vector each), two rows per block of 256 at a time (rows_bwd_multi) on a persistent grid
     whose blocks each keep dweight/dbias partials in registers, one partial row per block."""
     plan = _plan("layer_norm", (64, 768))
     for present in ({"w", "b"}, {"w", "b"} | STATS):  # inference, and with statistics
         schedule = _forward(plan, present)
-        assert schedule.names == ("rows_fwd_block",) and schedule.scratch_bytes == 0
+        assert schedule.names == ("rows_fwd_lean",) and schedule.scratch_bytes == 0
         assert schedule.steps[0].block == (64,) and schedule.steps[0].items == 16
         assert schedule.steps[0].grid == (64,)  # a block a row: 64 rows, under 16 x 132 resident
     assert _forward(_plan("layer_norm", (32768, 768)), {"w", "b"}).steps[0].grid == (16 * 132,)
     f32 = _forward(_plan("layer_norm", (64, 768)), {"w", "b"}, dtype="float32").steps[0]
-    assert (f32.name, f32.block, f32.items) == ("rows_fwd_block", (128,), 8)
+    assert (f32.name, f32.block, f32.items) == ("rows_fwd_lean", (128,), 8)  # float32 weight and bias
     inference, training = _forward(plan, {"w", "b"}), _forward(plan, {"w", "b"} | STATS)
     mean_slot, rstd_slot = _schedule.FORWARD_SLOTS.index("mean"), _schedule.FORWARD_SLOTS.index("rstd")
     assert not {slot.index for _, slot in inference.steps[0].slots} & {mean_slot, rstd_slot}
@@ -86,17 +86,29 @@ def test_block_forward_rows_read_ahead_through_a_ring():
     a residual, as many as the share of the SM holds (none where fewer than 2 fit); the slots
     of its resident blocks (1024 / threads an SM) fit the SM's shared memory. float64 and rows
     not of whole 16-byte vectors get none (rows read as they go)."""
-    for n, dtype, items, slots, with_res in [
-            (512, "bfloat16", 16, 2, 2), (768, "float16", 16, 2, 2), (4096, "bfloat16", 16, 2, 2),
-            (16384, "bfloat16", 16, 2, 2), (512, "float32", 8, 4, 3), (8192, "float32", 8, 4, 3),
-            (16384, "float32", 16, 3, 0), (4096, "float64", 8, 0, 0), (1001, "float32", 8, 0, 0)]:
+    # (n, dtype, ITEMS, slots, slots with a residual, lean without / with a residual): plain
+    # staged rows at two vectors a thread take rows_fwd_lean, 16-bit ones (float32 parameters
+    # here) with their weight and bias in a stash past the ring where the ring keeps 2 slots
+    # beside it (_lean_stash), else rows_fwd_block
+    for n, dtype, items, slots, with_res, lean_plain, lean_res in [
+            (512, "bfloat16", 16, 2, 2, False, False), (768, "float16", 16, 2, 2, True, False),
+            (4096, "bfloat16", 16, 2, 2, True, False), (16384, "bfloat16", 16, 2, 2, True, False),
+            (512, "float32", 8, 4, 3, True, True), (8192, "float32", 8, 4, 3, True, True),
+            (16384, "float32", 16, 3, 0, False, False), (4096, "float64", 8, 0, 0, False, False),
+            (1001, "float32", 8, 0, 0, False, False)]:
         plan = _plan("layer_norm", (2 ** 25 // n, n))
         for present, residual in (({"w", "b"} | STATS, False), ({"w", "b", "res", "h"}, True)):
             step = _forward(plan, present, dtype).steps[0]
             threads = step.block[0]
-            assert (step.name, step.items) == ("rows_fwd_block", items), (n, dtype)
+            lean = lean_res if residual else lean_plain
+            assert (step.name, step.items) == ("rows_fwd_lean" if lean else "rows_fwd_block", items), (n, dtype)
             slot = _schedule.fwd_slot_bytes(dtype, items, threads, residual) if dtype != "float64" else 0
-            assert step.smem == (with_res if residual else slots) * slot, (n, dtype, residual, step.smem, slot)
+            stash = _schedule.lean_stash_bytes(dtype, items, threads) if lean else 0
+            ring = (step.smem - stash) // slot if slot else 0
+            if stash:  # the ring beside the stash: 2 slots (16-bit rows take at most 2)
+                assert ring == 2 and step.smem == 2 * slot + stash, (n, dtype, residual, step.smem)
+            else:
+                assert step.smem == (with_res if residual else slots) * slot, (n, dtype, residual, step.smem, slot)
             per_sm = min(1024 // threads, 32)
             assert step.grid == (min(plan.shape[0], 132 * per_sm),)
             assert per_sm * (step.smem + _schedule._ROW_STATIC_SMEM + 1024) <= H100.smem_optin + 1024
@@ -109,6 +121,52 @@ def test_block_forward_rows_read_ahead_through_a_ring():
         assert step.name == "rows_fwd_block", (shape, step.name)
         slot = _schedule.fwd_slot_bytes(dtype, step.items, step.block[0], False)
         assert step.smem == slots * slot, (shape, dtype, step.smem, slot)
+
+
+def test_plain_rows_take_the_lean_forward():
+    """rows_fwd_block's staged plain rows at two vectors a thread go to rows_fwd_lean (a
+    thread's weight and bias loaded once, not a row at a time), with or without a residual and
+    statistics, parameters or not: in registers where they are in x's dtype (``param_in_t``;
+    float32 rows: float32), else (16-bit rows, a float32 weight or bias) in float32 in a
+    stash past the ring (lean_stash_bytes), where the ring keeps 2 slots of the SM's share
+    beside it. Rows of a weight a channel (NCHW group norm), unstaged rows (float64, rows not
+    of whole vectors) and four float32 vectors a thread (16384) keep rows_fwd_block. Grid,
+    block and ITEMS are rows_fwd_block's either way."""
+    def step(op, shape, dtype, pin, present, **kw):
+        plan = _plan(op, shape, **kw)
+        layout = _layout.plan_layout(plan, _strides(plan.shape))
+        return _schedule.schedule_forward(plan, dtype, layout, set(present), param_in_t=pin, device=H100).steps[0]
+
+    wb, res = {"w", "b"}, {"res", "h"}
+    for n, dtype, pin, present, want in [
+            (4096, "bfloat16", 3, wb, "registers"), (768, "float16", 3, wb | STATS, "registers"),
+            (16384, "bfloat16", 3, wb | res, "registers"), (4096, "float32", 0, wb, "registers"),
+            (4096, "bfloat16", 0, set(), "registers"), (4096, "bfloat16", 1, {"w"}, "registers"),
+            (4096, "bfloat16", 0, wb, "stash"), (4096, "bfloat16", 1, wb, "stash"), (1024, "float16", 2, wb, "stash"),
+            (4096, "bfloat16", 0, {"w"}, "stash"), (768, "bfloat16", 0, wb | STATS, "stash"),
+            (512, "float16", 2, wb, None), (768, "bfloat16", 0, wb | res | STATS, None),  # no room for the stash
+            (16384, "float32", 0, wb, None), (4096, "float64", 0, wb, None), (1001, "float32", 0, wb, None),
+            (1001, "bfloat16", 3, wb, None)]:
+        chosen = step("layer_norm", (64, n), dtype, pin, present)
+        assert chosen.name == ("rows_fwd_lean" if want else "rows_fwd_block"), (n, dtype, pin, present)
+        stash = _schedule.lean_stash_bytes(dtype, chosen.items, chosen.block[0]) if want == "stash" else 0
+        if want:  # a ring of 2 or more slots, and the stash past it
+            slot = _schedule.fwd_slot_bytes(dtype, chosen.items, chosen.block[0], bool(present & res))
+            assert (chosen.smem - stash) % slot == 0 and chosen.smem - stash >= 2 * slot, (n, dtype, present, chosen)
+            resident = min(1024 // chosen.block[0], 32)
+            assert resident * (chosen.smem + _schedule._ROW_STATIC_SMEM + 1024) <= H100.smem_optin + 1024
+        other = step("layer_norm", (64, n), dtype, 3 - pin if dtype != "float32" else pin, present)
+        assert (other.grid, other.block, other.items) == (chosen.grid, chosen.block, chosen.items)
+    assert step("rms_norm", (64, 4096), "bfloat16", 1, {"w"}).name == "rows_fwd_lean"
+    assert step("group_norm", (4, 64, 16, 16), "bfloat16", 3, wb, channel_axis=1, num_groups=8).name == "rows_fwd_block"
+    # no parameters at all (p_len 1 in the layout): plain rows, staged, whatever the layout
+    for op, shape, kw, dtype in [("layer_norm", (256, 4096), {}, "float32"), ("rms_norm", (64, 4096), {}, "bfloat16"),
+                                 ("instance_norm", (2, 3, 40, 48), {"channel_axis": 1}, "bfloat16"),
+                                 ("group_norm", (2, 8, 16, 16), {"channel_axis": 1, "num_groups": 2}, "float32")]:
+        plan = make_plan(op, np.zeros(shape, np.float32), **kw)
+        layout = _layout.plan_layout(plan, _strides(plan.shape))
+        bare = _schedule.schedule_forward(plan, dtype, layout, STATS, device=H100).steps[0]
+        assert bare.name == "rows_fwd_lean" and bare.smem > 0, (op, shape, bare)
 
 
 def test_multi_row_backward_reads_groups_ahead_through_a_ring():
@@ -397,7 +455,7 @@ def test_schedules_need_no_cupy():
             "try:\n    import anynorm._cuda._executor\nexcept ImportError:\n    print('executor: ImportError')\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=str(pathlib.Path(__file__).resolve().parents[1]))
-    assert run.stdout.splitlines() == ["('rows_fwd_block',) False", "executor: ImportError"], run.stdout + run.stderr
+    assert run.stdout.splitlines() == ["('rows_fwd_lean',) False", "executor: ImportError"], run.stdout + run.stderr
 
 
 def test_long_rows_that_fit_shared_memory_read_x_once():

@@ -34,7 +34,7 @@ MULTI_ITEMS = {"float16": 8, "bfloat16": 8, "float32": 4, "float64": 2}
 # blocks take 8 SMs of one GPC).
 CLUSTER_SIZES = (2, 4, 8)
 KERNELS = {
-    "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_bwd_block", "rows_fwd_multi",
+    "rows.cu": ("rows_fwd_warp", "rows_bwd_warp", "rows_fwd_block", "rows_fwd_lean", "rows_bwd_block", "rows_fwd_multi",
                 "rows_bwd_multi", "rows_fwd_smem", "rows_fwd_cluster", "rows_bwd_cluster", "rows_bwd_smem",
                 "rows_bwd_block_params", "rows_bwd_warp_row_params",
                 "rows_bwd_block_row_params", "rows_stats_partial", "rows_grad_partial"),
@@ -47,7 +47,7 @@ KERNELS = {
     "samples.cu": ("cols_fwd_cluster", "cols_bwd_cluster"),
 }
 _ITEMS = {"rows_fwd_warp": WARP_ITEMS, "rows_bwd_warp": WARP_ITEMS,
-          "rows_fwd_block": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS, "rows_fwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
+          "rows_fwd_block": BLOCK_ITEMS, "rows_fwd_lean": BLOCK_ITEMS, "rows_bwd_block": BLOCK_ITEMS, "rows_fwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
           "rows_bwd_multi": tuple(sorted(set(MULTI_ITEMS.values()))),
           "rows_fwd_cluster": CLUSTER_SIZES, "rows_bwd_cluster": CLUSTER_SIZES,
           "cols_fwd_cluster": CLUSTER_SIZES, "cols_bwd_cluster": CLUSTER_SIZES,
@@ -60,6 +60,10 @@ _ITEMS_MAX = {(k, "float32"): 8 for k in ("rows_bwd_block", "rows_bwd_block_row_
 # Kernels built for one ITEMS per dtype.
 _ITEMS_ONLY = {(kernel, dtype): (items,) for dtype, items in MULTI_ITEMS.items()
                for kernel in ("rows_fwd_multi", "rows_bwd_multi")}
+# rows_fwd_lean: where rows_fwd_block stages at two 16-byte vectors a thread (rows.cu's FwdLean;
+# its float64 instantiation, which the schedule never picks, only reads rows as they go)
+_ITEMS_ONLY.update({("rows_fwd_lean", "float16"): (16,), ("rows_fwd_lean", "bfloat16"): (16,),
+                    ("rows_fwd_lean", "float32"): (8,), ("rows_fwd_lean", "float64"): (8,)})
 # Threads of a block-per-row kernel (rows.cu's launch bounds: ROW_BLOCK_MAX, BwdBlockMax).
 BLOCK_THREADS_MAX = 1024
 _BLOCK_THREADS_MAX = {(k, "float64"): 256 for k in ("rows_bwd_block", "rows_bwd_block_params",

@@ -277,7 +277,7 @@ def fwd_slot_bytes(dtype, items, threads, residual) -> int:
     return (2 if residual else 1) * items * threads * (16 // _VECTOR[dtype])
 
 
-def _block_fwd_stage(count, dtype, items, threads, residual, p_div, p_len) -> int:
+def _block_fwd_stage(count, dtype, items, threads, residual, p_div, p_len, reserve=0) -> int:
     """Dynamic shared memory of rows_fwd_block: a ring of row slots (``fwd_slot_bytes``), as
     many as the share of an SM's shared memory of its resident blocks (at 64 registers 1024 /
     threads, at most 32) holds, at most ``_FWD_STAGES``; each block keeps all but one of them
@@ -287,15 +287,45 @@ def _block_fwd_stage(count, dtype, items, threads, residual, p_div, p_len) -> in
     (``p_div``, not plain, not a multiple of the vector: NCHW group norm of HW = 49, say; the
     kernel reads those as they go). 16-bit types take at most ``_FWD_STAGES_16BIT``: an H100
     gets 2 slots for every row of 512-16384 elements in 16-bit types (one row ahead), 4 in
-    float32 (3 rows ahead: 96 KiB of reads in flight an SM), float32 16384 3."""
+    float32 (3 rows ahead: 96 KiB of reads in flight an SM), float32 16384 3. ``reserve``: bytes
+    of each block's share kept for other uses (rows_fwd_lean's stash of float32 parameters)."""
     vector = _VECTOR[dtype]
     plain = p_div == 1 and p_len == count  # rows.cu: p = the position in the row
     if dtype == "float64" or count % vector or (vector == 8 and items == 8) or not (plain or p_div % vector == 0):
         return 0
     slot = fwd_slot_bytes(dtype, items, threads, residual)
-    share = _smem_share(min(_SMEM_ROW_THREADS // threads, _SM_BLOCKS_MAX), _ROW_STATIC_SMEM)
+    share = _smem_share(min(_SMEM_ROW_THREADS // threads, _SM_BLOCKS_MAX), _ROW_STATIC_SMEM) - reserve
     most = min(_FWD_STAGES, _FWD_STAGES_16BIT) if vector == 8 else _FWD_STAGES
     return _ring(share, slot, most) * slot
+
+
+def _lean_rows(plain, dtype, items, smem, w, b, param_in_t) -> bool:
+    """True where rows_fwd_block's rows go to rows_fwd_lean instead: staged (``smem``: room for
+    2 or more row slots), ``plain`` (the parameter of an element is its position in the row), at
+    most two 16-byte vectors a thread (the ``items`` rows_fwd_lean is built for), weight and
+    bias each None or held in x's own dtype (``param_in_t``'s bits; float32 rows: float32),
+    which each thread then keeps in registers across its rows (rows.cu's lean_fwd_rows). A
+    float32 weight beside 16-bit rows (twice the registers) takes :func:`_lean_stash`."""
+    in_x_dtype = all(p is None or dtype == "float32" or param_in_t >> k & 1 for k, p in enumerate((w, b)))
+    return smem > 0 and plain and items in items_of("rows_fwd_lean", dtype) and in_x_dtype
+
+
+def lean_stash_bytes(dtype, items, threads) -> int:
+    """rows.cu's stash_bytes: a thread's weight and bias in float32, ``items`` of each."""
+    return 2 * items * 4 * threads if _VECTOR[dtype] == 8 else 0
+
+
+def _lean_stash(count, dtype, items, threads, residual, plain, smem) -> int:
+    """rows_fwd_lean's shared memory for 16-bit plain rows whose parameters are not all in x's
+    dtype (a float32 weight, as under autocast with a model kept in float32): each thread keeps
+    its weight and bias vectors in float32 in its own words past the ring (lean_stash_bytes),
+    read back every row instead of loaded from global memory and tested; 0 where the ring then
+    no longer gets 2 slots of the SM's share (rows_fwd_block stays)."""
+    if not (smem > 0 and plain and _VECTOR[dtype] == 8 and items in items_of("rows_fwd_lean", dtype)):
+        return 0
+    stash = lean_stash_bytes(dtype, items, threads)
+    ring = _block_fwd_stage(count, dtype, items, threads, residual, 1, count, reserve=stash)
+    return ring + stash if ring else 0
 
 
 def _row_kernel(prefix, rows, count, dtype):
@@ -684,7 +714,17 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
         kernel, grid, block, items = row
         smem = 0
         if kernel == "rows_fwd_block":
-            smem = _block_fwd_stage(reduced, dtype, items, block[0], res is not None, layout.p_div, layout.p_len)
+            # rows without parameters are plain rows whatever their layout's parameter map says
+            # (p_len 1): staged as those are (rows.cu treats them so)
+            p_div, p_len = (1, reduced) if w is None and b is None else (layout.p_div, layout.p_len)
+            smem = _block_fwd_stage(reduced, dtype, items, block[0], res is not None, p_div, p_len)
+            plain = p_div == 1 and p_len == reduced
+            if _lean_rows(plain, dtype, items, smem, w, b, param_in_t):
+                kernel = "rows_fwd_lean"
+            else:
+                stashed = _lean_stash(reduced, dtype, items, block[0], res is not None, plain, smem)
+                if stashed:
+                    kernel, smem = "rows_fwd_lean", stashed
         _step(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items, smem=smem)
