@@ -22,7 +22,9 @@ size against 2.5 copies). Variants:
   where it gives the block kernels a ring (``_FWD_STAGES``, ``_FWD_STAGES_16BIT``,
   ``_BWD_STAGES``): one to three rows in flight ahead (rows_fwd_block; 16-bit rows_bwd_block*
   at ITEMS=8; rows_bwd_multi, a group of rows at a time). The shipped schedule allows 4
-  slots, 2 in rows_fwd_block's 16-bit rows.
+  slots, 2 in rows_fwd_block's 16-bit rows;
+- ``nolean``: the shipped schedule with rows_fwd_block where it picks rows_fwd_lean (plain
+  rows, weight and bias in x's dtype, two vectors a thread): the lean loop's share.
 
 A lab for choosing ``_schedule``'s rules on a GPU; the results are checked against
 torch.nn.functional before they are timed.
@@ -45,7 +47,7 @@ from anynorm._cuda import _schedule
 def variant(name):
     """The launcher forced to one kernel choice (no plan, and so no launch, cached from another)."""
     saved = (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd,
-             _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT)
+             _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT, _schedule._lean_rows)
     _calls.clear()
     _plan.plan_for.cache_clear()
     try:
@@ -57,6 +59,8 @@ def variant(name):
                 grid, _ = _block_bwd(rows, dtype, threads, items, sums)
                 return grid, sums
             _schedule._block_bwd = no_stage
+        elif name == "nolean":
+            _schedule._lean_rows = lambda *a, **k: False
         elif name != "shipped":
             _schedule._multi_rows = _schedule._two_vector_rows = lambda *a, **k: None
         if name in ("block8", "block16"):
@@ -73,7 +77,7 @@ def variant(name):
         yield
     finally:
         (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd,
-         _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT) = saved
+         _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT, _schedule._lean_rows) = saved
         _calls.clear()
         _plan.plan_for.cache_clear()
 
@@ -105,7 +109,8 @@ def main():
     parser.add_argument("--train", action="store_true", help="forward + backward")
     parser.add_argument("--variants", help="a comma-separated subset of the variants (default: all)")
     args = parser.parse_args()
-    names = ("shipped", "block8", "block16", "warp16", "ahead1", "ahead2", "ahead3") + (("noahead",) if args.train else ())
+    names = ("shipped", "nolean", "block8", "block16", "warp16", "ahead1", "ahead2", "ahead3") + (
+        ("noahead",) if args.train else ())
     if args.variants:
         unknown = set(args.variants.split(",")) - set(names)
         if unknown:

@@ -10,7 +10,8 @@
 # step everything written so far is packed into $OUT/all.tgz (the tool brings back at most 8
 # files), so a call cut short still returns what it measured. Steps, in order of what matters
 # most: the GPU suite; the CPU suite's CUDA variants; gpu_report.py --sections rows,strided
-# on BASE_DIR then on this tree; --sections overhead,e2e; the host profile of a training
+# on BASE_DIR then on this tree; rows_fwd_lean against rows_fwd_block on the same rows
+# (gpu_row_variants.py shipped,nolean); --sections overhead,e2e; the host profile of a training
 # call; ncu instruction counts of the row kernels, forward and backward, with ncu's
 # per-instruction CSVs kept (compressed) for a look at where the instructions go.
 R=/tmp/session; rm -rf "$R"; mkdir -p "$R"
@@ -36,6 +37,9 @@ fi
 mkdir -p "$R/head" "$R/e2e"
 timeout 120 python3 asv_bench/gpu_report.py --quick --budget-s 100 --sections rows,strided --out "$R/head" > "$R/head.log" 2>&1
 snap; elapsed head; tail -1 "$R/head.log"
+timeout 60 python3 asv_bench/gpu_row_variants.py --widths 512,1024,4096,16384 --rounds 3 \
+    --variants shipped,nolean > "$R/lean_ab.md" 2>&1
+snap; elapsed lean; cat "$R/lean_ab.md"
 timeout 130 python3 asv_bench/gpu_report.py --quick --budget-s 100 --sections overhead,e2e --out "$R/e2e" > "$R/e2e.log" 2>&1
 snap; elapsed e2e; tail -1 "$R/e2e.log"
 timeout 40 python3 asv_bench/gpu_host_profile.py --calls 1000 --rounds 3 > "$R/host_profile.txt" 2>&1
