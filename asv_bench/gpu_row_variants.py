@@ -2,7 +2,7 @@
 """Which row kernel is fastest for a row length: the shipped schedule against forced variants.
 
     python asv_bench/gpu_row_variants.py [--widths 512,768,1024,2048,4096] [--dtypes bfloat16,float32]
-                                         [--train] [--variants shipped,ahead1]
+                                         [--train] [--variants shipped,ahead1] [--params float32]
 
 For layer_norm and rms_norm over the last axis of M x N (M * N = 2^25) on CUDA torch tensors,
 forward without grad (``--train``: forward + autograd backward with gradients for x, weight
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--train", action="store_true", help="forward + backward")
     parser.add_argument("--variants", help="a comma-separated subset of the variants (default: all)")
+    parser.add_argument("--params", choices=("x", "float32"), default="x",
+                        help="weight and bias in x's dtype or in float32 (16-bit rows: rows_fwd_lean's stash; "
+                             "torch then times its mixed-dtype kernel where it has one, else parameters in x's dtype)")
     args = parser.parse_args()
     names = ("shipped", "nolean", "block8", "block16", "warp16", "ahead1", "ahead2", "ahead3") + (
         ("noahead",) if args.train else ())
@@ -123,19 +127,27 @@ def main():
         for n in map(int, args.widths.split(",")):
             m = 2 ** 25 // n
             x = torch.randn(m, n, device="cuda", dtype=dt) * 2 + 3
-            w = torch.rand(n, device="cuda", dtype=dt) + 0.5
-            b = torch.randn(n, device="cuda", dtype=dt)
+            pdt = dt if args.params == "x" else torch.float32
+            w = torch.rand(n, device="cuda", dtype=pdt) + 0.5
+            b = torch.randn(n, device="cuda", dtype=pdt)
             out, xd = torch.empty_like(x), x.detach()
             dy = torch.randn_like(x)
             for t in (x, w, b):
                 t.requires_grad_(args.train)
             for op in ("layer_norm", "rms_norm"):
                 if op == "layer_norm":
-                    fwd_ref = lambda: F.layer_norm(x, (n,), w, b)  # noqa: E731
+                    fwd_ref = lambda w=w, b=b: F.layer_norm(x, (n,), w, b)  # noqa: E731
                     fwd_ours = lambda: anynorm.layer_norm(x, w, b)  # noqa: E731
                 else:
-                    fwd_ref = lambda: F.rms_norm(x, (n,), w, 1e-6)  # noqa: E731
+                    fwd_ref = lambda w=w, b=b: F.rms_norm(x, (n,), w, 1e-6)  # noqa: E731
                     fwd_ours = lambda: anynorm.rms_norm(x, w, eps=1e-6)  # noqa: E731
+                if pdt is not dt:
+                    try:  # torch's mixed-dtype kernel, where it has one
+                        with torch.set_grad_enabled(args.train):
+                            fwd_ref()
+                    except RuntimeError:
+                        wt, bt = w.detach().to(dt).requires_grad_(args.train), b.detach().to(dt).requires_grad_(args.train)
+                        fwd_ref = functools.partial(fwd_ref, w=wt, b=bt)
                 ref, ours = (train(fwd_ref, dy, x), train(fwd_ours, dy, x)) if args.train else (fwd_ref, fwd_ours)
                 times = {k: [] for k in names + ("torch", "copy")}
                 usable = [k for k in names if k != "warp16" or n <= 512]
