@@ -1048,6 +1048,19 @@ __device__ __forceinline__ void lean_fwd_rows(const T* __restrict__ x, const T* 
     }
 }
 
+// The block-per-row forward of rows read as they go (forward_row), a block a row over the grid:
+// rows_fwd_block's and rows_fwd_lean's rows that are not staged.
+template <typename T, int ITEMS>
+__device__ __forceinline__ void read_fwd_rows(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ h,
+                                              T* __restrict__ y, const Param<T>& w, const Param<T>& b,
+                                              acc_t<T>* __restrict__ mean, acc_t<T>* __restrict__ rstd,
+                                              long long rows, int n, acc_t<T> inv_n, const IndexMap& map, bool plain,
+                                              int center, acc_t<T> eps, acc_t<T>* smem) {
+#pragma unroll 1
+    for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
+        forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, inv_n, map, plain, center, eps, smem);
+}
+
 // Medium rows: one block per row (blockDim.x threads, a power of two up to ROW_BLOCK_MAX),
 // grid-stride over rows on a persistent grid (the blocks resident). Where every row is whole
 // 16-byte vectors (16-bit and float32 types), each vector of one parameter (plain rows, or
@@ -1085,11 +1098,8 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_block(
     const unsigned slot_bytes = fwd_slot_bytes<T, ITEMS>(res != 0);
     const int depth = staged ? min(FWD_STAGES, (int)(dynamic_smem_bytes() / slot_bytes)) : 0;
     const A inv_n = A(1) / A(n);  // RowStats' of 16-bit rows, once
-    if (depth < 2) {  // read as it goes
-#pragma unroll 1
-        for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
-            forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, inv_n, map, plain, center,
-                                             A(eps), smem);
+    if (depth < 2) {
+        read_fwd_rows<T, ITEMS>(x, res, h, y, w, b, mean, rstd, rows, n, inv_n, map, plain, center, A(eps), smem);
         return;
     }
     staged_fwd_rows<T, ITEMS>(x, res, h, y, w, b, mean, rstd, rows, n, inv_n, map, plain, center, A(eps), smem,
@@ -1137,10 +1147,7 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_lean(
             }
         }
     }
-#pragma unroll 1
-    for (long long row = BlockTeam::first_row(); row < rows; row += BlockTeam::row_stride())
-        forward_row<T, ITEMS, BlockTeam>(x, res, h, y, w, b, mean, rstd, row, n, inv_n, map, plain, center, A(eps),
-                                         smem);
+    read_fwd_rows<T, ITEMS>(x, res, h, y, w, b, mean, rstd, rows, n, inv_n, map, plain, center, A(eps), smem);
 }
 
 // The part of a row each of the C blocks of a cluster holds: ceil(count / C) rounded up to
