@@ -24,7 +24,9 @@ size against 2.5 copies). Variants:
   at ITEMS=8; rows_bwd_multi, a group of rows at a time). The shipped schedule allows 4
   slots, 2 in rows_fwd_block's 16-bit rows;
 - ``nolean``: the shipped schedule with rows_fwd_block where it picks rows_fwd_lean (plain
-  rows, weight and bias in x's dtype, two vectors a thread): the lean loop's share.
+  rows, weight and bias in x's dtype, two vectors a thread): the lean loop's share;
+- ``stash16``: rows_fwd_lean's 16-bit rows with weight and bias of x's dtype in its float32
+  stash (shared memory) instead of registers, where the SM's share has room.
 
 A lab for choosing ``_schedule``'s rules on a GPU; the results are checked against
 torch.nn.functional before they are timed.
@@ -48,7 +50,8 @@ from anynorm._cuda import _schedule
 def variant(name):
     """The launcher forced to one kernel choice (no plan, and so no launch, cached from another)."""
     saved = (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd,
-             _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT, _schedule._lean_rows)
+             _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT, _schedule._lean_rows,
+             _schedule._lean_stash)
     _calls.clear()
     _plan.plan_for.cache_clear()
     try:
@@ -62,6 +65,10 @@ def variant(name):
             _schedule._block_bwd = no_stage
         elif name == "nolean":
             _schedule._lean_rows = lambda *a, **k: False
+            _schedule._lean_stash = lambda *a, **k: 0
+        elif name == "stash16":
+            _schedule._lean_rows = lambda plain, dtype, *a, _lean_rows=saved[7]: (
+                dtype == "float32" and _lean_rows(plain, dtype, *a))
         elif name != "shipped":
             _schedule._multi_rows = _schedule._two_vector_rows = lambda *a, **k: None
         if name in ("block8", "block16"):
@@ -78,7 +85,8 @@ def variant(name):
         yield
     finally:
         (_schedule._multi_rows, _schedule.items_of, _schedule._two_vector_rows, _schedule._block_bwd,
-         _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT, _schedule._lean_rows) = saved
+         _schedule._FWD_STAGES, _schedule._BWD_STAGES, _schedule._FWD_STAGES_16BIT, _schedule._lean_rows,
+         _schedule._lean_stash) = saved
         _calls.clear()
         _plan.plan_for.cache_clear()
 
@@ -113,7 +121,7 @@ def main():
                         help="weight and bias in x's dtype or in float32 (16-bit rows: rows_fwd_lean's stash; "
                              "torch then times its mixed-dtype kernel where it has one, else parameters in x's dtype)")
     args = parser.parse_args()
-    names = ("shipped", "nolean", "block8", "block16", "warp16", "ahead1", "ahead2", "ahead3") + (
+    names = ("shipped", "nolean", "stash16", "block8", "block16", "warp16", "ahead1", "ahead2", "ahead3") + (
         ("noahead",) if args.train else ())
     if args.variants:
         unknown = set(args.variants.split(",")) - set(names)

@@ -1127,18 +1127,18 @@ __global__ void __launch_bounds__(ROW_BLOCK_MAX, 1) rows_fwd_lean(
     const unsigned slot_bytes = fwd_slot_bytes<T, ITEMS>(res != 0);
     const A inv_n = A(1) / A(n);
     if (FwdLean<T, ITEMS>::value && plain && rows <= 2147483647LL && rows_fwd_vec<T, ITEMS>(n, x, res, h, y)) {
-        // parameters in x's type held in registers; else (16-bit rows) float32 ones in shared
-        // memory past the ring, where the launch gave the room (_schedule's _lean_rows)
+        // parameters in x's type held in registers; or (16-bit rows, param_in_t's bit 2: the
+        // launch gave the room, _schedule's _lean_stash) in float32 in shared memory past the ring
         const unsigned room = dynamic_smem_bytes();
-        if (lean_param_ok(w) && lean_param_ok(b)) {
+        const bool stash = sizeof(T) < sizeof(A) && ((param_in_t >> 2) & 1);
+        if (!stash && lean_param_ok(w) && lean_param_ok(b)) {
             const int depth = min(FWD_STAGES, (int)(room / slot_bytes));
             if (depth >= 2) {
                 lean_fwd_rows<T, ITEMS, false>(x, res, h, y, w, b, mean, rstd, (int)rows, n, inv_n, center, A(eps),
                                                smem, depth, slot_bytes);
                 return;
             }
-        } else if (sizeof(T) < sizeof(A) && stash_param_ok(w) && stash_param_ok(b) &&
-                   room >= stash_bytes<T, ITEMS>()) {
+        } else if (stash && stash_param_ok(w) && stash_param_ok(b) && room >= stash_bytes<T, ITEMS>()) {
             const int depth = min(FWD_STAGES, (int)((room - stash_bytes<T, ITEMS>()) / slot_bytes));
             if (depth >= 2) {
                 lean_fwd_rows<T, ITEMS, true>(x, res, h, y, w, b, mean, rstd, (int)rows, n, inv_n, center, A(eps),

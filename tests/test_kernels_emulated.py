@@ -466,7 +466,7 @@ def _tile_bytes(case, dtype, width, copies):
 
 def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, want_y=True,
                 path="warp", items=None, chunk=None, offset=0, grid=None, schedule=None, params_in_t=False,
-                slots=3, param_offset=0, stash=True):
+                slots=3, param_offset=0, stash=None):
     """Launch the forward kernels; returns float64 (y, h, mean, rstd) (None where not produced).
 
     ``grid`` replaces every grid extent that a kernel loops over (rows, outer, slices,
@@ -475,8 +475,8 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
     (``param_in_t`` flags), ``param_offset`` elements past a 16-byte boundary.
     ``slots`` (block and lean paths): the row slots of stage the launch gives the block (as the
     launcher does: ``_schedule.fwd_slot_bytes`` each; 0 or 1: no room, rows read as they go);
-    ``stash`` (lean path, 16-bit rows, float32 parameters): room for the parameters past them
-    (``_schedule.lean_stash_bytes``)."""
+    ``stash`` (lean path, 16-bit rows): room for the parameters past them
+    (``_schedule.lean_stash_bytes``) and ``param_in_t``'s bit 2 (None: where they are float32)."""
     A = ACC[dtype]
     xd = emu.to_device(x.reshape(-1), dtype, offset)
     rd = None if res is None else emu.to_device(res.reshape(-1), dtype, offset)
@@ -510,8 +510,9 @@ def run_forward(kernels, case, dtype, x, w, b, *, center=1, eps=1e-5, res=None, 
         smem = 0
         if path != "warp" and dtype != "float64":
             smem = slots * _schedule.fwd_slot_bytes(dtype, items, per_row, res is not None)
-            if path == "lean" and stash and not params_in_t:
+            if path == "lean" and (not params_in_t if stash is None else stash):
                 smem += _schedule.lean_stash_bytes(dtype, items, per_row)
+                pin |= 4
             _opt_in(function, smem)
         function((grid,), (ROWS_BLOCK if path == "warp" else per_row,),
                  (xd, rd, hd, yd, wd, bd, mean, rstd, outer, reduced, case.p_div, case.p_len, center, eps, pin),
@@ -849,7 +850,8 @@ _LEAN_VARIANTS = {"ln": {}, "rms": _VARIANTS["rms"], "residual": _VARIANTS["resi
                   "params_f32": dict(params_in_t=False), "params_f32_residual": dict(params_in_t=False, residual=True),
                   "params_f32_rms": dict(params_in_t=False, **_VARIANTS["rms"]),
                   "params_f32_misaligned": dict(params_in_t=False, param_offset=1),
-                  "params_f32_no_stash": dict(params_in_t=False, stash=False)}
+                  "params_f32_no_stash": dict(params_in_t=False, stash=False),
+                  "params_stashed": dict(stash=True), "params_stashed_residual": dict(stash=True, residual=True)}
 
 
 @pytest.mark.parametrize("variant", list(_LEAN_VARIANTS))

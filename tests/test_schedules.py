@@ -150,6 +150,8 @@ def test_plain_rows_take_the_lean_forward():
         chosen = step("layer_norm", (64, n), dtype, pin, present)
         assert chosen.name == ("rows_fwd_lean" if want else "rows_fwd_block"), (n, dtype, pin, present)
         stash = _schedule.lean_stash_bytes(dtype, chosen.items, chosen.block[0]) if want == "stash" else 0
+        # the kernel's last argument: param_in_t, bit 2 set for the stash
+        assert int(chosen.template[-1]) == (pin | 4 if want == "stash" else pin), (n, dtype, chosen.template[-1])
         if want:  # a ring of 2 or more slots, and the stash past it
             slot = _schedule.fwd_slot_bytes(dtype, chosen.items, chosen.block[0], bool(present & res))
             assert (chosen.smem - stash) % slot == 0 and chosen.smem - stash >= 2 * slot, (n, dtype, present, chosen)
@@ -158,6 +160,17 @@ def test_plain_rows_take_the_lean_forward():
         other = step("layer_norm", (64, n), dtype, 3 - pin if dtype != "float32" else pin, present)
         assert (other.grid, other.block, other.items) == (chosen.grid, chosen.block, chosen.items)
     assert step("rms_norm", (64, 4096), "bfloat16", 1, {"w"}).name == "rows_fwd_lean"
+    # 16-bit parameters in the stash too where the registers rule is off (gpu_row_variants.py's
+    # stash16): the same kernel, the stash's room and flag
+    saved = _schedule._lean_rows
+    _schedule._lean_rows = lambda plain, dtype, *a: dtype == "float32" and saved(plain, dtype, *a)
+    try:
+        stashed = step("layer_norm", (64, 4096), "bfloat16", 3, wb)
+    finally:
+        _schedule._lean_rows = saved
+    held = step("layer_norm", (64, 4096), "bfloat16", 3, wb)
+    assert stashed.name == held.name == "rows_fwd_lean" and int(stashed.template[-1]) == 7 == int(held.template[-1]) + 4
+    assert stashed.smem == held.smem + _schedule.lean_stash_bytes("bfloat16", 16, held.block[0])
     assert step("group_norm", (4, 64, 16, 16), "bfloat16", 3, wb, channel_axis=1, num_groups=8).name == "rows_fwd_block"
     # no parameters at all (p_len 1 in the layout): plain rows, staged, whatever the layout
     for op, shape, kw, dtype in [("layer_norm", (256, 4096), {}, "float32"), ("rms_norm", (64, 4096), {}, "bfloat16"),
@@ -410,12 +423,15 @@ def test_the_device_decides_grids_and_kernels():
 
 
 def test_parameter_dtype_flag_is_in_the_template():
+    """param_in_t is the kernels' last argument: bits 0 and 1 as given (weight, bias in x's
+    dtype), bit 2 where rows_fwd_lean takes float32 parameters from its stash."""
     plan = _plan("layer_norm", (64, 768))
     layout = _layout.plan_layout(plan, (768, 1))
     plain = _schedule.schedule_forward(plan, "bfloat16", layout, {"w", "b"}, 0, H100)
     in_x = _schedule.schedule_forward(plan, "bfloat16", layout, {"w", "b"}, 3, H100)
     unhold = lambda a: int(np.asarray(a.value if hasattr(a, "value") else a))  # noqa: E731
-    assert unhold(plain.steps[0].template[-1]) == 0 and unhold(in_x.steps[0].template[-1]) == 3
+    assert unhold(plain.steps[0].template[-1]) == 4 and unhold(in_x.steps[0].template[-1]) == 3
+    assert plain.steps[0].name == in_x.steps[0].name == "rows_fwd_lean"
 
 
 def _as_data(schedule):

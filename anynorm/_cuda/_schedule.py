@@ -319,8 +319,10 @@ def _lean_stash(count, dtype, items, threads, residual, plain, smem) -> int:
     """rows_fwd_lean's shared memory for 16-bit plain rows whose parameters are not all in x's
     dtype (a float32 weight, as under autocast with a model kept in float32): each thread keeps
     its weight and bias vectors in float32 in its own words past the ring (lean_stash_bytes),
-    read back every row instead of loaded from global memory and tested; 0 where the ring then
-    no longer gets 2 slots of the SM's share (rows_fwd_block stays)."""
+    read back every row instead of loaded from global memory and tested (the launch sets bit 2
+    of ``param_in_t`` for it; 16-bit parameters may take it too, which the SASS makes shorter:
+    gpu_row_variants.py's ``stash16``); 0 where the ring then no longer gets 2 slots of the SM's
+    share (rows_fwd_block stays)."""
     if not (smem > 0 and plain and _VECTOR[dtype] == 8 and items in items_of("rows_fwd_lean", dtype)):
         return 0
     stash = lean_stash_bytes(dtype, items, threads)
@@ -723,8 +725,8 @@ def _stats(plan, layout, dtype, src, res, h, y, w, b, mean, rstd, param_in_t=0):
                 kernel = "rows_fwd_lean"
             else:
                 stashed = _lean_stash(reduced, dtype, items, block[0], res is not None, plain, smem)
-                if stashed:
-                    kernel, smem = "rows_fwd_lean", stashed
+                if stashed:  # param_in_t's bit 2 tells rows_fwd_lean to take its stash
+                    kernel, smem, pin = "rows_fwd_lean", stashed, i32(param_in_t | 4)
         _step(kernel, dtype, grid, block,
                 (src, _ptr(res), _ptr(h), _ptr(y), _ptr(w), _ptr(b), _ptr(mean), _ptr(rstd), i64(outer),
                  i64(reduced), i64(layout.p_div), i64(layout.p_len), center, eps, pin), items=items, smem=smem)

@@ -38,7 +38,7 @@ mkdir -p "$R/head" "$R/e2e"
 timeout 120 python3 asv_bench/gpu_report.py --quick --budget-s 100 --sections rows,strided --out "$R/head" > "$R/head.log" 2>&1
 snap; elapsed head; tail -1 "$R/head.log"
 timeout 60 python3 asv_bench/gpu_row_variants.py --widths 512,1024,4096,16384 --rounds 3 \
-    --variants shipped,nolean > "$R/lean_ab.md" 2>&1
+    --variants shipped,nolean,stash16 > "$R/lean_ab.md" 2>&1
 timeout 40 python3 asv_bench/gpu_row_variants.py --widths 1024,4096,16384 --dtypes bfloat16 --rounds 3 \
     --variants shipped,nolean --params float32 >> "$R/lean_ab.md" 2>&1
 snap; elapsed lean; cat "$R/lean_ab.md"
