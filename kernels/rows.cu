@@ -868,23 +868,11 @@ template <typename T, int ITEMS> struct FwdLean {
     static const bool value = FwdStaged<T, ITEMS>::value && ITEMS / VecLen<T>::value <= 2;
 };
 
-// One row's vectors into `slot` by cp.async (stage_vectors' layout: [x, res][vector k][thread]):
-// `off` the thread's first element in the row, `live` its vectors in the row; one commit group,
-// empty past the last row.
-template <typename T, int ITEMS>
-__device__ __forceinline__ void lean_stage(uint4* slot, int size, const T* __restrict__ x, const T* __restrict__ res,
-                                           long long off, bool active, const bool (&live)[ITEMS / VecLen<T>::value]) {
-    const int V = VecLen<T>::value, K = ITEMS / V;
-    if (active) {
-        ANYNORM_UNROLL
-        for (int k = 0; k < K; ++k) {
-            if (live[k]) {
-                cp_async16(slot + k * size + threadIdx.x, x + off + k * size * V);
-                if (res) cp_async16(slot + (K + k) * size + threadIdx.x, res + off + k * size * V);
-            }
-        }
-    }
-    cp_async_commit();
+// A row of lean_fwd_rows as stage_vectors and unstage_row take it (team_row without its 64-bit
+// product: `base` the row's first element, which the loop advances by its step).
+__device__ __forceinline__ TeamRow lean_row(int row, int rows, long long base, int count) {
+    const TeamRow t = {row, base, count, row < rows};
+    return t;
 }
 
 // rows_fwd_block's row loop for plain rows (p = the position in the row): what staged_fwd_rows
@@ -955,7 +943,8 @@ __device__ __forceinline__ void lean_fwd_rows(const T* __restrict__ x, const T* 
     int phase = 0;
 #pragma unroll 1
     for (int s = 0; s + 1 < depth; ++s)
-        lean_stage<T, ITEMS>(ring + s * vecs, size, x, res, at + s * step, row < rows - s * stride, live);
+        stage_vectors<T, ITEMS>(ring + s * vecs, size, x, res, lean_row(row + s * stride, rows, at - lead + s * step, n),
+                                rank, size);
     T x0 = T(0), r0 = T(0);  // the first values of `row`
     if (center && row < rows) {
         x0 = x[at - lead];
@@ -963,36 +952,15 @@ __device__ __forceinline__ void lean_fwd_rows(const T* __restrict__ x, const T* 
     }
 #pragma unroll 1
     while (row < rows) {
-        lean_stage<T, ITEMS>(refill, size, x, res, at + ahead, row < rows - lag, live);
+        stage_vectors<T, ITEMS>(refill, size, x, res, lean_row(row + lag, rows, at - lead + ahead, n), rank, size);
         const A shift = center ? to_acc(res ? add_in_dtype(x0, r0) : x0) : A(0);
         if (center && row < rows - stride) {
             x0 = x[at + next];
             if (res) r0 = res[at + next];
         }
         cp_async_wait_pending(depth - 1);
-        const uint4* const held = slot;
         A v[ITEMS];
-        ANYNORM_UNROLL
-        for (int k = 0; k < K; ++k) {
-            Vec16<T> t;
-            ANYNORM_UNROLL
-            for (int j = 0; j < V; ++j) t.v[j] = T(0);
-            if (live[k]) {
-                const uint4 bits = held[k * size + threadIdx.x];
-                memcpy(&t, &bits, 16);
-                if (res) {
-                    const uint4 rbits = held[(K + k) * size + threadIdx.x];
-                    Vec16<T> r;
-                    memcpy(&r, &rbits, 16);
-                    ANYNORM_UNROLL
-                    for (int j = 0; j < V; ++j) t.v[j] = add_in_dtype(t.v[j], r.v[j]);
-                    store16(h + at + k * size * V, t);
-                }
-            }
-            const A sh = live[k] ? shift : A(0);  // vectors past the row: zeros
-            ANYNORM_UNROLL
-            for (int j = 0; j < V; ++j) v[k * V + j] = vec_acc(t, j) - sh;
-        }
+        unstage_row<T, ITEMS>(v, slot, size, lean_row(row, rows, at - lead, n), rank, size, shift, res, h);
         const A count = A(n);
         A mu = A(0);
         if (center) mu = RowStats<T>::mean(block_allsum_open(sum_items(v), smem + 32 * (phase++ & 1)), count, inv_n);
