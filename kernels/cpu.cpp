@@ -478,6 +478,20 @@ void deviations(const T *xs, long long Q, long long p0, long long p1, long long 
     }
 }
 
+// Independent sets of column sums a chunk's rows alternate between: two where the CPU has
+// 32 vector registers (a set's 4 add chains wait 3-4 cycles a row; two sets keep the adders
+// busy), one where it has 16 (two would spill)
+#if defined(__AVX512F__)
+const int SETS = 2;
+#else
+const int SETS = 1;
+#endif
+template <typename V> inline V fold(const V (&a)[SETS][4], int k) {
+    V t = a[0][k];
+    for (int s = 1; s < SETS; s++) t += a[s][k];
+    return t;
+}
+
 template <typename T>
 int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>::type *b,
          typename Acc<T>::type *mean, typename Acc<T>::type *rstd, long long nb, long long P,
@@ -512,18 +526,27 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
                 long long q = 0;
                 for (; q + 32 <= WV; q += 32) {
                     const T *col = xs + q;
-                    V a[4] = {}, m[4], d[4], u[4] = {}, v[4] = {};
-                    for (long long p = p0; p < p1; p++)
-                        for (int k = 0; k < 4; k++) a[k] += lanes(col + p * Q + 8 * k);
-                    for (int k = 0; k < 4; k++) m[k] = a[k] * inv;
-                    for (long long p = p0; p < p1; p++) {
+                    V a[SETS][4] = {}, m[4], d[4], u[SETS][4] = {}, v[SETS][4] = {};
+                    long long p = p0;
+                    for (; p + SETS <= p1; p += SETS)
+                        for (int s = 0; s < SETS; s++)
+                            for (int k = 0; k < 4; k++) a[s][k] += lanes(col + (p + s) * Q + 8 * k);
+                    for (; p < p1; p++)
+                        for (int k = 0; k < 4; k++) a[0][k] += lanes(col + p * Q + 8 * k);
+                    for (int k = 0; k < 4; k++) m[k] = fold(a, k) * inv;
+                    for (p = p0; p + SETS <= p1; p += SETS)
+                        for (int s = 0; s < SETS; s++) {
+                            for (int k = 0; k < 4; k++) d[k] = lanes(col + (p + s) * Q + 8 * k) - m[k];
+                            add_moments(d, u[s], v[s]);
+                        }
+                    for (; p < p1; p++) {
                         for (int k = 0; k < 4; k++) d[k] = lanes(col + p * Q + 8 * k) - m[k];
-                        add_moments(d, u, v);
+                        add_moments(d, u[0], v[0]);
                     }
                     for (int k = 0; k < 4; k++) {
                         store(m1.data() + q + 8 * k, m[k]);
-                        store(su.data() + q + 8 * k, u[k]);
-                        store(sq.data() + q + 8 * k, v[k]);
+                        store(su.data() + q + 8 * k, fold(u, k));
+                        store(sq.data() + q + 8 * k, fold(v, k));
                     }
                 }
                 // single column vectors (4 rows a step); a strip's last W % 8 columns (W >= 8)
