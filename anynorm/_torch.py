@@ -40,7 +40,9 @@ kernel is not used.
 
 When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
 (``Tensor.numpy()``, zero-copy) wherever it is the faster: float32/float64 layer/RMS rows
-longer than ``NATIVE_MAX_ROW``, channels-first layer norm over long runs.  With autograd on,
+longer than ``NATIVE_MAX_ROW``; channels-first layer norm of C-contiguous tensors through
+anynorm's column kernel (runs of ``CF_KERNEL_MIN_RUN`` elements, arrays of
+``CF_KERNEL_MIN_ELEMENTS``; without the kernel, runs of ``SHORT_RUN``).  With autograd on,
 layouts without a torch routine take the array-API core, whose torch operations autograd
 differentiates.
 """
@@ -64,6 +66,14 @@ _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np
 _HALF = (torch.float16, torch.bfloat16)
 NATIVE_MAX_ROW = 2048
 SHORT_RUN = 1024
+# Channels-first layer norm of C-contiguous x through anynorm's column kernel (NumPy
+# executor): from runs of this many elements and arrays of this many.  Measured, float32,
+# 2 threads, ours / F on the permuted view: ConvNeXt 32x192x28x28 0.07 (torch's kernel: 0.99),
+# 32x384x14x14 0.30-0.51 (1.03), 32x768x7x7 0.84 (1.02), 64x256x5x5 0.75 (1.24); float16
+# 0.52-0.69; smaller arrays pay the executor's per-call cost (16x96x14x14 0.90 against 1.07,
+# 8x96x14x14 1.22 against 1.12) and shorter runs its scalar loops (64x256x3x3 1.52, x1x1 19).
+CF_KERNEL_MIN_RUN = 25
+CF_KERNEL_MIN_ELEMENTS = 1 << 18
 # Largest max |mean| * rstd (the ratio r) at which a kernel's output stays at float32 rounding
 # (~1e-6 of max|y|): (row kernels, channels-last group-norm kernel).  Row kernels
 # (native_layer_norm; native_group_norm on contiguous NCHW gives the same figures), measured
@@ -444,28 +454,44 @@ def _as_torch(a):
     return None if a is None else torch.from_numpy(a)
 
 
-def _prefers_native(plan):
-    """Memoized :func:`_native_first`."""
-    first = plan.memo.get("torch native first")
+def _prefers_native(plan, x):
+    """Memoized :func:`_native_first` for ``x``'s memory (C-contiguous or not)."""
+    key = ("torch native first", x.is_contiguous())
+    first = plan.memo.get(key)
     if first is None:
-        first = plan.memo["torch native first"] = _native_first(plan)
+        first = plan.memo[key] = _native_first(plan, key[1])
     return first
 
 
-def _native_first(plan):
+def _native_first(plan, contiguous=True):
     """Where torch's own routine beats the NumPy executor on the CPU (measured, see
     asv_bench/README.md): bfloat16 (NumPy lacks it), float16 where anynorm's CPU kernel is
     not built (NumPy's float16 conversions are slow); group and instance norm; layer/RMS
     norm rows up to NATIVE_MAX_ROW long (beyond that torch's row kernel falls to a fraction
-    of memory bandwidth); other layer/RMS axes when the contiguous run after them is short
-    (ConvNeXt's late stages: 14 x 14)."""
+    of memory bandwidth); other layer/RMS axes: channels-first layer norm of a C-contiguous
+    ``x`` (``contiguous``) that anynorm's column kernel takes, below CF_KERNEL_MIN_RUN
+    elements a run or CF_KERNEL_MIN_ELEMENTS in all; else when the contiguous run after the
+    normalized axes is short (ConvNeXt's late stages in channels-last memory: 14 x 14)."""
     if plan.dtype == torch.bfloat16 or plan.dtype == torch.float16 and _native.rows_kernel(np.float16) is None:
         return True
     if plan.op in ("layer_norm", "rms_norm"):
         if _trailing(plan):
             return plan.count <= NATIVE_MAX_ROW
-        return math.prod(plan.shape[plan.reduce_axes[-1] + 1:]) < SHORT_RUN
+        run = math.prod(plan.shape[plan.reduce_axes[-1] + 1:])
+        if contiguous and _column_kernel_takes(plan):
+            return run < CF_KERNEL_MIN_RUN or math.prod(plan.shape) < CF_KERNEL_MIN_ELEMENTS
+        return run < SHORT_RUN
     return True
+
+
+def _column_kernel_takes(plan):
+    """True where the NumPy executor runs a C-contiguous ``x`` through anynorm's column
+    kernel (:class:`anynorm._numpy_columns.NativeColumns`: layer norm over adjacent axes
+    before the last, no residual) and the kernel is built for x's dtype."""
+    axes = plan.reduce_axes
+    return (plan.op == "layer_norm" and not plan.has_residual
+            and axes == tuple(range(axes[0], axes[-1] + 1))
+            and _native.cols_kernel(_NUMPY_DTYPES[plan.dtype]) is not None)
 
 
 def _numpy_forward(plan, x, weight, bias, residual):
@@ -477,7 +503,7 @@ def _numpy_forward(plan, x, weight, bias, residual):
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
     # not while traced: sizes may be symbolic there, and a size test would guard them
-    if (not _tracing() and not _prefers_native(plan)
+    if (not _tracing() and not _prefers_native(plan, x)
             and _numpy_eligible(plan, x, weight, bias, residual)):
         return _numpy_forward(plan, x, weight, bias, residual)
     h = _reference.add_residual(plan, x, residual) if residual is not None else None
@@ -505,7 +531,7 @@ def forward_runner(plan, x, stats):
     # transforms and torch.jit.trace do reach a cached runner, which then hands the call to
     # the traced path
     if (_tracing() or x.device.type != "cpu" or _dataless(x) or plan.dtype not in _LIMITS
-            or x.numel() == 0 or plan.has_residual or not _prefers_native(plan)):
+            or x.numel() == 0 or plan.has_residual or not _prefers_native(plan, x)):
         return general
     lay = _layout(plan, x)
     if lay.kind not in ("rows", "groups"):

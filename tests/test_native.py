@@ -471,6 +471,39 @@ def test_without_the_kernel_the_numpy_passes_run(tmp_path, env, expected):
     assert float(err) <= 8 * EPS32
 
 
+def test_torch_channels_first_runs_the_column_kernel():
+    """Channels-first layer norm of a C-contiguous torch CPU tensor with runs of at least
+    CF_KERNEL_MIN_RUN elements and CF_KERNEL_MIN_ELEMENTS in all takes the NumPy executor and
+    its column kernel (ConvNeXt's late stages: 0.3-0.8x F's time, torch's kernel ~1.0x), the
+    same bits as on the tensor's NumPy view, exact far from zero; channels-last memory, short
+    runs and small arrays keep torch's kernel."""
+    torch = pytest.importorskip("torch")
+    import anynorm
+    from anynorm import _torch
+
+    if _native.cols_kernel(np.float32) is None:
+        pytest.skip("anynorm's CPU kernels are not built here")
+    gen = torch.Generator().manual_seed(0)
+    x = 1e4 + torch.randn(4, 256, 16, 16, generator=gen)  # 2^18 elements, runs of 256 < SHORT_RUN
+    w, b = torch.rand(256, generator=gen), torch.rand(256, generator=gen)
+    assert x.numel() == _torch.CF_KERNEL_MIN_ELEMENTS
+    plan = make_plan("layer_norm", x, w, b, axis=1)
+    assert not _torch._native_first(plan, True)
+    assert _torch._native_first(plan, False)  # channels-last memory: rows of 256 for torch
+    assert _torch._native_first(make_plan("layer_norm", x[:3], w, b, axis=1), True)
+    short = torch.randn(64, 256, 4, 4, generator=gen)  # enough elements, runs of 16
+    assert _torch._native_first(make_plan("layer_norm", short, w, b, axis=1), True)
+    assert _torch._native_first(make_plan("layer_norm", x, w, b, axis=1, residual=x), True)
+    exact = reference.forward("layer_norm", x.numpy().astype(np.float64), w.numpy().astype(np.float64),
+                              b.numpy().astype(np.float64), eps=1e-5, axis=1)[0]
+    with torch.no_grad():
+        y = anynorm.layer_norm(x, w, b, axis=1)
+        y_last = anynorm.layer_norm(x.contiguous(memory_format=torch.channels_last), w, b, axis=1)
+    assert np.array_equal(y.numpy(), anynorm.layer_norm(x.numpy(), w.numpy(), b.numpy(), axis=1))
+    for out in (y, y_last):
+        assert _max_err(out.numpy(), exact) <= Y_TOL[np.float32] * float(np.max(np.abs(exact)))
+
+
 def test_torch_float16_rows_run_the_kernel():
     """float16 torch CPU tensors with rows past NATIVE_MAX_ROW take the NumPy executor (and so
     the kernel) where it is built, as float32 ones do: 2-5x faster than torch's float16
