@@ -39,10 +39,12 @@ each slice, half dtypes run in float32 (:func:`_traced_forward`), and the channe
 kernel is not used.
 
 When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
-(``Tensor.numpy()``, zero-copy) wherever it is the faster: float32/float64 layer/RMS rows
-longer than ``NATIVE_MAX_ROW``; channels-first layer norm of C-contiguous tensors through
-anynorm's column kernel (runs of ``CF_KERNEL_MIN_RUN`` elements, arrays of
-``CF_KERNEL_MIN_ELEMENTS``; without the kernel, runs of ``SHORT_RUN``).  With autograd on,
+(``Tensor.numpy()``, zero-copy) wherever it is the faster (:func:`_native_first`):
+layer/RMS rows longer than ``NATIVE_MAX_ROW``, RMS rows of ``RMS_KERNEL_MIN_ELEMENTS``,
+channels-first layer norm through anynorm's column kernel (runs of ``CF_KERNEL_MIN_RUN``,
+arrays of ``CF_KERNEL_MIN_ELEMENTS``), float16 channels-first group norm, and every layout
+the CPU kernels take once an output reaches ``FAULTING_BYTES`` where torch's allocations
+fault 4 KiB pages and NumPy's get huge ones.  With autograd on,
 layouts without a torch routine take the array-API core, whose torch operations autograd
 differentiates.
 """
@@ -74,6 +76,21 @@ SHORT_RUN = 1024
 # 8x96x14x14 1.22 against 1.12) and shorter runs its scalar loops (64x256x3x3 1.52, x1x1 19).
 CF_KERNEL_MIN_RUN = 25
 CF_KERNEL_MIN_ELEMENTS = 1 << 18
+# Outputs from which torch's CPU allocations fault a 4 KiB page at a time while NumPy's get
+# huge pages (:func:`_torch_outputs_fault`): the kernels take C-contiguous x from there.
+# Measured, 2 threads, ours / F, the NumPy executor (torch's kernel route in brackets):
+# layer norm 16384x1024 float32 0.44 (1.01), 16384x2048 float16 0.26 (1.00), group norm (32)
+# 32x64x64x64 float32 0.39 (1.01), 32x128x64x64 float16 0.26 (1.02), NHWC 32x64x64x128
+# float32 0.33 (0.96), instance norm 32x128x64x64 float32 0.17 (0.64), NHWC 32x64x64x128
+# float16 0.19 (0.40).
+FAULTING_BYTES = 32 << 20
+# RMS norm rows through the row kernel from here (F.rms_norm and anynorm's blocked torch
+# route: 1024x768 float32 0.10 against 1.01, 512x768 1.23 against 1.03; float16 1024x768
+# 0.07 against 0.08, 512x768 0.79 against 1.11)
+RMS_KERNEL_MIN_ELEMENTS = 1 << 19
+# float16 group norm with channels first through the kernels from here (8x64x32x32 0.76
+# against 1.03, 32x64x56x56 0.51 against 0.93; 8x64x16x16 1.39 against 1.08)
+HALF_GROUPS_MIN_ELEMENTS = 1 << 19
 # Largest max |mean| * rstd (the ratio r) at which a kernel's output stays at float32 rounding
 # (~1e-6 of max|y|): (row kernels, channels-last group-norm kernel).  Row kernels
 # (native_layer_norm; native_group_norm on contiguous NCHW gives the same figures), measured
@@ -465,33 +482,80 @@ def _prefers_native(plan, x):
 
 def _native_first(plan, contiguous=True):
     """Where torch's own routine beats the NumPy executor on the CPU (measured, see
-    asv_bench/README.md): bfloat16 (NumPy lacks it), float16 where anynorm's CPU kernel is
-    not built (NumPy's float16 conversions are slow); group and instance norm; layer/RMS
-    norm rows up to NATIVE_MAX_ROW long (beyond that torch's row kernel falls to a fraction
-    of memory bandwidth); other layer/RMS axes: channels-first layer norm of a C-contiguous
-    ``x`` (``contiguous``) that anynorm's column kernel takes, below CF_KERNEL_MIN_RUN
-    elements a run or CF_KERNEL_MIN_ELEMENTS in all; else when the contiguous run after the
-    normalized axes is short (ConvNeXt's late stages in channels-last memory: 14 x 14)."""
+    asv_bench/README.md): bfloat16 (NumPy lacks it), float16 where anynorm's CPU kernels are
+    not built (NumPy's float16 conversions are slow); else, for a C-contiguous ``x``
+    (``contiguous``) and no residual, the kernels take outputs of FAULTING_BYTES and up where
+    NumPy's allocations get huge pages and torch's do not (:func:`_torch_outputs_fault`),
+    RMS norm rows of RMS_KERNEL_MIN_ELEMENTS and up (torch's CPU RMS norm is composite),
+    float16 channels-first group norm of HALF_GROUPS_MIN_ELEMENTS and up (torch's float16
+    group-norm kernel is slow), channels-first layer norm the column kernel takes
+    (CF_KERNEL_MIN_RUN, CF_KERNEL_MIN_ELEMENTS); otherwise group and instance norm take
+    torch's, layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond that torch's row kernel
+    falls to a fraction of memory bandwidth), other layer/RMS axes where the contiguous run
+    after them is short (ConvNeXt's late stages in channels-last memory: 14 x 14)."""
     if plan.dtype == torch.bfloat16 or plan.dtype == torch.float16 and _native.rows_kernel(np.float16) is None:
         return True
+    size = math.prod(plan.shape)
+    kernels = (contiguous and not plan.has_residual and _kernel_layout(plan)
+               and _native.rows_kernel(_NUMPY_DTYPES[plan.dtype]) is not None)
+    if kernels and size * _NUMPY_DTYPES[plan.dtype].itemsize >= FAULTING_BYTES and _torch_outputs_fault():
+        return False
     if plan.op in ("layer_norm", "rms_norm"):
         if _trailing(plan):
+            if kernels and plan.op == "rms_norm" and size >= RMS_KERNEL_MIN_ELEMENTS:
+                return False
             return plan.count <= NATIVE_MAX_ROW
         run = math.prod(plan.shape[plan.reduce_axes[-1] + 1:])
-        if contiguous and _column_kernel_takes(plan):
-            return run < CF_KERNEL_MIN_RUN or math.prod(plan.shape) < CF_KERNEL_MIN_ELEMENTS
+        if kernels and plan.op == "layer_norm":
+            return run < CF_KERNEL_MIN_RUN or size < CF_KERNEL_MIN_ELEMENTS
         return run < SHORT_RUN
+    if (kernels and plan.op == "group_norm" and plan.dtype == torch.float16 and plan.channel_axis == 1
+            and size >= HALF_GROUPS_MIN_ELEMENTS):
+        return False
     return True
 
 
-def _column_kernel_takes(plan):
-    """True where the NumPy executor runs a C-contiguous ``x`` through anynorm's column
-    kernel (:class:`anynorm._numpy_columns.NativeColumns`: layer norm over adjacent axes
-    before the last, no residual) and the kernel is built for x's dtype."""
-    axes = plan.reduce_axes
-    return (plan.op == "layer_norm" and not plan.has_residual
-            and axes == tuple(range(axes[0], axes[-1] + 1))
-            and _native.cols_kernel(_NUMPY_DTYPES[plan.dtype]) is not None)
+def _kernel_layout(plan):
+    """True for the layouts whose C-contiguous arrays the NumPy executor hands to anynorm's
+    CPU kernels (with no residual, where they are built): layer/RMS norm rows, layer norm over
+    adjacent axes before the last (the column kernel), group/instance norm with channels on
+    axis 1 or last."""
+    if plan.op in ("layer_norm", "rms_norm"):
+        axes = plan.reduce_axes
+        return _trailing(plan) or (plan.op == "layer_norm" and axes == tuple(range(axes[0], axes[-1] + 1)))
+    return plan.channel_axis in (1, len(plan.shape) - 1)
+
+
+_THP = None
+
+
+def _torch_outputs_fault():
+    """True where a large NumPy allocation gets transparent huge pages (the kernel's mode
+    ``madvise`` and NumPy's madvise on) and torch's CPU allocations do not (torch advises no
+    huge pages; under mode ``always`` both would get them): torch's outputs of
+    FAULTING_BYTES and up, past glibc's largest mmap threshold, fault in every call a page of
+    4 KiB at a time (measured: ``torch.empty_like(x).fill_(1)`` of 32 MiB 8.2 ms, of 32 MiB
+    less 8 KiB 0.74; ``np.empty`` + ``fill`` 2.5 ms)."""
+    global _THP
+    if _THP is None:
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+                madvise = "[madvise]" in f.read()
+        except OSError:
+            madvise = False
+        _THP = madvise and _numpy_madvises_huge_pages()
+    return _THP
+
+
+def _numpy_madvises_huge_pages():
+    try:
+        from numpy._core.multiarray import _get_madvise_hugepage
+    except ImportError:  # NumPy 1.x
+        try:
+            from numpy.core.multiarray import _get_madvise_hugepage
+        except ImportError:
+            return False
+    return bool(_get_madvise_hugepage())
 
 
 def _numpy_forward(plan, x, weight, bias, residual):

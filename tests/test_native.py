@@ -504,6 +504,66 @@ def test_torch_channels_first_runs_the_column_kernel():
         assert _max_err(out.numpy(), exact) <= Y_TOL[np.float32] * float(np.max(np.abs(exact)))
 
 
+def test_torch_routes_to_the_kernels():
+    """Without autograd, C-contiguous torch CPU tensors take anynorm's CPU kernels where those
+    measured faster than torch's (anynorm/_torch.py): RMS norm rows of RMS_KERNEL_MIN_ELEMENTS
+    and up, float16 channels-first group norm of HALF_GROUPS_MIN_ELEMENTS and up, and outputs
+    of FAULTING_BYTES and up where torch's allocations fault 4 KiB pages and NumPy's get huge
+    ones; bfloat16, autograd-free small calls and other memory keep torch's kernels.  The
+    results are the NumPy executor's bits on the tensors' memory, exact far from zero."""
+    torch = pytest.importorskip("torch")
+    import anynorm
+    from anynorm import _torch
+
+    if _native.rows_kernel(np.float32) is None or _native.rows_kernel(np.float16) is None:
+        pytest.skip("anynorm's CPU kernels (with float16) are not built here")
+
+    def first(op, x, *args, **kwargs):
+        return _torch._native_first(make_plan(op, x, *args, **kwargs), x.is_contiguous())
+
+    rms = torch.randn(1024, 512)
+    assert rms.numel() == _torch.RMS_KERNEL_MIN_ELEMENTS
+    assert not first("rms_norm", rms)
+    assert first("rms_norm", rms[:512])
+    assert first("layer_norm", rms)  # layer norm rows of 512 keep torch's kernel
+    assert first("rms_norm", rms.to(torch.bfloat16))
+    assert _torch._native_first(make_plan("rms_norm", rms), False)
+    half = torch.randn(8, 64, 32, 32).to(torch.float16)
+    assert half.numel() == _torch.HALF_GROUPS_MIN_ELEMENTS
+    assert not first("group_norm", half, num_groups=8)
+    assert first("group_norm", half[:4], num_groups=8)
+    assert first("group_norm", half.float(), num_groups=8)
+    assert first("group_norm", half.contiguous(memory_format=torch.channels_last), num_groups=8)
+
+    gen = np.random.default_rng(0)
+    cases = [("rms_norm", 1e4 + torch.from_numpy(gen.standard_normal((1024, 512), np.float32)), {}),
+             ("group_norm", (300 + torch.from_numpy(gen.standard_normal((8, 64, 32, 32), np.float32))).half(),
+              {"num_groups": 8})]
+    big = 1e4 + torch.from_numpy(gen.standard_normal((8192, 1024), np.float32))  # 32 MiB
+    assert big.numel() * 4 == _torch.FAULTING_BYTES
+    if _torch._torch_outputs_fault():
+        assert not first("layer_norm", big)
+        assert not first("group_norm", big.reshape(8, 64, 128, 128), num_groups=32)
+        assert not first("layer_norm", big.reshape(8, 64, 128, 128), axis=(1, 2))
+        assert first("layer_norm", big.reshape(8, 64, 128, 128), axis=(1, 3))  # no kernel
+        assert first("layer_norm", big, residual=big)
+        assert first("layer_norm", big.to(torch.bfloat16))
+        assert first("layer_norm", big[:, :1000])  # strided rows
+        cases.append(("layer_norm", big, {}))
+    for op, x, kwargs in cases:
+        n = x.shape[1] if op == "group_norm" else x.shape[-1]
+        w = torch.from_numpy(gen.random(n, np.float32) + 0.5).to(x.dtype)
+        fn = getattr(anynorm, op)
+        with torch.no_grad():
+            y = fn(x, weight=w, eps=1e-5, **kwargs)
+        assert y.dtype == x.dtype and y.shape == x.shape
+        assert np.array_equal(y.numpy(), fn(x.numpy(), weight=w.numpy(), eps=1e-5, **kwargs)), op
+        x64, w64 = x.numpy().astype(np.float64), w.numpy().astype(np.float64)
+        exact = reference.forward(op, x64, w64, None, eps=1e-5, **kwargs)[0]
+        tol = Y_TOL[np.dtype(x.numpy().dtype).type]
+        assert _max_err(y.numpy(), exact) <= tol * float(np.max(np.abs(exact))), op
+
+
 def test_torch_float16_rows_run_the_kernel():
     """float16 torch CPU tensors with rows past NATIVE_MAX_ROW take the NumPy executor (and so
     the kernel) where it is built, as float32 ones do: 2-5x faster than torch's float16
