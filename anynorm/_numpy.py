@@ -68,15 +68,17 @@ SKIP_CORRECTION = 0.25
 
 
 class _Layout:
-    """The view of ``x`` with merged axes, and how to cut it into boxes.
+    """The view of ``x`` with merged axes, and how to cut it into boxes (made once per plan
+    and memory layout of the arrays: :func:`_layout`).
 
     ``shape``: merged view shape; ``reduce``: merged axes the statistics run over;
     ``param``: merged axes weight/bias vary along; ``boxes()`` yields index tuples (slices,
-    every axis kept) whose boxes hold whole normalized slices.
+    every axis kept) whose boxes hold whole normalized slices; ``views(arrays)`` the arrays
+    with their axes merged so.
     """
 
     def __init__(self, plan, arrays):
-        view = plan.view_shape
+        view = self.view_shape = plan.view_shape
         reduce_set, param_set = set(plan.reduce_axes), set(plan.param_axes)
         views = [a.reshape(view) for a in arrays]
         groups = [[0]]
@@ -93,9 +95,14 @@ class _Layout:
         self.param = tuple(i for i, g in enumerate(groups) if g[0] in param_set)
         self.kept = tuple(i for i in range(len(groups)) if i not in self.reduce)
         self.nonparam = tuple(i for i in range(len(groups)) if i not in self.param)
-        self.views = [_merge(v, groups) for v in views]
+        self.groups = groups
         self.stats_shape = tuple(1 if i in self.reduce else s for i, s in enumerate(self.shape))
         self.param_shape = tuple(s if i in self.param else 1 for i, s in enumerate(self.shape))
+
+    def views(self, arrays):
+        """``arrays`` (those the layout was made for, or laid out as they were) with the
+        merged axes."""
+        return [_merge(a.reshape(self.view_shape), self.groups) for a in arrays]
 
     def _unit(self, j):
         """Elements in a box that takes one index of kept axis ``j``."""
@@ -141,6 +148,16 @@ class _Layout:
     def small(self, full, index):
         """Slice of a statistics/parameter array (size 1 where it broadcasts) for a box."""
         return tuple(slice(None) if full[a] == 1 else s for a, s in enumerate(index))
+
+
+def _layout(plan, arrays):
+    """The plan's :class:`_Layout` for arrays of these strides (memoized: the merging
+    depends on shapes and strides alone)."""
+    key = ("numpy layout",) + tuple((a.strides, a.itemsize) for a in arrays)
+    layout = plan.memo.get(key)
+    if layout is None:
+        layout = plan.memo[key] = _Layout(plan, arrays)
+    return layout
 
 
 def _extends(arr, group, a):
@@ -380,10 +397,10 @@ def _box_shape(index, shape):
 class _ForwardCall:
     """One forward call: outputs, parameters and the per-box arithmetic."""
 
-    def __init__(self, plan, layout, weight, bias, residual):
+    def __init__(self, plan, layout, views, weight, bias, residual):
         self.plan = plan
         self.acc = np.dtype(plan.acc_dtype)
-        self.layout = layout
+        self.layout, self.views = layout, views
         self.y = np.empty(plan.view_shape, plan.dtype)
         self.h = None if residual is None else np.empty(plan.shape, plan.dtype)
         self.mean = np.empty(layout.stats_shape, self.acc) if plan.center else None
@@ -396,7 +413,7 @@ class _ForwardCall:
         budget = BLOCK_BYTES // self.acc.itemsize
         self.boxes, self.box_size = layout.boxes(budget, LARGE_BOX_BYTES // self.acc.itemsize)
         largest = _box_shape(self.boxes[0], layout.shape)
-        self.kernel = _Kernel(layout, largest, layout.views)
+        self.kernel = _Kernel(layout, largest, views)
         # a bias that varies only along the reduced axes is the same in every box: tile it
         # once, so adding it is a same-shape sum rather than a (slow) broadcast
         self.b_tile = None
@@ -410,10 +427,10 @@ class _ForwardCall:
         for index in boxes:
             yb = self.ym[index]
             if self.hm is None:
-                src = layout.views[0][index]
+                src = self.views[0][index]
             else:
                 src = self.hm[index]
-                np.add(layout.views[0][index], layout.views[1][index], out=src)
+                np.add(self.views[0][index], self.views[1][index], out=src)
             xa = _as_acc(plan, src, scratch)
             work = yb if self.direct else scratch.get("work", yb.shape)
             stats_index = layout.small(layout.stats_shape, index)
@@ -599,13 +616,14 @@ def forward(plan, x, weight=None, bias=None, residual=None):
         order = _memory_order(plan, x, residual)
         if order is not None:
             return _forward_in_memory_order(plan, order, x, weight, bias, residual)
-    layout = _Layout(plan, [x] if residual is None else [x, residual])
+    arrays = [x] if residual is None else [x, residual]
+    layout = _layout(plan, arrays)
     for path in (RowsForward, NativeColumns, ColumnsForward):
         call = path.make(plan, layout, x, weight, bias, residual)
         if call is not None:
             _run(call.blocks(), call.run, call.buffers, _parallel(x), call.inner)
             return call.results()
-    call = _ForwardCall(plan, layout, weight, bias, residual)
+    call = _ForwardCall(plan, layout, layout.views(arrays), weight, bias, residual)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
     _run(call.boxes, call.run, scratch_for, _parallel(x), _box_shape(call.boxes[0], layout.shape)[-1])
     mean = call.mean.reshape(plan.stats_shape) if plan.center else None
@@ -618,7 +636,8 @@ class _BackwardCall:
     def __init__(self, plan, dy, x, weight, mean, rstd):
         self.plan = plan
         self.acc = acc = np.dtype(plan.acc_dtype)
-        self.layout = layout = _Layout(plan, [x, dy])
+        self.layout = layout = _layout(plan, [x, dy])
+        self.views = layout.views([x, dy])
         self.dx = np.empty(plan.view_shape, plan.dtype)
         self.dxm = self.dx.reshape(layout.shape)
         self.given = rstd is not None
@@ -631,13 +650,13 @@ class _BackwardCall:
         self.w = _param_view(plan, layout, weight)
         budget = BLOCK_BYTES // acc.itemsize
         self.boxes, self.box_size = layout.boxes(budget, LARGE_BOX_BYTES // acc.itemsize)
-        self.kernel = _Kernel(layout, _box_shape(self.boxes[0], layout.shape), layout.views)
+        self.kernel = _Kernel(layout, _box_shape(self.boxes[0], layout.shape), self.views)
 
     def run(self, boxes, scratch):
         """Write dx for ``boxes``; return this part's ``(dweight, dbias)`` sums (or Nones)."""
         plan, layout, kernel = self.plan, self.layout, self.kernel
         n, sums = plan.count, layout.nonparam
-        xm, dym = layout.views
+        xm, dym = self.views
         w = self.w
         dw = np.zeros(layout.param_shape, self.acc) if w is not None else None
         db = np.zeros(layout.param_shape, self.acc) if w is not None else None

@@ -385,7 +385,10 @@ class NativeColumns:
 
     def _params(self, layout, lead, arr):
         """weight/bias as one value a row (P, "cf") or a column (Q, "cl")."""
-        p = np.asarray(arr, dtype=self.acc).reshape(layout.param_shape[lead:])
+        p = np.asarray(arr, dtype=self.acc)
+        if p.size == (self.P if self.param_rows else self.Q):  # one value a row or column
+            return np.ascontiguousarray(p).reshape(-1)
+        p = p.reshape(layout.param_shape[lead:])
         if self.param_rows:
             return np.ascontiguousarray(p.reshape(self.P))
         return np.ascontiguousarray(np.broadcast_to(p, (1,) + layout.shape[lead + 1:])).reshape(self.Q)

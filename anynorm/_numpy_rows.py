@@ -255,7 +255,10 @@ class RowsForward:
         run of S elements over all of x ("run")."""
         if arr is None:
             return None
-        p = np.asarray(arr, dtype=self.acc).reshape(layout.param_shape)
+        p = np.asarray(arr, dtype=self.acc)
+        if self.mode == "outer" and p.size == self.n:  # the row's own: no broadcast
+            return np.ascontiguousarray(p).reshape(-1)
+        p = p.reshape(layout.param_shape)
         if self.mode == "outer":
             return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[k:]), layout.shape[k:])).reshape(-1)
         lead = layout.shape[:self.tail]

@@ -430,3 +430,28 @@ def test_row_dots_without_numpy_vecdot(monkeypatch, n):
     for g, w in zip(got, want):
         if w is not None:
             np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("view", ["rows", "strided", "columns"])
+def test_layouts_are_kept_per_strides_without_arrays(view):
+    """The executor's merged layout is made once per plan and strides (``_numpy._layout``)
+    and keeps no array alive: an input and the outputs of a call are freed with their last
+    reference, forward and backward; a second call with other strides gets its own layout."""
+    import gc
+    import weakref
+
+    import anynorm
+
+    base = np.random.default_rng(2).standard_normal((16, 64, 96)).astype(np.float32)
+    kw = {"axis": 1} if view == "columns" else {"axis": -1}
+    x = base[:, :, ::2] if view == "strided" else base.copy()
+    w = np.ones(x.shape[kw["axis"]], np.float32)
+    y, mean, rstd = anynorm.layer_norm(x, w, return_stats=True, **kw)
+    dx, dw, _ = anynorm.layer_norm_backward(np.ones_like(x), x, w, stats=(mean, rstd), **kw)
+    plan = make_plan("layer_norm", x, w, **kw)
+    layouts = [k for k in plan.memo if k[0] == "numpy layout"]
+    assert layouts  # memoized
+    refs = [weakref.ref(a) for a in (x, y, dx)]
+    del x, y, mean, rstd, dx, dw
+    gc.collect()
+    assert all(r() is None for r in refs)
