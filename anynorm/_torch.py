@@ -71,11 +71,12 @@ SHORT_RUN = 1024
 # Channels-first layer norm of C-contiguous x through anynorm's column kernel (NumPy
 # executor): from runs of this many elements and arrays of this many.  Measured, float32,
 # 2 threads, ours / F on the permuted view: ConvNeXt 32x192x28x28 0.07 (torch's kernel: 0.99),
-# 32x384x14x14 0.30-0.51 (1.03), 32x768x7x7 0.84 (1.02), 64x256x5x5 0.75 (1.24); float16
-# 0.52-0.69; smaller arrays pay the executor's per-call cost (16x96x14x14 0.90 against 1.07,
-# 8x96x14x14 1.22 against 1.12) and shorter runs its scalar loops (64x256x3x3 1.52, x1x1 19).
-CF_KERNEL_MIN_RUN = 25
-CF_KERNEL_MIN_ELEMENTS = 1 << 18
+# 32x384x14x14 0.30-0.51 (1.03), 32x768x7x7 0.84 (1.02), 64x256x5x5 0.75 (1.24), 64x256x4x4
+# 0.88 (1.09), 4x96x14x14 0.69 (1.17), 1x96x28x28 0.90 (1.14); float16 0.52-0.92; below,
+# the executor's per-call cost (2x96x14x14 float16 1.33 against 1.15, 1x768x7x7 1.32 against
+# 1.27) and short runs' scalar loops (32x256x3x3 1.73 against 1.20, x1x1 19) lose.
+CF_KERNEL_MIN_RUN = 16
+CF_KERNEL_MIN_ELEMENTS = 1 << 16
 # Outputs from which torch's CPU allocations fault a 4 KiB page at a time while NumPy's get
 # huge pages (:func:`_torch_outputs_fault`): the kernels take C-contiguous x from there.
 # Measured, 2 threads, ours / F, the NumPy executor (torch's kernel route in brackets):
@@ -88,9 +89,9 @@ FAULTING_BYTES = 32 << 20
 # route: 1024x768 float32 0.10 against 1.01, 512x768 1.23 against 1.03; float16 1024x768
 # 0.07 against 0.08, 512x768 0.79 against 1.11)
 RMS_KERNEL_MIN_ELEMENTS = 1 << 19
-# float16 group norm with channels first through the kernels from here (8x64x32x32 0.76
-# against 1.03, 32x64x56x56 0.51 against 0.93; 8x64x16x16 1.39 against 1.08)
-HALF_GROUPS_MIN_ELEMENTS = 1 << 19
+# float16 group norm with channels first through the kernels from here (4x64x32x32 0.76
+# against 1.01, 32x64x56x56 0.51 against 0.93; 8x64x16x16 1.06 against 1.10)
+HALF_GROUPS_MIN_ELEMENTS = 1 << 18
 # Largest max |mean| * rstd (the ratio r) at which a kernel's output stays at float32 rounding
 # (~1e-6 of max|y|): (row kernels, channels-last group-norm kernel).  Row kernels
 # (native_layer_norm; native_group_norm on contiguous NCHW gives the same figures), measured
