@@ -412,6 +412,41 @@ def test_columns_streamed_y_as_stored(P, Q, group, strip, param_rows):
     assert np.isnan(outs[0][0].reshape(2, P, Q)[1]).any() and not np.isnan(outs[0][0].reshape(2, P, Q)[0]).any()
 
 
+@pytest.mark.parametrize("n, w_run, center", [(1024, 0, 1), (1027, 0, 1), (4096, 0, 1), (4096, 0, 0),
+                                             (300, 100, 1), (1000, 0, 0)])
+def test_rows_streamed_y_as_stored(n, w_run, center):
+    """float32 rows whose y reaches ROWS_NT_BYTES (4 MiB a call) go by non-temporal stores
+    where a row's part starts 16-byte aligned: the same bits as the same rows in calls of
+    fewer rows (ordinary stores), y aligned or 4 bytes off, rows of odd lengths, rows in
+    groups (4096 with parameters), runs of parameters (NCHW group norm), RMS norm."""
+    kernel = _native.rows_kernel(np.float32)
+    rows = (4 << 20) // (4 * n) + 3
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((rows, n)) * 0.5 + 1e3 * center).astype(np.float32)
+    x[7, n // 2] = np.nan
+    k = n // w_run if w_run else n
+    w = (rng.random(rows * k if w_run else n) + 0.5).astype(np.float32)
+    b = (rng.random(w.size) - 0.5).astype(np.float32) if center else None
+    outs = []
+    for shift, step in ((0, rows), (1, rows), (0, 97)):
+        buf = np.zeros(x.size + 8, np.float32)
+        first = (-buf.ctypes.data % 16) // 4 + shift
+        y = buf[first:first + x.size].reshape(rows, n)
+        mean, rstd = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            wp = w.ctypes.data + (r0 * k * 4 if w_run else 0)
+            bp = 0 if b is None else b.ctypes.data + (r0 * k * 4 if w_run else 0)
+            assert kernel(x[r0].ctypes.data, 0, 0, y[r0].ctypes.data, wp, bp, w_run, mean[r0:].ctypes.data,
+                          rstd[r0:].ctypes.data, r1 - r0, n, center, 1e-5) == 0
+        outs.append((y.copy(), mean, rstd))
+    for other in outs[1:]:
+        for got, want in zip(other, outs[0]):
+            np.testing.assert_array_equal(got, want)
+    y = outs[0][0]
+    assert np.isnan(y[7]).all() and not np.isnan(np.delete(y, 7, axis=0)).any()
+
+
 def test_column_nan_stays_in_its_slice():
     """A NaN in one (sample, group) of an NHWC group norm makes that slice NaN, no other."""
     rng = np.random.default_rng(9)
