@@ -463,8 +463,8 @@ class _ForwardCall:
 
 
 def _run(boxes, work, scratch_for, parallel, inner=None):
-    """Run ``work(boxes_part, scratch)`` over the boxes, split across threads when
-    ``parallel`` (:func:`_parallel`) and there are enough of them.
+    """Run ``work(boxes_part, scratch)`` over the boxes, split across up to ``parallel``
+    threads (:func:`_parallel`) where there are enough of them.
 
     NumPy and BLAS release the GIL inside their loops, so boxes on separate cores overlap.
     ``inner``: the length of the inner loops the work runs (:func:`anynorm._numpy_rows.bufsize`).
@@ -473,7 +473,7 @@ def _run(boxes, work, scratch_for, parallel, inner=None):
     size = bufsize(inner)
     if size is not None:
         work = _with_bufsize(work, size)
-    threads = min(NUM_THREADS, len(boxes) // 4) if parallel else 1
+    threads = min(parallel, len(boxes) // 4)
     if threads <= 1:
         return [work(boxes, scratch_for())]
     step = -(-len(boxes) // threads)
@@ -504,8 +504,12 @@ def _pool():
     return _POOL
 
 
-def _parallel(x):
-    return NUM_THREADS > 1 and x.size >= PARALLEL_MIN_ELEMENTS
+def _parallel(x, threads=None):
+    """Threads a call on ``x`` may take: NUM_THREADS (at most ``threads`` where given) from
+    PARALLEL_MIN_ELEMENTS elements, else 1."""
+    if x.size < PARALLEL_MIN_ELEMENTS:
+        return 1
+    return NUM_THREADS if threads is None else max(1, min(NUM_THREADS, threads))
 
 
 def _first_index(plan):
@@ -598,34 +602,36 @@ def _transposed(arr, axes):
     return None if arr is None else arr.transpose(axes)
 
 
-def _forward_in_memory_order(plan, order, x, weight, bias, residual):
+def _forward_in_memory_order(plan, order, x, weight, bias, residual, threads):
     """Layer/RMS norm of an array C-contiguous in ``order``: the same call on that view (the
     executor's blocks then follow memory), the results seen back through x's axes (y in
     x's memory layout, as NumPy's ufuncs give)."""
     plan_t, weight_axes, inverse, _ = _in_memory_order(plan, order)
     outs = forward(plan_t, x.transpose(order), _transposed(weight, weight_axes),
-                   _transposed(bias, weight_axes), _transposed(residual, order))
+                   _transposed(bias, weight_axes), _transposed(residual, order), threads=threads)
     return tuple(_transposed(a, inverse) for a in outs)
 
 
-def forward(plan, x, weight=None, bias=None, residual=None):
-    """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
+def forward(plan, x, weight=None, bias=None, residual=None, *, threads=None):
+    """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does; ``threads``:
+    at most this many threads (the torch executor passes ``torch.get_num_threads()``)."""
     if x.size < SMALL_ELEMENTS:
         return _small_forward(plan, x, weight, bias, residual)
     if plan.op in ("layer_norm", "rms_norm"):
         order = _memory_order(plan, x, residual)
         if order is not None:
-            return _forward_in_memory_order(plan, order, x, weight, bias, residual)
+            return _forward_in_memory_order(plan, order, x, weight, bias, residual, threads)
     arrays = [x] if residual is None else [x, residual]
     layout = _layout(plan, arrays)
     for path in (RowsForward, NativeColumns, ColumnsForward):
         call = path.make(plan, layout, x, weight, bias, residual)
         if call is not None:
-            _run(call.blocks(), call.run, call.buffers, _parallel(x), call.inner)
+            _run(call.blocks(), call.run, call.buffers, _parallel(x, threads), call.inner)
             return call.results()
     call = _ForwardCall(plan, layout, layout.views(arrays), weight, bias, residual)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
-    _run(call.boxes, call.run, scratch_for, _parallel(x), _box_shape(call.boxes[0], layout.shape)[-1])
+    _run(call.boxes, call.run, scratch_for, _parallel(x, threads),
+         _box_shape(call.boxes[0], layout.shape)[-1])
     mean = call.mean.reshape(plan.stats_shape) if plan.center else None
     return call.y.reshape(plan.shape), call.h, mean, call.rstd.reshape(plan.stats_shape)
 

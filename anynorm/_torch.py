@@ -560,8 +560,10 @@ def _numpy_madvises_huge_pages():
 
 
 def _numpy_forward(plan, x, weight, bias, residual):
+    """The NumPy executor on the tensors' memory, on at most ``torch.get_num_threads()``
+    threads (a caller who limits torch's threads limits anynorm's)."""
     outs = _numpy.forward(_numpy_plan(plan), _as_numpy(x), _as_numpy(weight), _as_numpy(bias),
-                          _as_numpy(residual))
+                          _as_numpy(residual), threads=torch.get_num_threads())
     return tuple(_as_torch(a) for a in outs)
 
 

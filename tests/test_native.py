@@ -601,6 +601,33 @@ def test_torch_routes_to_the_kernels():
         assert _max_err(y.numpy(), exact) <= tol * float(np.max(np.abs(exact))), op
 
 
+def test_torch_route_takes_at_most_torchs_threads(monkeypatch):
+    """Torch CPU tensors that take the NumPy executor run on at most ``torch.get_num_threads()``
+    threads: a caller who limits torch's threads (a DataLoader worker, ``torch.set_num_threads(1)``)
+    gets no second thread from anynorm either."""
+    torch = pytest.importorskip("torch")
+    import anynorm
+
+    monkeypatch.setattr(_numpy, "NUM_THREADS", 2)
+    x = torch.randn(512, 4096)  # 2^21 elements, rows past NATIVE_MAX_ROW: the executor's
+    assert x.numel() >= _numpy.PARALLEL_MIN_ELEMENTS
+    pooled = []
+    real_pool = _numpy._pool
+    monkeypatch.setattr(_numpy, "_pool", lambda: pooled.append(1) or real_pool())
+    saved = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            y1 = anynorm.layer_norm(x)
+            assert not pooled
+            torch.set_num_threads(2)
+            y2 = anynorm.layer_norm(x)
+            assert pooled
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(y1, y2)
+
+
 def test_torch_float16_rows_run_the_kernel():
     """float16 torch CPU tensors with rows past NATIVE_MAX_ROW take the NumPy executor (and so
     the kernel) where it is built, as float32 ones do: 2-5x faster than torch's float16
