@@ -85,24 +85,38 @@ template <> inline void store_f32<_Float16>(_Float16 *p, vf v) {
     memcpy(p, &h, 16);
 }
 #endif
-// 8 floats by non-temporal stores (past the caches, no read of the line first) at a 16-byte
-// aligned address; a kernel that makes them ends with nt_fence().  `put_f32<NT>`: a float32
-// vector of y, streamed where NT and y is float32, else store_f32
+// One vector of y into T (float32 lanes rounded once to T; float64 as they are); `put_y<NT>`
+// by non-temporal stores where NT and y is float32 (past the caches, no read of the line
+// first; 16-byte aligned addresses; a kernel that makes them ends with nt_fence()), an
+// ordinary store elsewhere; put_nt4: the first 4 lanes so
+template <typename T> inline void put(T *p, vf v) { store_f32(p, v); }
+inline void put(double *p, vd v) { store(p, v); }
+template <typename T> inline void put_nt(T *p, vf v) { put(p, v); }
+inline void put_nt(double *p, vd v) { put(p, v); }
+template <typename T, typename VV> inline void put_nt4(T *p, VV v) {
+    for (int j = 0; j < 4; j++) p[j] = (T)v[j];
+}
 #if defined(__SSE2__)
-inline void stream8(float *p, vf v) {
+template <> inline void put_nt<float>(float *p, vf v) {
     __m128 a, b;
     memcpy(&a, &v, 16);
     memcpy(&b, (const char *)&v + 16, 16);
     _mm_stream_ps(p, a);
     _mm_stream_ps(p + 4, b);
 }
+template <> inline void put_nt4<float, vf>(float *p, vf v) {
+    __m128 a;
+    memcpy(&a, &v, 16);
+    _mm_stream_ps(p, a);
+}
 inline void nt_fence() { _mm_sfence(); }
 #else
-inline void stream8(float *p, vf v) { store(p, v); }
 inline void nt_fence() {}
 #endif
-template <bool NT, typename T> inline void put_f32(T *p, vf v) { store_f32(p, v); }
-template <> inline void put_f32<true, float>(float *p, vf v) { stream8(p, v); }
+template <bool NT, typename T, typename VV> inline void put_y(T *p, VV v) {
+    if (NT) put_nt(p, v);
+    else put(p, v);
+}
 inline double total(vd a) {
     double s = 0;
     for (int k = 0; k < 8; k++) s += a[k];
@@ -230,16 +244,16 @@ inline void affine_f32(const T *x, T *y, long long i0, long long i1, float hi, f
     const float lor = lo * r;
     if (scalar_params || (!wp && !bp)) {
         const float s = r * (wp ? wp[0] : 1.0f), los = lo * s, b0 = bp ? bp[0] : 0.0f;
-        for (; i + 8 <= i1; i += 8) put_f32<NT>(y + i, ((narrow(x + i) - hi) * s - los) + b0);
+        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * s - los) + b0);
         for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * s - los) + b0);
     } else if (wp && bp) {
-        for (; i + 8 <= i1; i += 8) put_f32<NT>(y + i, ((narrow(x + i) - hi) * r - lor) * load(wp + i) + load(bp + i));
+        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * r - lor) * load(wp + i) + load(bp + i));
         for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) * wp[i] + bp[i]);
     } else if (wp) {
-        for (; i + 8 <= i1; i += 8) put_f32<NT>(y + i, ((narrow(x + i) - hi) * r - lor) * load(wp + i));
+        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * r - lor) * load(wp + i));
         for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) * wp[i]);
     } else {
-        for (; i + 8 <= i1; i += 8) put_f32<NT>(y + i, ((narrow(x + i) - hi) * r - lor) + load(bp + i));
+        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * r - lor) + load(bp + i));
         for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) + bp[i]);
     }
 }
@@ -393,34 +407,10 @@ template <> struct Work<double> { typedef double type; typedef vd vec; };
 
 template <typename T> inline vf lanes(const T *p) { return narrow(p); }
 inline vd lanes(const double *p) { return load(p); }
-template <typename T> inline void put(T *p, vf v) { store_f32(p, v); }
-inline void put(double *p, vd v) { store(p, v); }
-
-// 8 floats of y at a 16-byte aligned address by non-temporal stores (past the caches, no read
-// of the line first; the kernel ends with a store fence); an ordinary store elsewhere
-template <typename T> inline void put_nt(T *p, vf v) { put(p, v); }
-template <typename T, typename VV> inline void put_nt4(T *p, VV v) {
-    for (int j = 0; j < 4; j++) p[j] = (T)v[j];
-}
-template <> inline void put_nt<float>(float *p, vf v) { stream8(p, v); }
-#if defined(__SSE2__)
-template <> inline void put_nt4<float, vf>(float *p, vf v) {  // the first 4 of v
-    __m128 a;
-    memcpy(&a, &v, 16);
-    _mm_stream_ps(p, a);
-}
-#endif
-inline void put_nt(double *p, vd v) { put(p, v); }
 
 // The cache lines of [p, end) into L2, for reading soon
 inline void prefetch_l2(const char *p, const char *end) {
     for (p -= (uintptr_t)p % 64; p < end; p += 64) __builtin_prefetch(p, 0, 2);
-}
-
-// One vector of y, by non-temporal stores where NT
-template <bool NT, typename T, typename VV> inline void put_y(T *p, VV v) {
-    if (NT) put_nt(p, v);
-    else put(p, v);
 }
 
 // A row of channels-first y, columns [c0, c1), whole vectors up to cv: y = (x - hi) * (r * w_p)
