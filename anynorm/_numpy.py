@@ -46,7 +46,7 @@ import os
 
 import numpy as np
 
-from . import _reference
+from . import _outputs, _reference
 from ._numpy_columns import ColumnsForward, NativeColumns
 from ._numpy_half import half_to_float
 from ._numpy_rows import RowsForward, bufsize, col_sums, reduce_sums, row_dots, row_sums
@@ -401,8 +401,8 @@ class _ForwardCall:
         self.plan = plan
         self.acc = np.dtype(plan.acc_dtype)
         self.layout, self.views = layout, views
-        self.y = np.empty(plan.view_shape, plan.dtype)
-        self.h = None if residual is None else np.empty(plan.shape, plan.dtype)
+        self.y = _outputs.empty(plan.view_shape, plan.dtype)
+        self.h = None if residual is None else _outputs.empty(plan.shape, plan.dtype)
         self.mean = np.empty(layout.stats_shape, self.acc) if plan.center else None
         self.rstd = np.empty(layout.stats_shape, self.acc)
         self.ym = self.y.reshape(layout.shape)
@@ -644,7 +644,7 @@ class _BackwardCall:
         self.acc = acc = np.dtype(plan.acc_dtype)
         self.layout = layout = _layout(plan, [x, dy])
         self.views = layout.views([x, dy])
-        self.dx = np.empty(plan.view_shape, plan.dtype)
+        self.dx = _outputs.empty(plan.view_shape, plan.dtype)
         self.dxm = self.dx.reshape(layout.shape)
         self.given = rstd is not None
         if self.given:

@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from . import _native, _numpy_rows
+from . import _native, _numpy_rows, _outputs
 from ._numpy_half import float_to_half, half_to_float
 
 __all__ = ["ColumnsForward", "NativeColumns"]
@@ -123,7 +123,7 @@ class ColumnsForward:
         self.Q = math.prod(shape[lead + 1:])
         self.groups = shape[lead + 1] if len(shape) - lead == 3 else self.Q
         self.x3 = x.reshape(self.B, self.P, self.Q)
-        self.y = np.empty(plan.shape, plan.dtype)
+        self.y = _outputs.empty(plan.shape, plan.dtype)
         self.y3 = self.y.reshape(self.B, self.P, self.Q)
         stats = (self.B, self.Q) if self.kind == "cf" else (self.B, self.groups)
         self.mean = np.empty(stats, acc)
@@ -372,7 +372,7 @@ class NativeColumns:
         self.param_rows = kind == "cf"
         self.group = 1 if kind == "cf" else self.Q // groups
         self.x3 = x.reshape(self.B, self.P, self.Q)
-        self.y = np.empty(plan.shape, plan.dtype)
+        self.y = _outputs.empty(plan.shape, plan.dtype)
         stats = self.B * (self.Q // self.group)
         self.mean, self.rstd = np.empty(stats, acc), np.empty(stats, acc)
         self.w, self.b = (None if p is None else self._params(layout, lead, p) for p in (weight, bias))

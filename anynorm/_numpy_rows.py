@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from . import _native
+from . import _native, _outputs
 from ._numpy_half import float_to_half, half_to_float
 
 __all__ = ["COL_RUN", "REDUCE_RUN", "ROW_BLOCK_BYTES", "SUM_RUN", "RowsForward", "bufsize", "col_sums", "far_off",
@@ -241,8 +241,8 @@ class RowsForward:
         self.inner = self.n if self.mode == "outer" else self.run_length  # inner loop length
         self.x2 = x.reshape(self.rows, self.n)
         self.r2 = None if residual is None else residual.reshape(self.rows, self.n)
-        self.y = np.empty(plan.shape, plan.dtype)
-        self.h = None if residual is None else np.empty(plan.shape, plan.dtype)
+        self.y = _outputs.empty(plan.shape, plan.dtype)
+        self.h = None if residual is None else _outputs.empty(plan.shape, plan.dtype)
         self.y2 = self.y.reshape(self.rows, self.n)
         self.h2 = None if self.h is None else self.h.reshape(self.rows, self.n)
         self.mean = np.empty(self.rows, acc)

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import _native, _numpy, _reference, _torch_channels_last, _torch_rms
+from . import _native, _numpy, _outputs, _reference, _torch_channels_last, _torch_rms
 
 __all__ = ["forward", "forward_runner", "backward"]
 
@@ -84,7 +84,7 @@ CF_KERNEL_MIN_ELEMENTS = 1 << 16
 # 32x64x64x64 float32 0.39 (1.01), 32x128x64x64 float16 0.26 (1.02), NHWC 32x64x64x128
 # float32 0.33 (0.96), instance norm 32x128x64x64 float32 0.17 (0.64), NHWC 32x64x64x128
 # float16 0.19 (0.40).
-FAULTING_BYTES = 32 << 20
+FAULTING_BYTES = _outputs.MMAP_THRESHOLD_MAX
 # RMS norm rows through the row kernel from here (F.rms_norm and anynorm's blocked torch
 # route: 1024x768 float32 0.10 against 1.01, 512x768 1.23 against 1.03; float16 1024x768
 # 0.07 against 0.08, 512x768 0.79 against 1.11)
