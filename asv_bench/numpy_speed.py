@@ -9,9 +9,11 @@ and prints per case the median over rounds of each ratio with its min-max::
 
 Ratios: ``ours / copy`` (``np.copyto`` into a preallocated array of the same bytes: the
 issue's yardstick; ``ours`` allocates its output, whose first touch is part of its time),
-``ours / (empty + copy)`` (a copy into a freshly allocated array: the same page faults as
-ours), ``ours / naive`` (the tutorial formula, ``peers.naive_numpy``), float16 / float32
-(ours), and the peak extra memory (tracemalloc) in output sizes.
+``ours / (empty + copy)`` (a copy into a freshly allocated array: the page faults of a fresh
+output), ``uncached / copy`` (ours with the output cache off, ``anynorm._outputs``: outputs of
+32 MiB and up then fault in their pages on every call, as ``empty + copy``'s), ``ours / naive`` (the tutorial formula, ``peers.naive_numpy``), float16 / float32
+(ours), and the peak memory a call allocates (tracemalloc, the output's own block counted: the
+cache is emptied first) in output sizes.
 
 ``--floors`` adds, per case and in the same rounds, what no NumPy executor can beat (each
 as a ratio to ``copy``): ``fresh 1 pass`` (``np.add(x, 1.0)`` into a new array: one read,
@@ -41,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import anynorm
-from anynorm import _numpy
+from anynorm import _numpy, _outputs
 from benchmarks.common import MAIN_CASES, call_anynorm, numpy_inputs
 from benchmarks.peers import naive_numpy
 
@@ -74,6 +76,7 @@ def cpu_time_batched(fn, min_seconds, batch=200):
 
 def peak_memory(fn, nbytes):
     fn()
+    _outputs.clear()
     tracemalloc.start()
     try:
         fn()
@@ -124,6 +127,14 @@ def half_round_trip(x16, rows):
     return y
 
 
+def uncached(fn):
+    _outputs.ENABLED = False
+    try:
+        return fn()
+    finally:
+        _outputs.ENABLED = True
+
+
 def measure(name, rounds, min_seconds, floors=False):
     """Per-round times of each variant of case ``name``; returns a dict of lists (seconds)."""
     x, w, b, _ = numpy_inputs(name, np.dtype("float32"))
@@ -137,6 +148,7 @@ def measure(name, rounds, min_seconds, floors=False):
         "ours": lambda: call_anynorm(anynorm, name, x, w, b),
         "naive": lambda: naive_numpy(name, x, w, b),
         "ours f16": lambda: call_anynorm(anynorm, name, x16, w16, b16),
+        "uncached": lambda: uncached(lambda: call_anynorm(anynorm, name, x, w, b)),
     }
     if floors:
         variants["fresh 1 pass"] = lambda: np.add(x, 1.0)
@@ -174,9 +186,9 @@ def main(argv=None):
     _numpy.NUM_THREADS = 1
     rows = {}
     extra = " fresh 1 pass/copy | minimal/copy | f16 conversions/copy |" if args.floors else ""
-    print("| case | ours ms | copy ms | ours/copy | ours/(empty+copy) | ours/naive | f16/f32 | memory f32, f16 |"
-          + extra)
-    print("|---|---:|---:|---|---|---|---|---|" + "---|" * (3 if args.floors else 0))
+    print("| case | ours ms | copy ms | ours/copy | ours/(empty+copy) | uncached/copy | ours/naive | f16/f32"
+          " | memory f32, f16 |" + extra)
+    print("|---|---:|---:|---|---|---|---|---|---|" + "---|" * (3 if args.floors else 0))
     for name in args.cases.split(","):
         t = measure(name, args.rounds, args.min_seconds, args.floors)
         rows[name] = t
@@ -184,6 +196,7 @@ def main(argv=None):
                          for k in ("fresh 1 pass", "minimal", "f16 conversions")) if args.floors else ""
         print(f"| {name} | {statistics.median(t['ours']) * 1e3:.3f} | {statistics.median(t['copy']) * 1e3:.3f}"
               f" | {fmt(ratio(t, 'ours', 'copy'))} | {fmt(ratio(t, 'ours', 'empty+copy'))}"
+              f" | {fmt(ratio(t, 'uncached', 'copy'))}"
               f" | {fmt(ratio(t, 'ours', 'naive'))} | {fmt(ratio(t, 'ours f16', 'ours'))}"
               f" | {t['memory']:.2f}, {t['memory f16']:.2f} |" + floors, flush=True)
     if args.json:
