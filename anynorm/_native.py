@@ -46,6 +46,17 @@ _ARGS = {
     "cols": [ctypes.c_void_p] * 6 + [ctypes.c_longlong] * 5 + [ctypes.c_int, ctypes.c_double],
 }
 _SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+_SUFFIXES = ("f16", "f32", "f64", "bf16")
+
+
+def _suffix(dtype):
+    """The entry points' suffix for ``dtype``: NumPy's floats, and ``ml_dtypes.bfloat16``
+    (NumPy has no bfloat16; JAX's and, through :mod:`anynorm._torch`, torch's arrive as it)."""
+    dtype = np.dtype(dtype)
+    suffix = _SUFFIX.get(dtype)
+    if suffix is None and dtype.kind == "V" and dtype.name == "bfloat16" and dtype.itemsize == 2:
+        return "bf16"
+    return suffix
 
 
 def _compiler():
@@ -120,7 +131,7 @@ def _load():
         status = f"build or load failed: {exc}"
         return False
     for kind, args in _ARGS.items():
-        for suffix in _SUFFIX.values():
+        for suffix in _SUFFIXES:
             fn = getattr(lib, f"anynorm_{kind}_{suffix}", None)
             if fn is not None:
                 fn.argtypes, fn.restype = args, ctypes.c_int
@@ -130,7 +141,7 @@ def _load():
 
 def _kernel(kind, dtype):
     global _library
-    suffix = _SUFFIX.get(np.dtype(dtype))
+    suffix = _suffix(dtype)
     if suffix is None:
         return None
     lib = _library
@@ -143,7 +154,8 @@ def _kernel(kind, dtype):
 
 
 def rows_kernel(dtype):
-    """The ctypes function normalizing rows of ``dtype`` (float16/32/64), or None.
+    """The ctypes function normalizing rows of ``dtype`` (float16/32/64, ml_dtypes' bfloat16),
+    or None.
 
     ``fn(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)`` with buffer addresses
     (0 for absent ones): see ``kernels/cpu.cpp``.  Returns non-zero on bad sizes.

@@ -14,18 +14,18 @@
 //     y   = (x - mean) * rstd * w + b             (RMS norm: m1 = c = 0, no b)
 //
 // with float32 sums of at most a few hundred terms added in float64, and `x - m1` formed
-// where it is exact (near the data), so rows far from zero keep float32 rounding.  float32
-// and float16 slices form y in float32 with the mean split into two floats (`x - hi` exact,
+// where it is exact (near the data), so rows far from zero keep float32 rounding.  float32,
+// float16 and bfloat16 slices form y in float32 with the mean split into two floats (`x - hi` exact,
 // `- lo` the rest); float64 ones work in float64 throughout.  Parameters come in the
-// accumulation type (float32 for float16/float32 x, float64 for float64).  A NaN or Inf in a
+// accumulation type (float32 for float16/bfloat16/float32 x, float64 for float64).  A NaN or Inf in a
 // slice makes that slice's output NaN, and no other slice's.
 //
 // Built with GCC/Clang vector extensions (8 lanes of the widest type a loop handles), which
 // compile to whatever SIMD -march=native offers.  Entry points (extern "C", 0 on success; the
 // arguments at each kernel below and in kernels/README.md):
 //
-//     anynorm_rows_<f16|f32|f64>(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)
-//     anynorm_cols_<f16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
+//     anynorm_rows_<f16|bf16|f32|f64>(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)
+//     anynorm_cols_<f16|bf16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
 
 #include <math.h>
 #include <stdint.h>
@@ -85,6 +85,69 @@ template <> inline void store_f32<_Float16>(_Float16 *p, vf v) {
     memcpy(p, &h, 16);
 }
 #endif
+
+// bfloat16: the upper half of a float32's bits.  Widening is a shift; narrowing rounds to
+// nearest even as torch's and ml_dtypes' casts do (a NaN stays a quiet NaN): by AVX512-BF16's
+// conversion where the CPU has it, except for vectors holding a subnormal (the instruction
+// flushes those to zero), else in integer vector operations.
+struct bf16 {
+    uint16_t bits;
+    bf16() = default;
+    explicit bf16(float f) {
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        bits = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
+                                               : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    operator float() const {
+        const uint32_t u = (uint32_t)bits << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+};
+typedef uint16_t vu16 __attribute__((vector_size(16)));
+typedef uint32_t vu32 __attribute__((vector_size(32)));
+typedef int32_t vi32 __attribute__((vector_size(32)));
+template <> inline vf narrow<bf16>(const bf16 *p) {
+#if defined(__AVX2__)
+    const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    vf out;
+    memcpy(&out, &w, 32);
+    return out;
+#else
+    vu16 h;
+    memcpy(&h, p, 16);
+    const vu32 u = __builtin_convertvector(h, vu32) << 16;
+    vf out;
+    memcpy(&out, &u, 32);
+    return out;
+#endif
+}
+inline void round_bf16(bf16 *p, vu32 u) {
+    const vu32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vu32 nan = (vu32)((vi32)(u & 0x7fffffffu) > 0x7f800000);  // all ones where NaN
+    const vu16 h = __builtin_convertvector((rounded & ~nan) | (((u >> 16) | 0x40u) & nan), vu16);
+    memcpy(p, &h, 16);
+}
+template <> inline void store_f32<bf16>(bf16 *p, vf v) {
+    vu32 u;
+    memcpy(&u, &v, 32);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    __m256i w;
+    memcpy(&w, &u, 32);
+    const __mmask8 subnormal = _mm256_testn_epi32_mask(w, _mm256_set1_epi32(0x7f800000)) &
+                               _mm256_test_epi32_mask(w, _mm256_set1_epi32(0x7fffffff));
+    if (__builtin_expect(subnormal == 0, 1)) {
+        __m256 f;
+        memcpy(&f, &v, 32);
+        const __m128bh h = _mm256_cvtneps_pbh(f);
+        memcpy(p, &h, 16);
+        return;
+    }
+#endif
+    round_bf16(p, u);
+}
 // One vector of y into T (float32 lanes rounded once to T; float64 as they are); `put_y<NT>`
 // by non-temporal stores where NT and y is float32 (past the caches, no read of the line
 // first; 16-byte aligned addresses; a kernel that makes them ends with nt_fence()), an
@@ -724,8 +787,10 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
 
 ANYNORM_ROWS(f32, float)
 ANYNORM_ROWS(f64, double)
+ANYNORM_ROWS(bf16, bf16)
 ANYNORM_COLS(f32, float)
 ANYNORM_COLS(f64, double)
+ANYNORM_COLS(bf16, bf16)
 #if HAVE_F16
 ANYNORM_ROWS(f16, _Float16)
 ANYNORM_COLS(f16, _Float16)
