@@ -205,8 +205,8 @@ class RowsForward:
     """One forward call whose reduced axes are x's trailing ones.
 
     ``RowsForward.make(...)`` returns None where this path does not apply (strided views,
-    reduced axes not trailing, parameters varying on short runs, a float16 residual, the
-    "run" kind outside float16).
+    reduced axes not trailing, parameters varying on short runs, a float16/bfloat16 residual,
+    bfloat16 without the compiled kernel, the "run" kind outside float16).
     ``run(blocks, buffers)`` writes y, mean and rstd for a list of ``(start, stop)`` row
     ranges; ``blocks`` and ``buffers()`` give those ranges and per-thread scratch.
     """
@@ -218,9 +218,10 @@ class RowsForward:
                 residual is not None and not residual.flags.c_contiguous):
             return None
         half = np.dtype(plan.dtype) != np.dtype(plan.acc_dtype)
-        if half and (residual is not None or np.dtype(plan.dtype) != np.float16):
-            return None
         kernel = _native.rows_kernel(plan.dtype)
+        # NumPy passes convert float16 blocks only; the kernel takes bfloat16 (ml_dtypes) too
+        if half and (residual is not None or np.dtype(plan.dtype) != np.float16 and kernel is None):
+            return None
         mode = _affine_mode(layout, weight is not None or bias is not None,
                             MIN_RUN if kernel is None else MIN_RUN_NATIVE)
         # without the kernel, float32/float64 NCHW instance/group norm: the general blocking
