@@ -40,11 +40,13 @@ kernel is not used.
 
 When no gradient is recorded, the blocked NumPy executor runs on the tensors' own memory
 (``Tensor.numpy()``, zero-copy) wherever it is the faster (:func:`_native_first`):
-layer/RMS rows longer than ``NATIVE_MAX_ROW``, RMS rows of ``RMS_KERNEL_MIN_ELEMENTS``,
+layer/RMS rows longer than ``NATIVE_MAX_ROW`` (through the row kernel: in arrays of
+``LONG_ROWS_KERNEL_MIN_BYTES``, not bfloat16), RMS rows of ``RMS_KERNEL_MIN_ELEMENTS``,
 channels-first layer norm through anynorm's column kernel (runs of ``CF_KERNEL_MIN_RUN``,
 arrays of ``CF_KERNEL_MIN_ELEMENTS``), float16 channels-first group norm, and every layout
 the CPU kernels take once an output reaches ``FAULTING_BYTES`` where torch's allocations
-fault 4 KiB pages and NumPy's get huge ones.  With autograd on,
+fault 4 KiB pages and NumPy's get huge ones; bfloat16 tensors reach the kernels as
+ml_dtypes' bfloat16 arrays on the same memory (where ml_dtypes is installed).  With autograd on,
 layouts without a torch routine take the array-API core, whose torch operations autograd
 differentiates.
 """
@@ -67,6 +69,14 @@ _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np
                  torch.float64: np.dtype(np.float64)}
 _HALF = (torch.float16, torch.bfloat16)
 NATIVE_MAX_ROW = 2048
+# Layer/RMS rows longer than NATIVE_MAX_ROW take anynorm's row kernel from arrays of this many
+# bytes (float32, float16), where x and y no longer share the L3 cache and torch's long-row
+# kernel falls behind.  Measured, 2 threads, ours / F (torch's kernel route in brackets):
+# float32 2048x3072 0.68 (1.13), 1536x4096 0.91 (1.14); below, torch's kernel is the faster:
+# 1024x4096 1.10 (1.02), 256x4096 1.78 (1.03), 256x8192 1.40 (0.94); float16 2048x4096 1.35
+# (1.02), 4096x3072 1.02 (1.01).  bfloat16 rows keep torch's kernel up to FAULTING_BYTES
+# (2048x4096 1.27 against 0.94, 4096x3072 1.06 against 1.02).
+LONG_ROWS_KERNEL_MIN_BYTES = 24 << 20
 SHORT_RUN = 1024
 # Channels-first layer norm of C-contiguous x through anynorm's column kernel (NumPy
 # executor): from runs of this many elements and arrays of this many.  Measured, float32,
@@ -444,32 +454,63 @@ def _numpy_plan(plan):
         import array_api_compat.numpy as xp
 
         numpy_plan = plan.memo["numpy"] = dataclasses.replace(
-            plan, xp=xp, dtype=_NUMPY_DTYPES[plan.dtype], acc_dtype=_NUMPY_DTYPES[plan.acc_dtype])
+            plan, xp=xp, dtype=_numpy_dtype(plan.dtype), acc_dtype=_NUMPY_DTYPES[plan.acc_dtype])
     return numpy_plan
 
 
-def _numpy_eligible(plan, *tensors):
+_BF16 = []  # [ml_dtypes.bfloat16's NumPy dtype, or None without ml_dtypes], once looked up
+
+
+def _numpy_dtype(dtype):
+    """NumPy's dtype for a torch dtype: bfloat16 as ml_dtypes' (None where it is not
+    installed), through which the executor hands bfloat16 to anynorm's CPU kernels."""
+    if dtype is not torch.bfloat16:
+        return _NUMPY_DTYPES.get(dtype)
+    if not _BF16:
+        try:
+            import ml_dtypes
+        except ImportError:
+            _BF16.append(None)
+        else:
+            _BF16.append(np.dtype(ml_dtypes.bfloat16))
+    return _BF16[0]
+
+
+def _numpy_eligible(plan, *tensors, kernels=False):
     """True when the NumPy executor may run on these tensors' memory: CPU, plain tensors of a
-    NumPy dtype, no gradient to record, not traced (:func:`_tracing`)."""
-    if plan.dtype not in _NUMPY_DTYPES or _tracing():
+    NumPy dtype (with ``kernels``, for a call :func:`_native_first` gave anynorm's CPU kernels,
+    bfloat16 too), no gradient to record, not traced (:func:`_tracing`)."""
+    dtypes = _KERNEL_DTYPES if kernels else _NUMPY_DTYPES
+    if plan.dtype not in dtypes or _tracing():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype not in _NUMPY_DTYPES:
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype not in dtypes:
             return False
         if grad and t.requires_grad:
             return False
     return True
 
 
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _as_numpy(t):
-    return None if t is None else t.detach().numpy()
+    if t is None:
+        return None
+    if t.dtype is torch.bfloat16:  # the same bits, as ml_dtypes' bfloat16 (NumPy has none)
+        return t.detach().view(torch.int16).numpy().view(_numpy_dtype(torch.bfloat16))
+    return t.detach().numpy()
 
 
 def _as_torch(a):
-    return None if a is None else torch.from_numpy(a)
+    if a is None:
+        return None
+    if a.dtype.kind == "V":  # ml_dtypes' bfloat16: torch.from_numpy takes no such dtype
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def _prefers_native(plan, x):
@@ -483,8 +524,10 @@ def _prefers_native(plan, x):
 
 def _native_first(plan, contiguous=True):
     """Where torch's own routine beats the NumPy executor on the CPU (measured, see
-    asv_bench/README.md): bfloat16 (NumPy lacks it), float16 where anynorm's CPU kernels are
-    not built (NumPy's float16 conversions are slow); else, for a C-contiguous ``x``
+    asv_bench/README.md): bfloat16 without ml_dtypes (NumPy has no bfloat16 of its own) or
+    in a layout anynorm's CPU kernels do not take (NumPy passes on ml_dtypes' are slow),
+    float16 where the kernels are not built (NumPy's float16 conversions are slow); else,
+    for a C-contiguous ``x``
     (``contiguous``) and no residual, the kernels take outputs of FAULTING_BYTES and up where
     NumPy's allocations get huge pages and torch's do not (:func:`_torch_outputs_fault`),
     RMS norm rows of RMS_KERNEL_MIN_ELEMENTS and up (torch's CPU RMS norm is composite),
@@ -492,19 +535,26 @@ def _native_first(plan, contiguous=True):
     group-norm kernel is slow), channels-first layer norm the column kernel takes
     (CF_KERNEL_MIN_RUN, CF_KERNEL_MIN_ELEMENTS); otherwise group and instance norm take
     torch's, layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond that torch's row kernel
-    falls to a fraction of memory bandwidth), other layer/RMS axes where the contiguous run
+    falls to a fraction of memory bandwidth) and, where the row kernel would take them,
+    longer ones under LONG_ROWS_KERNEL_MIN_BYTES (in cache torch's kernel is the faster) or
+    in bfloat16, other layer/RMS axes where the contiguous run
     after them is short (ConvNeXt's late stages in channels-last memory: 14 x 14)."""
-    if plan.dtype == torch.bfloat16 or plan.dtype == torch.float16 and _native.rows_kernel(np.float16) is None:
+    dtype = _numpy_dtype(plan.dtype)
+    if dtype is None or plan.dtype == torch.float16 and _native.rows_kernel(np.float16) is None:
         return True
     size = math.prod(plan.shape)
     kernels = (contiguous and not plan.has_residual and _kernel_layout(plan)
-               and _native.rows_kernel(_NUMPY_DTYPES[plan.dtype]) is not None)
-    if kernels and size * _NUMPY_DTYPES[plan.dtype].itemsize >= FAULTING_BYTES and _torch_outputs_fault():
+               and _native.rows_kernel(dtype) is not None)
+    if plan.dtype == torch.bfloat16 and not kernels:  # NumPy passes on ml_dtypes: slow
+        return True
+    if kernels and size * dtype.itemsize >= FAULTING_BYTES and _torch_outputs_fault():
         return False
     if plan.op in ("layer_norm", "rms_norm"):
         if _trailing(plan):
             if kernels and plan.op == "rms_norm" and size >= RMS_KERNEL_MIN_ELEMENTS:
                 return False
+            if kernels and (plan.dtype == torch.bfloat16 or size * dtype.itemsize < LONG_ROWS_KERNEL_MIN_BYTES):
+                return True
             return plan.count <= NATIVE_MAX_ROW
         run = math.prod(plan.shape[plan.reduce_axes[-1] + 1:])
         if kernels and plan.op == "layer_norm":
@@ -571,7 +621,7 @@ def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
     # not while traced: sizes may be symbolic there, and a size test would guard them
     if (not _tracing() and not _prefers_native(plan, x)
-            and _numpy_eligible(plan, x, weight, bias, residual)):
+            and _numpy_eligible(plan, x, weight, bias, residual, kernels=True)):
         return _numpy_forward(plan, x, weight, bias, residual)
     h = _reference.add_residual(plan, x, residual) if residual is not None else None
     native = native_forward(plan, h if h is not None else x, weight, bias)

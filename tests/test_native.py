@@ -546,7 +546,7 @@ def test_torch_routes_to_the_kernels():
     measured faster than torch's (anynorm/_torch.py): RMS norm rows of RMS_KERNEL_MIN_ELEMENTS
     and up, float16 channels-first group norm of HALF_GROUPS_MIN_ELEMENTS and up, and outputs
     of FAULTING_BYTES and up where torch's allocations fault 4 KiB pages and NumPy's get huge
-    ones; bfloat16, autograd-free small calls and other memory keep torch's kernels.  The
+    ones; autograd-free small calls and other memory keep torch's kernels.  The
     results are the NumPy executor's bits on the tensors' memory, exact far from zero."""
     torch = pytest.importorskip("torch")
     import anynorm
@@ -563,7 +563,7 @@ def test_torch_routes_to_the_kernels():
     assert not first("rms_norm", rms)
     assert first("rms_norm", rms[:512])
     assert first("layer_norm", rms)  # layer norm rows of 512 keep torch's kernel
-    assert first("rms_norm", rms.to(torch.bfloat16))
+    assert first("rms_norm", rms.to(torch.bfloat16)) == (_torch._numpy_dtype(torch.bfloat16) is None)
     assert _torch._native_first(make_plan("rms_norm", rms), False)
     half = torch.randn(4, 64, 32, 32).to(torch.float16)
     assert half.numel() == _torch.HALF_GROUPS_MIN_ELEMENTS
@@ -607,9 +607,11 @@ def test_torch_route_takes_at_most_torchs_threads(monkeypatch):
     gets no second thread from anynorm either."""
     torch = pytest.importorskip("torch")
     import anynorm
+    from anynorm import _torch
 
     monkeypatch.setattr(_numpy, "NUM_THREADS", 2)
-    x = torch.randn(512, 4096)  # 2^21 elements, rows past NATIVE_MAX_ROW: the executor's
+    x = torch.randn(1536, 4096)  # 24 MiB of rows past NATIVE_MAX_ROW: the executor's
+    assert x.numel() * 4 >= _torch.LONG_ROWS_KERNEL_MIN_BYTES
     assert x.numel() >= _numpy.PARALLEL_MIN_ELEMENTS
     pooled = []
     real_pool = _numpy._pool
@@ -629,9 +631,9 @@ def test_torch_route_takes_at_most_torchs_threads(monkeypatch):
 
 
 def test_torch_float16_rows_run_the_kernel():
-    """float16 torch CPU tensors with rows past NATIVE_MAX_ROW take the NumPy executor (and so
-    the kernel) where it is built, as float32 ones do: 2-5x faster than torch's float16
-    kernel (asv_bench/README.md), exact far from zero."""
+    """float16 torch CPU tensors of LONG_ROWS_KERNEL_MIN_BYTES with rows past NATIVE_MAX_ROW
+    take the NumPy executor (and so the kernel) where it is built, as float32 ones do, exact
+    far from zero; smaller ones and bfloat16 keep torch's kernel (asv_bench/README.md)."""
     torch = pytest.importorskip("torch")
     import anynorm
     from anynorm import _torch
@@ -639,9 +641,10 @@ def test_torch_float16_rows_run_the_kernel():
     if _native.rows_kernel(np.float16) is None:
         pytest.skip("no float16 kernel on this CPU")
     n = 2 * _torch.NATIVE_MAX_ROW
-    x = (300 + torch.randn(8, n)).to(torch.float16)
+    x = (300 + torch.randn(_torch.LONG_ROWS_KERNEL_MIN_BYTES // (2 * n), n)).to(torch.float16)
     w, b = torch.rand(n).to(torch.float16), torch.rand(n).to(torch.float16)
     assert not _torch._native_first(make_plan("layer_norm", x, w, b))
+    assert _torch._native_first(make_plan("layer_norm", x[:-1], w, b))
     assert _torch._native_first(make_plan("layer_norm", x.to(torch.bfloat16), w.to(torch.bfloat16),
                                           b.to(torch.bfloat16)))
     with torch.no_grad():
@@ -650,3 +653,118 @@ def test_torch_float16_rows_run_the_kernel():
     exact = reference.forward("layer_norm", x.numpy().astype(np.float64), w.numpy().astype(np.float64),
                               b.numpy().astype(np.float64), eps=1e-5, axis=-1)[0]
     assert _max_err(y.numpy(), exact) <= Y_TOL[np.float16] * float(np.max(np.abs(exact)))
+
+
+def _bf16():
+    """ml_dtypes' bfloat16, skipping where it or the kernels' bfloat16 entry points are missing."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    if _native.rows_kernel(ml_dtypes.bfloat16) is None:
+        pytest.skip("anynorm's CPU kernels are not built here")
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+BF16_CASES = [  # (op, shape, kwargs, kernel): every kernel path a bfloat16 array takes
+    ("layer_norm", (64, 770), {"axis": -1}, "rows"),
+    ("layer_norm", (16, 4099), {"axis": -1}, "rows"),  # grouped rows (parameters past L1)
+    ("rms_norm", (33, 1000), {"axis": -1}, "rows"),
+    ("group_norm", (4, 12, 9, 8), {"num_groups": 3}, "rows"),  # runs of 72 a parameter
+    ("layer_norm", (3, 24, 7, 9), {"axis": 1}, "cols"),  # channels first
+    ("instance_norm", (3, 5, 7, 24), {"channel_axis": -1}, "cols"),
+    ("group_norm", (3, 5, 7, 24), {"num_groups": 6, "channel_axis": -1}, "cols"),
+]
+
+
+@pytest.mark.parametrize("op,shape,kw,kind", BF16_CASES)
+@pytest.mark.parametrize("offset", [0.0, 300.0])
+def test_bfloat16_is_float32s_result_rounded(op, shape, kw, kind, offset):
+    """bfloat16 (ml_dtypes) arrays through the kernels: y is the float32 kernels' result on the
+    same values, rounded to nearest even as ml_dtypes' cast rounds it, bit for bit (the
+    statistics too), including subnormal outputs (AVX512-BF16's conversion would flush
+    them), a NaN weight's NaN and infinities; within bfloat16's rounding of float64's."""
+    bf16 = _bf16()
+    gen = np.random.default_rng(1)
+    x = (offset + gen.standard_normal(shape).astype(np.float32)).astype(bf16)
+    n = shape[-1] if kw.get("axis") == -1 else shape[kw.get("axis", kw.get("channel_axis", 1))]
+    w = (gen.random(n, np.float32) + 0.5)
+    w[:4] = [1e-39, -3e-41, np.nan, 1e38]  # subnormal, NaN and overflowing outputs
+    b = gen.standard_normal(n).astype(np.float32)
+    b[:4] = 0.0
+    args = (w,) if op == "rms_norm" else (w, b)
+    kw = dict(kw, eps=1e-5)
+    run = _forward if kind == "rows" else _forward_columns
+    y, *_, rstd = run(op, x, *args, **kw)
+    y32, *_, rstd32 = run(op, x.astype(np.float32), *args, **kw)
+    assert y.dtype == bf16
+    assert np.array_equal(y.view(np.uint16), y32.astype(bf16).view(np.uint16))
+    assert np.array_equal(rstd, rstd32)
+    exact = reference.forward(op, x.astype(np.float64), *(a.astype(np.float64) for a in args), **kw)[0]
+    finite = np.isfinite(exact) & (np.abs(exact) < 1e30)
+    assert np.isnan(y[np.isnan(exact)].astype(np.float32)).all()
+    err = np.abs(y.astype(np.float64) - exact)[finite]
+    assert np.all(err <= 2.0 ** -8 * np.abs(exact[finite]) + 1e-6 * np.abs(exact[finite]).max())
+
+
+def test_bfloat16_rounding_of_every_halfway_case():
+    """The kernels' float32 -> bfloat16 rounding on values that sit exactly half way, one ulp of
+    float32 either side, subnormals, infinities and NaNs: ml_dtypes' cast bit for bit (NaN
+    as any quiet NaN)."""
+    bf16 = _bf16()
+    hi = np.arange(0, 1 << 16, 7, dtype=np.uint32) << 16
+    bits = np.concatenate([hi | low for low in (0x7FFF, 0x8000, 0x8001, 0x0001, 0xFFFF)])
+    values = bits.view(np.float32)
+    # RMS norm of a row of ones (rstd exactly 1, eps 0) with these values as its weight: the
+    # kernel's float32 y is the weight itself, rounded to bfloat16 8 lanes at a time
+    w = np.resize(values, 8 * ((values.size + 7) // 8)).reshape(-1, 8)
+    ones = np.ones(8, bf16)
+    for row in w:
+        y = _forward("rms_norm", ones[None, :], row, eps=0.0)[0][0]
+        with np.errstate(invalid="ignore"):  # signalling NaNs among the values
+            expected = row.astype(bf16)
+        nan = np.isnan(row)
+        assert np.array_equal(y.view(np.uint16)[~nan], expected.view(np.uint16)[~nan])
+        assert np.isnan(y[nan].astype(np.float32)).all()
+
+
+def test_torch_bfloat16_takes_the_kernels():
+    """bfloat16 torch CPU tensors reach the kernels as ml_dtypes arrays on the same memory
+    where those measured faster than torch's (RMS rows, channels-first layer norm, outputs of
+    FAULTING_BYTES): the NumPy executor's bits, bfloat16 out; long rows under that keep
+    torch's (faster) bfloat16 kernel, as does every call where ml_dtypes is missing."""
+    torch = pytest.importorskip("torch")
+    bf16 = _bf16()
+    import anynorm
+    from anynorm import _torch
+
+    def first(op, x, *args, **kwargs):
+        return _torch._native_first(make_plan(op, x, *args, **kwargs), x.is_contiguous())
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [("rms_norm", torch.randn(1024, 512, generator=gen), {"axis": -1}),
+             ("layer_norm", 300 + torch.randn(4, 64, 16, 16, generator=gen), {"axis": 1})]
+    long_rows = torch.randn(_torch.LONG_ROWS_KERNEL_MIN_BYTES // 8192, 4096, generator=gen)
+    assert first("layer_norm", long_rows.to(torch.bfloat16))
+    assert not first("layer_norm", long_rows)
+    if _torch._torch_outputs_fault():
+        big = torch.randn(_torch.FAULTING_BYTES // 4096, 2048, generator=gen)
+        assert not first("layer_norm", big.to(torch.bfloat16))
+        cases.append(("layer_norm", big, {"axis": -1}))
+    for op, x, kw in cases:
+        x = x.to(torch.bfloat16)
+        n = x.shape[kw["axis"]]
+        w = (torch.rand(n, generator=gen) + 0.5).to(torch.bfloat16)
+        assert not first(op, x, w, **kw), op
+        with torch.no_grad():
+            y = getattr(anynorm, op)(x, w, eps=1e-5, **kw)
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        xn = x.view(torch.int16).numpy().view(bf16)
+        wn = w.view(torch.int16).numpy().view(bf16)
+        expected = getattr(anynorm, op)(xn, wn, eps=1e-5, **kw)
+        assert np.array_equal(y.view(torch.int16).numpy(), expected.view(np.int16)), op
+        exact = reference.forward(op, xn.astype(np.float64), wn.astype(np.float64), eps=1e-5, **kw)[0]
+        assert _max_err(y.float().numpy(), exact) <= 2.0 ** -8 * float(np.max(np.abs(exact))), op
+    saved = _torch._BF16[:]
+    try:
+        _torch._BF16[:] = [None]  # as without ml_dtypes
+        assert first("rms_norm", cases[0][1].to(torch.bfloat16))
+    finally:
+        _torch._BF16[:] = saved
