@@ -68,6 +68,7 @@ __all__ = ["forward", "forward_runner", "backward"]
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
                  torch.float64: np.dtype(np.float64)}
 _HALF = (torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 NATIVE_MAX_ROW = 2048
 # Layer/RMS rows longer than NATIVE_MAX_ROW take anynorm's row kernel from arrays of this many
 # bytes (float32, float16), where x and y no longer share the L3 cache and torch's long-row
@@ -494,9 +495,6 @@ def _numpy_eligible(plan, *tensors, kernels=False):
     return True
 
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def _as_numpy(t):
     if t is None:
         return None
@@ -527,18 +525,17 @@ def _native_first(plan, contiguous=True):
     asv_bench/README.md): bfloat16 without ml_dtypes (NumPy has no bfloat16 of its own) or
     in a layout anynorm's CPU kernels do not take (NumPy passes on ml_dtypes' are slow),
     float16 where the kernels are not built (NumPy's float16 conversions are slow); else,
-    for a C-contiguous ``x``
-    (``contiguous``) and no residual, the kernels take outputs of FAULTING_BYTES and up where
-    NumPy's allocations get huge pages and torch's do not (:func:`_torch_outputs_fault`),
-    RMS norm rows of RMS_KERNEL_MIN_ELEMENTS and up (torch's CPU RMS norm is composite),
-    float16 channels-first group norm of HALF_GROUPS_MIN_ELEMENTS and up (torch's float16
-    group-norm kernel is slow), channels-first layer norm the column kernel takes
-    (CF_KERNEL_MIN_RUN, CF_KERNEL_MIN_ELEMENTS); otherwise group and instance norm take
-    torch's, layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond that torch's row kernel
-    falls to a fraction of memory bandwidth) and, where the row kernel would take them,
-    longer ones under LONG_ROWS_KERNEL_MIN_BYTES (in cache torch's kernel is the faster) or
-    in bfloat16, other layer/RMS axes where the contiguous run
-    after them is short (ConvNeXt's late stages in channels-last memory: 14 x 14)."""
+    for a C-contiguous ``x`` (``contiguous``) and no residual, the kernels take outputs of
+    FAULTING_BYTES and up where NumPy's allocations get huge pages and torch's do not
+    (:func:`_torch_outputs_fault`), RMS norm rows of RMS_KERNEL_MIN_ELEMENTS and up (torch's
+    CPU RMS norm is composite), float16 channels-first group norm of HALF_GROUPS_MIN_ELEMENTS
+    and up (torch's float16 group-norm kernel is slow), channels-first layer norm the column
+    kernel takes (CF_KERNEL_MIN_RUN, CF_KERNEL_MIN_ELEMENTS); otherwise group and instance
+    norm take torch's, layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond that torch's row
+    kernel falls to a fraction of memory bandwidth) and, where the row kernel would take
+    them, longer ones under LONG_ROWS_KERNEL_MIN_BYTES (in cache torch's kernel is the
+    faster) or in bfloat16, other layer/RMS axes where the contiguous run after them is short
+    (ConvNeXt's late stages in channels-last memory: 14 x 14)."""
     dtype = _numpy_dtype(plan.dtype)
     if dtype is None or plan.dtype == torch.float16 and _native.rows_kernel(np.float16) is None:
         return True
