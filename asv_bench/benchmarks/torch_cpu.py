@@ -1,10 +1,11 @@
 """anynorm on torch CPU tensors vs torch.nn.functional, forward and autograd backward.
 
 ``track_peer_ratio``: anynorm's time / torch.nn.functional's, both timed in the same run
-(<= 1 means anynorm is at least as fast); float16 and bfloat16 run torch's kernels (float32
-accumulation inside, their statistics checked for conditioning), RMS norm of half rows in
-float32 blocks of rows (torch's CPU routine converts the whole array), float32 also the
-NumPy executor on long rows.  ``track_copy_fraction``: as in ``numpy_cpu``.
+(<= 1 means anynorm is at least as fast); each dtype runs torch's kernels (float32
+accumulation inside, their statistics checked for conditioning) or, where those measured
+slower, anynorm's CPU kernels through the NumPy executor (``anynorm._torch._native_first``:
+RMS rows, channels-first layer norm, long rows from 24 MiB, outputs of 32 MiB; bfloat16 as
+ml_dtypes' arrays on the same memory).  ``track_copy_fraction``: as in ``numpy_cpu``.
 ``TorchCPUSmallCall``: the per-call cost on tiny inputs, where the call layer and the
 conditioning check, not the kernel, set the ratio.
 """
