@@ -44,8 +44,8 @@ layer/RMS rows longer than ``NATIVE_MAX_ROW`` (through the row kernel: in arrays
 ``LONG_ROWS_KERNEL_MIN_BYTES``, not bfloat16), RMS rows of ``RMS_KERNEL_MIN_ELEMENTS``,
 channels-first layer norm through anynorm's column kernel (runs of ``CF_KERNEL_MIN_RUN``,
 arrays of ``CF_KERNEL_MIN_ELEMENTS``), float16 channels-first group norm, and every layout
-the CPU kernels take once an output reaches ``FAULTING_BYTES`` where torch's allocations
-fault 4 KiB pages and NumPy's get huge ones; bfloat16 tensors reach the kernels as
+the CPU kernels take once an output reaches ``FAULTING_BYTES``, whose pages torch's
+allocations fault in again every call and the executor's reuse; bfloat16 tensors reach the kernels as
 ml_dtypes' bfloat16 arrays on the same memory (where ml_dtypes is installed).  With autograd on,
 layouts without a torch routine take the array-API core, whose torch operations autograd
 differentiates.
@@ -88,9 +88,11 @@ SHORT_RUN = 1024
 # 1.27) and short runs' scalar loops (32x256x3x3 1.73 against 1.20, x1x1 19) lose.
 CF_KERNEL_MIN_RUN = 16
 CF_KERNEL_MIN_ELEMENTS = 1 << 16
-# Outputs from which torch's CPU allocations fault a 4 KiB page at a time while NumPy's get
-# huge pages (:func:`_torch_outputs_fault`): the kernels take C-contiguous x from there.
-# Measured, 2 threads, ours / F, the NumPy executor (torch's kernel route in brackets):
+# Outputs from which torch's CPU allocations fault their pages in again every call (past
+# glibc's largest mmap threshold) while the executor reuses its own (:mod:`anynorm._outputs`;
+# before that cache, where NumPy's got huge pages and torch's 4 KiB ones): the kernels take
+# C-contiguous x from there. Measured before the cache, 2 threads, ours / F, the NumPy
+# executor (torch's kernel route in brackets):
 # layer norm 16384x1024 float32 0.44 (1.01), 16384x2048 float16 0.26 (1.00), group norm (32)
 # 32x64x64x64 float32 0.39 (1.01), 32x128x64x64 float16 0.26 (1.02), NHWC 32x64x64x128
 # float32 0.33 (0.96), instance norm 32x128x64x64 float32 0.17 (0.64), NHWC 32x64x64x128
@@ -526,11 +528,12 @@ def _native_first(plan, contiguous=True):
     in a layout anynorm's CPU kernels do not take (NumPy passes on ml_dtypes' are slow),
     float16 where the kernels are not built (NumPy's float16 conversions are slow); else,
     for a C-contiguous ``x`` (``contiguous``) and no residual, the kernels take outputs of
-    FAULTING_BYTES and up where NumPy's allocations get huge pages and torch's do not
-    (:func:`_torch_outputs_fault`), RMS norm rows of RMS_KERNEL_MIN_ELEMENTS and up (torch's
-    CPU RMS norm is composite), float16 channels-first group norm of HALF_GROUPS_MIN_ELEMENTS
-    and up (torch's float16 group-norm kernel is slow), channels-first layer norm the column
-    kernel takes (CF_KERNEL_MIN_RUN, CF_KERNEL_MIN_ELEMENTS); otherwise group and instance
+    FAULTING_BYTES and up, which the executor reuses where torch's fault in their pages
+    again each call (:func:`_large_outputs_cheaper`), RMS norm rows of
+    RMS_KERNEL_MIN_ELEMENTS and up (torch's CPU RMS norm is composite), float16
+    channels-first group norm of HALF_GROUPS_MIN_ELEMENTS and up (torch's float16 group-norm
+    kernel is slow), channels-first layer norm the column kernel takes (CF_KERNEL_MIN_RUN,
+    CF_KERNEL_MIN_ELEMENTS); otherwise group and instance
     norm take torch's, layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond that torch's row
     kernel falls to a fraction of memory bandwidth) and, where the row kernel would take
     them, longer ones under LONG_ROWS_KERNEL_MIN_BYTES (in cache torch's kernel is the
@@ -544,7 +547,7 @@ def _native_first(plan, contiguous=True):
                and _native.rows_kernel(dtype) is not None)
     if plan.dtype == torch.bfloat16 and not kernels:  # NumPy passes on ml_dtypes: slow
         return True
-    if kernels and size * dtype.itemsize >= FAULTING_BYTES and _torch_outputs_fault():
+    if kernels and size * dtype.itemsize >= FAULTING_BYTES and _large_outputs_cheaper():
         return False
     if plan.op in ("layer_norm", "rms_norm"):
         if _trailing(plan):
@@ -575,6 +578,15 @@ def _kernel_layout(plan):
 
 
 _THP = None
+
+
+def _large_outputs_cheaper():
+    """True where anynorm's outputs of FAULTING_BYTES and up cost less to make than torch's:
+    the executor reuses them (:mod:`anynorm._outputs`), or NumPy's get huge pages where
+    torch's fault 4 KiB at a time (:func:`_torch_outputs_fault`).  Layer norm 8192x4096
+    float32, ours / F with the reuse: THP ``always`` 0.62 (torch's pages huge too, yet each
+    call's zeroed again), ``never`` 0.18, ``madvise`` 0.15-0.17."""
+    return _outputs.ENABLED or _torch_outputs_fault()
 
 
 def _torch_outputs_fault():

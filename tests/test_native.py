@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import reference
-from anynorm import _native, _numpy, _numpy_columns
+from anynorm import _native, _numpy, _numpy_columns, _outputs
 from anynorm._numpy_columns import NativeColumns
 from anynorm._numpy_rows import RowsForward
 from anynorm._plan import make_plan
@@ -541,12 +541,13 @@ def test_torch_channels_first_runs_the_column_kernel():
         assert _max_err(out.numpy(), exact) <= Y_TOL[np.float32] * float(np.max(np.abs(exact)))
 
 
-def test_torch_routes_to_the_kernels():
+def test_torch_routes_to_the_kernels(monkeypatch):
     """Without autograd, C-contiguous torch CPU tensors take anynorm's CPU kernels where those
     measured faster than torch's (anynorm/_torch.py): RMS norm rows of RMS_KERNEL_MIN_ELEMENTS
     and up, float16 channels-first group norm of HALF_GROUPS_MIN_ELEMENTS and up, and outputs
-    of FAULTING_BYTES and up where torch's allocations fault 4 KiB pages and NumPy's get huge
-    ones; autograd-free small calls and other memory keep torch's kernels.  The
+    of FAULTING_BYTES and up, which the executor reuses (or, without that, gets huge pages for
+    where torch's allocations fault 4 KiB ones); autograd-free small calls and other memory
+    keep torch's kernels.  The
     results are the NumPy executor's bits on the tensors' memory, exact far from zero."""
     torch = pytest.importorskip("torch")
     import anynorm
@@ -578,7 +579,7 @@ def test_torch_routes_to_the_kernels():
               {"num_groups": 8})]
     big = 1e4 + torch.from_numpy(gen.standard_normal((8192, 1024), np.float32))  # 32 MiB
     assert big.numel() * 4 == _torch.FAULTING_BYTES
-    if _torch._torch_outputs_fault():
+    if _torch._large_outputs_cheaper():
         assert not first("layer_norm", big)
         assert not first("group_norm", big.reshape(8, 64, 128, 128), num_groups=32)
         assert not first("layer_norm", big.reshape(8, 64, 128, 128), axis=(1, 2))
@@ -599,6 +600,10 @@ def test_torch_routes_to_the_kernels():
         exact = reference.forward(op, x64, w64, None, eps=1e-5, **kwargs)[0]
         tol = Y_TOL[np.dtype(x.numpy().dtype).type]
         assert _max_err(y.numpy(), exact) <= tol * float(np.max(np.abs(exact))), op
+    monkeypatch.setattr(_torch, "_THP", False)  # no huge pages for NumPy either
+    assert not first("layer_norm", big)  # the output cache alone makes the kernels cheaper
+    monkeypatch.setattr(_outputs, "ENABLED", False)
+    assert first("layer_norm", big)
 
 
 def test_torch_route_takes_at_most_torchs_threads(monkeypatch):
@@ -744,7 +749,7 @@ def test_torch_bfloat16_takes_the_kernels():
     long_rows = torch.randn(_torch.LONG_ROWS_KERNEL_MIN_BYTES // 8192, 4096, generator=gen)
     assert first("layer_norm", long_rows.to(torch.bfloat16))
     assert not first("layer_norm", long_rows)
-    if _torch._torch_outputs_fault():
+    if _torch._large_outputs_cheaper():
         big = torch.randn(_torch.FAULTING_BYTES // 4096, 2048, generator=gen)
         assert not first("layer_norm", big.to(torch.bfloat16))
         cases.append(("layer_norm", big, {"axis": -1}))
