@@ -11,9 +11,10 @@ the block again once nothing else refers to it (its reference count, read under 
 view, memoryview, ctypes pointer object or torch tensor made from the output holds the block).
 
 The cache holds at most ``CACHE_BLOCKS`` blocks, ``CACHE_BYTES`` in all (what it keeps between
-calls is bounded by that): ``y = f(x)`` in a loop, the last ``y`` alive while the next is made,
-takes two blocks in turn, ``y, h = f(x, residual=r)`` four. Outputs past half of ``CACHE_BYTES``
-come from ``np.empty``. ``ANYNORM_OUTPUT_CACHE=0`` in the environment turns the cache off.
+calls, a Dask worker's included, is bounded by that): ``y = f(x)`` in a loop, the last ``y``
+alive while the next is made, takes two blocks in turn, ``y, h = f(x, residual=r)`` four.
+Outputs past half of ``CACHE_BYTES`` come from ``np.empty``. ``ANYNORM_OUTPUT_CACHE=0`` in the
+environment turns the cache off.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts
 CACHE_BLOCKS = 4
-CACHE_BYTES = 512 << 20
+CACHE_BYTES = 256 << 20
 
 ENABLED = os.environ.get("ANYNORM_OUTPUT_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 
