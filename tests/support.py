@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
+import threading
 from dataclasses import dataclass
 
 import array_api_compat
@@ -341,3 +342,24 @@ def sass_loops(text):
         if branch and int(branch.group(1), 16) < address:
             loops.append([i for a, i in code if int(branch.group(1), 16) <= a <= address])
     return loops
+
+
+def run_in_threads(work, n):
+    """``work(i)`` for ``i`` in ``range(n)``, each on its own thread, all released at once;
+    the first exception any of them raised is raised here."""
+    errors, barrier = [], threading.Barrier(n)
+
+    def run(i):
+        try:
+            barrier.wait()
+            work(i)
+        except BaseException as exc:  # reported below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

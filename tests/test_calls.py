@@ -4,7 +4,6 @@ never a stale hit, and safe under threads."""
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 import anynorm
 from anynorm import _calls
 from reference import forward as reference_forward
+from support import run_in_threads
 
 
 @pytest.fixture
@@ -136,21 +136,11 @@ def test_threads_share_the_cache(planned):
     rng = np.random.default_rng(4)
     inputs = [rng.standard_normal((4 + i % 3, 16)).astype(np.float32) * (i + 1) for i in range(8)]
     wants = [reference_forward("layer_norm", x.astype(np.float64))[0] for x in inputs]
-    errors, barrier = [], threading.Barrier(8)
 
     def work(i):
-        try:
-            barrier.wait()
-            for _ in range(50):
-                got = anynorm.layer_norm(inputs[i])
-                np.testing.assert_allclose(got, wants[i], rtol=2e-5, atol=2e-5)
-        except Exception as exc:  # reported below
-            errors.append(exc)
+        for _ in range(50):
+            got = anynorm.layer_norm(inputs[i])
+            np.testing.assert_allclose(got, wants[i], rtol=2e-5, atol=2e-5)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(work, 8)
     assert 3 <= planned["n"] <= 8  # three shapes; threads that missed together may each plan
