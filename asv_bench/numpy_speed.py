@@ -12,7 +12,7 @@ issue's yardstick; ``ours`` allocates its output, whose first touch is part of i
 ``ours / (empty + copy)`` (a copy into a freshly allocated array: the page faults of a fresh
 output), ``uncached / copy`` (ours with the output cache off, ``anynorm._outputs``: outputs of
 32 MiB and up then fault in their pages on every call, as ``empty + copy``'s), ``ours / naive`` (the tutorial formula, ``peers.naive_numpy``), float16 / float32
-(ours), and the peak memory a call allocates (tracemalloc, the output's own block counted: the
+(ours), bfloat16 / float32 (ours on ml_dtypes' bfloat16, where installed), and the peak memory a call allocates (tracemalloc, the output's own block counted: the
 cache is emptied first) in output sizes.
 
 ``--floors`` adds, per case and in the same rounds, what no NumPy executor can beat (each
@@ -139,6 +139,12 @@ def measure(name, rounds, min_seconds, floors=False):
     """Per-round times of each variant of case ``name``; returns a dict of lists (seconds)."""
     x, w, b, _ = numpy_inputs(name, np.dtype("float32"))
     x16, w16, b16, _ = (a.copy() for a in numpy_inputs(name, np.dtype("float16")))
+    try:
+        import ml_dtypes
+    except ImportError:
+        xbf = None
+    else:
+        xbf = tuple(None if a is None else a.astype(ml_dtypes.bfloat16) for a in (x, w, b))
     out = np.empty_like(x)
     small = x.size < 4096
     timer = cpu_time_batched if small else cpu_time
@@ -150,6 +156,8 @@ def measure(name, rounds, min_seconds, floors=False):
         "ours f16": lambda: call_anynorm(anynorm, name, x16, w16, b16),
         "uncached": lambda: uncached(lambda: call_anynorm(anynorm, name, x, w, b)),
     }
+    if xbf is not None:
+        variants["ours bf16"] = lambda: call_anynorm(anynorm, name, *xbf)
     if floors:
         variants["fresh 1 pass"] = lambda: np.add(x, 1.0)
         if x.ndim == 2 and w is not None and b is not None and name.startswith("ln rows"):
@@ -187,8 +195,8 @@ def main(argv=None):
     rows = {}
     extra = " fresh 1 pass/copy | minimal/copy | f16 conversions/copy |" if args.floors else ""
     print("| case | ours ms | copy ms | ours/copy | ours/(empty+copy) | uncached/copy | ours/naive | f16/f32"
-          " | memory f32, f16 |" + extra)
-    print("|---|---:|---:|---|---|---|---|---|---|" + "---|" * (3 if args.floors else 0))
+          " | bf16/f32 | memory f32, f16 |" + extra)
+    print("|---|---:|---:|---|---|---|---|---|---|---|" + "---|" * (3 if args.floors else 0))
     for name in args.cases.split(","):
         t = measure(name, args.rounds, args.min_seconds, args.floors)
         rows[name] = t
@@ -198,6 +206,7 @@ def main(argv=None):
               f" | {fmt(ratio(t, 'ours', 'copy'))} | {fmt(ratio(t, 'ours', 'empty+copy'))}"
               f" | {fmt(ratio(t, 'uncached', 'copy'))}"
               f" | {fmt(ratio(t, 'ours', 'naive'))} | {fmt(ratio(t, 'ours f16', 'ours'))}"
+              f" | {fmt(ratio(t, 'ours bf16', 'ours')) if 'ours bf16' in t else '-'}"
               f" | {t['memory']:.2f}, {t['memory f16']:.2f} |" + floors, flush=True)
     if args.json:
         with open(args.json, "w") as f:
