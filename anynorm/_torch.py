@@ -44,11 +44,11 @@ layer/RMS rows longer than ``NATIVE_MAX_ROW`` (through the row kernel: in arrays
 ``LONG_ROWS_KERNEL_MIN_BYTES``, not bfloat16), RMS rows of ``RMS_KERNEL_MIN_ELEMENTS``,
 channels-first layer norm through anynorm's column kernel (runs of ``CF_KERNEL_MIN_RUN``,
 arrays of ``CF_KERNEL_MIN_ELEMENTS``), float16 channels-first group norm, and every layout
-the CPU kernels take once an output reaches ``FAULTING_BYTES``, whose pages torch's
-allocations fault in again every call and the executor's reuse; bfloat16 tensors reach the kernels as
-ml_dtypes' bfloat16 arrays on the same memory (where ml_dtypes is installed).  With autograd on,
-layouts without a torch routine take the array-API core, whose torch operations autograd
-differentiates.
+the CPU kernels take once an output reaches ``FAULTING_BYTES`` (torch's allocations fault
+their pages in again on every call, the executor reuses its own).  bfloat16 tensors reach the
+kernels as ml_dtypes' bfloat16 arrays on the same memory (where ml_dtypes is installed).
+With autograd on, layouts without a torch routine take the array-API core, whose torch
+operations autograd differentiates.
 """
 
 from __future__ import annotations
@@ -553,7 +553,8 @@ def _native_first(plan, contiguous=True):
         if _trailing(plan):
             if kernels and plan.op == "rms_norm" and size >= RMS_KERNEL_MIN_ELEMENTS:
                 return False
-            if kernels and (plan.dtype == torch.bfloat16 or size * dtype.itemsize < LONG_ROWS_KERNEL_MIN_BYTES):
+            if kernels and (plan.dtype == torch.bfloat16
+                            or size * dtype.itemsize < LONG_ROWS_KERNEL_MIN_BYTES):
                 return True
             return plan.count <= NATIVE_MAX_ROW
         run = math.prod(plan.shape[plan.reduce_axes[-1] + 1:])

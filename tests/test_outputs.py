@@ -125,7 +125,8 @@ def test_small_outputs_and_a_disabled_cache_take_np_empty(monkeypatch):
 @pytest.mark.parametrize("call", [
     pytest.param(_ln, id="rows"),
     pytest.param(lambda x: anynorm.layer_norm(x.reshape(8, 256, 64, 64), axis=1), id="channels-first"),
-    pytest.param(lambda x: anynorm.group_norm(x.reshape(8, 64, 64, 256), 32, channel_axis=-1), id="nhwc-groups"),
+    pytest.param(lambda x: anynorm.group_norm(x.reshape(8, 64, 64, 256), 32, channel_axis=-1),
+                 id="nhwc-groups"),
     pytest.param(lambda x: anynorm.layer_norm(x, axis=0), id="columns"),
     pytest.param(lambda x: anynorm.layer_norm_backward(x, x, axis=-1)[0], id="backward"),
     pytest.param(lambda x: anynorm.rms_norm(x.astype(np.float64), axis=-1), id="float64"),
