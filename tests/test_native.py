@@ -61,6 +61,14 @@ def _max_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
 
 
+def _assert_near_float64(y, tol, op, x, weight=None, bias=None, **kw):
+    """``y`` (NumPy) within ``tol`` times its largest value of float64's result on the same
+    NumPy inputs (torch tensors' ``.numpy()``, bfloat16 as ml_dtypes')."""
+    as64 = (lambda a: None if a is None else np.asarray(a).astype(np.float64))
+    exact = reference.forward(op, as64(x), as64(weight), as64(bias), **kw)[0]
+    assert _max_err(y, exact) <= tol * float(np.max(np.abs(exact))), op
+
+
 def _forward_columns(op, x, weight=None, bias=None, **kw):
     """anynorm's NumPy executor on x through the compiled column kernel."""
     plan = make_plan(op, x, weight, bias, **kw)
@@ -531,14 +539,13 @@ def test_torch_channels_first_runs_the_column_kernel():
     assert _torch._native_first(make_plan("layer_norm", short, w, b, axis=1), True)
     assert not _torch._native_first(make_plan("layer_norm", short[..., :4].repeat(1, 1, 2, 1), w, b, axis=1), True)
     assert _torch._native_first(make_plan("layer_norm", x, w, b, axis=1, residual=x), True)
-    exact = reference.forward("layer_norm", x.numpy().astype(np.float64), w.numpy().astype(np.float64),
-                              b.numpy().astype(np.float64), eps=1e-5, axis=1)[0]
     with torch.no_grad():
         y = anynorm.layer_norm(x, w, b, axis=1)
         y_last = anynorm.layer_norm(x.contiguous(memory_format=torch.channels_last), w, b, axis=1)
     assert np.array_equal(y.numpy(), anynorm.layer_norm(x.numpy(), w.numpy(), b.numpy(), axis=1))
     for out in (y, y_last):
-        assert _max_err(out.numpy(), exact) <= Y_TOL[np.float32] * float(np.max(np.abs(exact)))
+        _assert_near_float64(out.numpy(), Y_TOL[np.float32], "layer_norm", x.numpy(), w.numpy(), b.numpy(),
+                             eps=1e-5, axis=1)
 
 
 def test_torch_routes_to_the_kernels(monkeypatch):
@@ -596,10 +603,8 @@ def test_torch_routes_to_the_kernels(monkeypatch):
             y = fn(x, weight=w, eps=1e-5, **kwargs)
         assert y.dtype == x.dtype and y.shape == x.shape
         assert np.array_equal(y.numpy(), fn(x.numpy(), weight=w.numpy(), eps=1e-5, **kwargs)), op
-        x64, w64 = x.numpy().astype(np.float64), w.numpy().astype(np.float64)
-        exact = reference.forward(op, x64, w64, None, eps=1e-5, **kwargs)[0]
-        tol = Y_TOL[np.dtype(x.numpy().dtype).type]
-        assert _max_err(y.numpy(), exact) <= tol * float(np.max(np.abs(exact))), op
+        _assert_near_float64(y.numpy(), Y_TOL[np.dtype(x.numpy().dtype).type], op, x.numpy(), w.numpy(),
+                             eps=1e-5, **kwargs)
     monkeypatch.setattr(_torch, "_THP", False)  # no huge pages for NumPy either
     assert not first("layer_norm", big)  # the output cache alone makes the kernels cheaper
     monkeypatch.setattr(_outputs, "ENABLED", False)
@@ -655,9 +660,7 @@ def test_torch_float16_rows_run_the_kernel():
     with torch.no_grad():
         y = anynorm.layer_norm(x, w, b)
     assert y.dtype == torch.float16
-    exact = reference.forward("layer_norm", x.numpy().astype(np.float64), w.numpy().astype(np.float64),
-                              b.numpy().astype(np.float64), eps=1e-5, axis=-1)[0]
-    assert _max_err(y.numpy(), exact) <= Y_TOL[np.float16] * float(np.max(np.abs(exact)))
+    _assert_near_float64(y.numpy(), Y_TOL[np.float16], "layer_norm", x.numpy(), w.numpy(), b.numpy(), eps=1e-5)
 
 
 def _bf16():
@@ -765,8 +768,7 @@ def test_torch_bfloat16_takes_the_kernels():
         wn = w.view(torch.int16).numpy().view(bf16)
         expected = getattr(anynorm, op)(xn, wn, eps=1e-5, **kw)
         assert np.array_equal(y.view(torch.int16).numpy(), expected.view(np.int16)), op
-        exact = reference.forward(op, xn.astype(np.float64), wn.astype(np.float64), eps=1e-5, **kw)[0]
-        assert _max_err(y.float().numpy(), exact) <= 2.0 ** -8 * float(np.max(np.abs(exact))), op
+        _assert_near_float64(y.float().numpy(), 2.0 ** -8, op, xn, wn, eps=1e-5, **kw)
     saved = _torch._BF16[:]
     try:
         _torch._BF16[:] = [None]  # as without ml_dtypes
