@@ -46,7 +46,7 @@ _ARGS = {
     "cols": [ctypes.c_void_p] * 6 + [ctypes.c_longlong] * 5 + [ctypes.c_int, ctypes.c_double],
 }
 _SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
-_SUFFIXES = ("f16", "f32", "f64", "bf16")
+_SUFFIXES = (*_SUFFIX.values(), "bf16")  # every entry point, bfloat16 (ml_dtypes) included
 
 
 def _suffix(dtype):

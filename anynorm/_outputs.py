@@ -57,16 +57,21 @@ def empty(shape, dtype):
     return _block(nbytes).view(dtype).reshape(shape)
 
 
+def _unused(i):
+    """True when nothing but the cache refers to block ``i`` (called under the lock)."""
+    return sys.getrefcount(_blocks[i]) == _UNREFERENCED
+
+
 def _block(nbytes):
     with _lock:
         for i in range(len(_blocks)):
-            if _blocks[i].nbytes == nbytes and sys.getrefcount(_blocks[i]) == _UNREFERENCED:
+            if _blocks[i].nbytes == nbytes and _unused(i):
                 return _blocks[i]
         # Make room before allocating: a block no one refers to goes first, oldest first; one
         # still in use is only forgotten (its owner frees it).
         while _blocks and (len(_blocks) >= CACHE_BLOCKS
                            or sum(b.nbytes for b in _blocks) + nbytes > CACHE_BYTES):
-            free = [i for i in range(len(_blocks)) if sys.getrefcount(_blocks[i]) == _UNREFERENCED]
+            free = [i for i in range(len(_blocks)) if _unused(i)]
             del _blocks[free[0] if free else 0]
         block = np.empty(nbytes, np.uint8)
         _blocks.append(block)

@@ -68,7 +68,7 @@ __all__ = ["forward", "forward_runner", "backward"]
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
                  torch.float64: np.dtype(np.float64)}
 _HALF = (torch.float16, torch.bfloat16)
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_DTYPES = (*_NUMPY_DTYPES, torch.bfloat16)  # those the CPU kernels take (bfloat16: ml_dtypes)
 NATIVE_MAX_ROW = 2048
 # Layer/RMS rows longer than NATIVE_MAX_ROW take anynorm's row kernel from arrays of this many
 # bytes (float32, float16), where x and y no longer share the L3 cache and torch's long-row
@@ -543,18 +543,18 @@ def _native_first(plan, contiguous=True):
     if dtype is None or plan.dtype == torch.float16 and _native.rows_kernel(np.float16) is None:
         return True
     size = math.prod(plan.shape)
+    nbytes = size * dtype.itemsize
     kernels = (contiguous and not plan.has_residual and _kernel_layout(plan)
                and _native.rows_kernel(dtype) is not None)
     if plan.dtype == torch.bfloat16 and not kernels:  # NumPy passes on ml_dtypes: slow
         return True
-    if kernels and size * dtype.itemsize >= FAULTING_BYTES and _large_outputs_cheaper():
+    if kernels and nbytes >= FAULTING_BYTES and _large_outputs_cheaper():
         return False
     if plan.op in ("layer_norm", "rms_norm"):
         if _trailing(plan):
             if kernels and plan.op == "rms_norm" and size >= RMS_KERNEL_MIN_ELEMENTS:
                 return False
-            if kernels and (plan.dtype == torch.bfloat16
-                            or size * dtype.itemsize < LONG_ROWS_KERNEL_MIN_BYTES):
+            if kernels and (plan.dtype == torch.bfloat16 or nbytes < LONG_ROWS_KERNEL_MIN_BYTES):
                 return True
             return plan.count <= NATIVE_MAX_ROW
         run = math.prod(plan.shape[plan.reduce_axes[-1] + 1:])
