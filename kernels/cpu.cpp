@@ -1,6 +1,6 @@
-// anynorm's CPU kernels: layer norm and RMS norm over contiguous rows, and statistics over a
-// middle axis (channels-first layer norm, NHWC instance/group norm), each slice read from
-// memory once and kept in cache for its passes.
+// anynorm's CPU kernels: layer norm and RMS norm over contiguous rows (forward and backward),
+// and statistics over a middle axis (channels-first layer norm, NHWC instance/group norm),
+// each slice read from memory once and kept in cache for its passes.
 //
 // The NumPy executor (anynorm/_numpy_rows.py, anynorm/_numpy_columns.py) calls them through
 // ctypes where the host has a C++ compiler (anynorm/_native.py builds this file at first use,
@@ -26,6 +26,7 @@
 //
 //     anynorm_rows_<f16|bf16|f32|f64>(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)
 //     anynorm_cols_<f16|bf16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
+//     anynorm_rows_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, w_run, mean, rstd, dw, db, rows, n, center, eps)
 
 #include <math.h>
 #include <stdint.h>
@@ -447,6 +448,254 @@ int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
     return 0;
 }
 
+// the working precision of a kernel's arithmetic, its vectors, and x's elements widened to them
+template <typename T> struct Work { typedef float type; typedef vf vec; };
+template <> struct Work<double> { typedef double type; typedef vd vec; };
+
+template <typename T> inline vf lanes(const T *p) { return narrow(p); }
+inline vd lanes(const double *p) { return load(p); }
+
+// ---- rows backward: the gradients through a row's normalization ------------------------------
+//
+// Per row, with xhat = ((x - hi) - lo) * r (the statistics given, hi = mean, lo = 0, or taken
+// again as the forward takes them) and g = dy * w:
+//
+//     dx = (g - xhat * mean(g * xhat) - mean(g)) * r          (RMS norm: no mean(g))
+//     dweight += dy * xhat,  dbias += dy                      (summed over rows / runs)
+//
+// The row is read from memory once (x, dy) and again from L1/L2 for dx.  Weight gradients by
+// position (w_run = 0) gather in float32 vectors a call, added to the caller's float64 ones
+// every BWD_FLUSH_ROWS rows; by run (w_run = S > 0: NCHW instance/group norm) each run's sums
+// are float32 over chunks of SUM_CHUNK added in float64, written to dw[k] and db[k] of run k.
+
+// sum(g) and sum(g * (x - hi)) over elements [i0, i1) of a row (float32 over chunks of
+// SUM_CHUNK, added in float64), the weight `wp` by position or `wk` for all of them where wp
+// is null (POS: wp not null); sum(g * xhat) is then r * (the second - lo * the first)
+template <bool POS, typename T, typename V, typename F>
+inline void grad_sums_by(const T *x, const T *dy, long long i0, long long i1, F hi, const F *wp, F wk, double *sg,
+                         double *sgd) {
+    double tg = 0.0, tgd = 0.0;
+    for (long long c0 = i0; c0 < i1; c0 += SUM_CHUNK) {
+        const long long c1 = c0 + SUM_CHUNK < i1 ? c0 + SUM_CHUNK : i1;
+        V u0 = {0}, u1 = {0}, v0 = {0}, v1 = {0};
+        long long i = c0;
+        for (; i + 16 <= c1; i += 16) {
+            const V d0 = lanes(dy + i), d1 = lanes(dy + i + 8);
+            const V g0 = POS ? d0 * load(wp + i) : d0 * wk, g1 = POS ? d1 * load(wp + i + 8) : d1 * wk;
+            u0 += g0;
+            u1 += g1;
+            v0 += g0 * (lanes(x + i) - hi);
+            v1 += g1 * (lanes(x + i + 8) - hi);
+        }
+        for (; i + 8 <= c1; i += 8) {
+            const V d = lanes(dy + i);
+            const V g = POS ? d * load(wp + i) : d * wk;
+            u0 += g;
+            v0 += g * (lanes(x + i) - hi);
+        }
+        tg += total(u0 + u1);
+        tgd += total(v0 + v1);
+        for (; i < c1; i++) {
+            const F d = (F)dy[i], g = POS ? d * wp[i] : d * wk;
+            tg += (double)g;
+            tgd += (double)(g * ((F)x[i] - hi));
+        }
+    }
+    *sg = tg;
+    *sgd = tgd;
+}
+
+template <typename T, typename V, typename F>
+inline void grad_sums(const T *x, const T *dy, long long i0, long long i1, F hi, const F *wp, F wk, double *sg,
+                      double *sgd) {
+    if (wp) grad_sums_by<true, T, V, F>(x, dy, i0, i1, hi, wp, wk, sg, sgd);
+    else grad_sums_by<false, T, V, F>(x, dy, i0, i1, hi, wp, wk, sg, sgd);
+}
+
+// A row's constants for its dx: xhat = ((x - hi) - lo) * r, dx = ((g - c2) - xhat * c1) * r
+template <typename F> struct GradRow {
+    F hi, lo, r, c1, c2;
+};
+
+// dx of a group of `g` (<= BWD_GROUP) rows whose weight is by position (`wp`) or `wk` (wp null),
+// element by element across the rows, so that `aw`, `ab` (nullable: += dy * xhat, += dy)
+// are read and written once for the group
+template <int G, bool NT, bool POS, typename T, typename V, typename F>
+inline void grad_x_rows(const T *x, const T *dy, T *dx, long long n, const GradRow<F> *k_,
+                        const F *wp, F *aw, F *ab, F wk) {
+    const int g = G;
+    long long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        V sw = {0}, sb = {0};
+        for (int k = 0; k < g; k++) {
+            const GradRow<F> &c = k_[k];
+            const long long e = k * n + i;
+            const V xh = ((lanes(x + e) - c.hi) - c.lo) * c.r, d = lanes(dy + e);
+            const V gv = POS ? d * load(wp + i) : d * wk;
+            put_y<NT>(dx + e, ((gv - c.c2) - xh * c.c1) * c.r);
+            sw += d * xh;
+            sb += d;
+        }
+        if (aw) {
+            store(aw + i, load(aw + i) + sw);
+            store(ab + i, load(ab + i) + sb);
+        }
+    }
+    for (; i < n; i++) {
+        F sw = 0, sb = 0;
+        for (int k = 0; k < g; k++) {
+            const GradRow<F> &c = k_[k];
+            const long long e = k * n + i;
+            const F xh = (((F)x[e] - c.hi) - c.lo) * c.r, d = (F)dy[e], gv = POS ? d * wp[i] : d * wk;
+            dx[e] = (T)(((gv - c.c2) - xh * c.c1) * c.r);
+            sw += d * xh;
+            sb += d;
+        }
+        if (aw) {
+            aw[i] += sw;
+            ab[i] += sb;
+        }
+    }
+}
+
+// dx over elements [i0, i1): (g - xhat * c1 - c2) * r
+template <typename T, typename V, typename F>
+inline void grad_x(const T *x, const T *dy, T *dx, long long i0, long long i1, F hi, F lo, F r, const F *wp, F wk,
+                   F c1, F c2) {
+    long long i = i0;
+    for (; i + 8 <= i1; i += 8) {
+        const V xh = ((lanes(x + i) - hi) - lo) * r, d = lanes(dy + i);
+        const V g = wp ? d * load(wp + i) : d * wk;
+        put(dx + i, ((g - c2) - xh * c1) * r);
+    }
+    for (; i < i1; i++) {
+        const F xh = (((F)x[i] - hi) - lo) * r, d = (F)dy[i], g = wp ? d * wp[i] : d * wk;
+        dx[i] = (T)(((g - c2) - xh * c1) * r);
+    }
+}
+
+// grad_x_rows by weight (by position or none) and store kind, each loop without a branch
+template <int G, typename T, typename V, typename F>
+inline void grad_x_group(const T *x, const T *dy, T *dx, long long n, const GradRow<F> *rows, const F *wp, F *aw,
+                         F *ab, bool nt) {
+    if (nt && wp) grad_x_rows<G, true, true, T, V, F>(x, dy, dx, n, rows, wp, aw, ab, F(1));
+    else if (nt) grad_x_rows<G, true, false, T, V, F>(x, dy, dx, n, rows, wp, aw, ab, F(1));
+    else if (wp) grad_x_rows<G, false, true, T, V, F>(x, dy, dx, n, rows, wp, aw, ab, F(1));
+    else grad_x_rows<G, false, false, T, V, F>(x, dy, dx, n, rows, wp, aw, ab, F(1));
+}
+
+// A row's GradRow: its statistics as given (`mean` null for RMS norm) or, with rstd null, taken
+// again from x as `rows` takes them; then sum(g) and sum(g * xhat) over its elements, the
+// weight by position (`wp`) or by run (`w`, w_run > 0: its runs' sums also go to dw[k], db[k]
+// where dw is not null)
+template <typename T, typename V, typename F>
+inline GradRow<F> grad_row(const T *x, const T *dy, long long r, long long n, const typename Acc<T>::type *mean,
+                           const typename Acc<T>::type *rstd, const F *w, long long w_run, double *dw,
+                           double *db, int center, double eps) {
+    GradRow<F> c;
+    if (rstd) {
+        c.hi = center ? (F)mean[r] : F(0);
+        c.lo = 0;
+        c.r = (F)rstd[r];
+    } else {
+        const RowStats<T> st = row_stats(x, (const T *)nullptr, (T *)nullptr, r, n, center, eps,
+                                         (typename Acc<T>::type *)nullptr, (typename Acc<T>::type *)nullptr);
+        // float64: ((x - m1) - c), as its forward; float32: the mean in two floats
+        const double m = st.m1 + st.c;
+        c.hi = sizeof(F) == 8 ? (F)st.m1 : (F)m;
+        c.lo = sizeof(F) == 8 ? (F)st.c : (F)(m - (double)c.hi);
+        c.r = (F)st.rs;
+    }
+    const T *xr = x + r * n, *dyr = dy + r * n;
+    const double rs = (double)c.r, lo = (double)c.lo;
+    double sg = 0.0, sgx = 0.0;
+    if (w_run <= 0) {
+        double sgd;
+        grad_sums<T, V, F>(xr, dyr, 0, n, c.hi, w, F(1), &sg, &sgd);
+        sgx = rs * (sgd - lo * sg);
+    } else {
+        for (long long s = 0; s < n; s += w_run) {
+            const long long k = (r * n + s) / w_run;
+            double sd, sdd;
+            grad_sums<T, V, F>(xr, dyr, s, s + w_run, c.hi, (const F *)nullptr, F(1), &sd, &sdd);
+            const double sdx = rs * (sdd - lo * sd), wk = w ? (double)w[k] : 1.0;
+            sg += wk * sd;
+            sgx += wk * sdx;
+            if (dw) {
+                dw[k] += sdx;
+                db[k] += sd;
+            }
+        }
+    }
+    const double inv_n = 1.0 / (double)n;
+    c.c1 = (F)(sgx * inv_n);
+    c.c2 = center ? (F)(sg * inv_n) : F(0);
+    return c;
+}
+
+// Rows by position whose weight and gradient vectors exceed L1 go in groups of BWD_GROUP: each
+// row's sums, then the group's dx element by element across its rows, the weight and bias
+// gradients added once a group to float32 vectors of n (read and written once a group, not
+// once a row), which go to the caller's float64 ones every BWD_FLUSH_ROWS rows.
+const int BWD_GROUP = 4;
+const long long BWD_FLUSH_ROWS = 64;  // a multiple of BWD_GROUP
+
+// dx for `rows` rows of n; `mean`/`rstd` as the forward wrote them (mean null for RMS norm), or
+// rstd null: taken again from x (as `rows` takes them, eps then used).  `w` (nullable) by
+// position (w_run = 0, n values) or by run (w_run = S: w[(row*n + i)/S]).  `dw`/`db`
+// (nullable, float64, the caller's zeros or earlier sums): += the weight and bias gradients,
+// n values by position or one a run.  Returns 1 for n <= 0, n % w_run, or centred statistics
+// given without their mean.
+template <typename T>
+int rows_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, long long w_run,
+             const typename Acc<T>::type *mean, const typename Acc<T>::type *rstd, double *dw, double *db,
+             long long nrows, long long n, int center, double eps) {
+    typedef typename Work<T>::type F;
+    typedef typename Work<T>::vec V;
+    if (n <= 0 || (w_run > 0 && n % w_run) || (center && rstd && !mean)) return 1;
+    if (w_run > 0) {
+        for (long long r = 0; r < nrows; r++) {
+            const GradRow<F> c = grad_row<T, V, F>(x, dy, r, n, mean, rstd, w, w_run, dw, db, center, eps);
+            for (long long s = 0; s < n; s += w_run) {
+                const F wk = w ? (F)w[(r * n + s) / w_run] : F(1);
+                grad_x_rows<1, false, false, T, V, F>(x + r * n + s, dy + r * n + s, dx + r * n + s, w_run, &c, (const F *)nullptr,
+                                     (F *)nullptr, (F *)nullptr, wk);
+            }
+        }
+        return 0;
+    }
+    // float32 dx of 4 MiB and up by non-temporal stores, as `rows` writes y; rows in groups
+    // where their weight and its two gradient vectors would not stay in L1 one row to the next
+    const bool nt = sizeof(T) == 4 && nrows * n * (long long)sizeof(T) >= ROWS_NT_BYTES && n % 4 == 0 &&
+                    (uintptr_t)dx % 16 == 0;
+    const int group = w && 3 * n * (long long)sizeof(F) > ROW_PARAMS_L1 ? BWD_GROUP : 1;
+    std::vector<F> acc;  // float32 weight and bias gradients by position, flushed to dw, db
+    if (dw) acc.assign(2 * n, F(0));
+    F *aw = acc.empty() ? nullptr : acc.data(), *ab = aw ? aw + n : nullptr;
+    GradRow<F> rows[BWD_GROUP];
+    for (long long r0 = 0; r0 < nrows; r0 += group) {
+        const int g = r0 + group < nrows ? group : (int)(nrows - r0);
+        for (int k = 0; k < g; k++)
+            rows[k] = grad_row<T, V, F>(x, dy, r0 + k, n, mean, rstd, w, 0, nullptr, nullptr, center, eps);
+        const long long e = r0 * n;
+        if (g == BWD_GROUP) {
+            grad_x_group<BWD_GROUP, T, V, F>(x + e, dy + e, dx + e, n, rows, w, aw, ab, nt);
+        } else {
+            for (int k = 0; k < g; k++)
+                grad_x_group<1, T, V, F>(x + e + k * n, dy + e + k * n, dx + e + k * n, n, rows + k, w, aw, ab, nt);
+        }
+        if (aw && ((r0 + g) % BWD_FLUSH_ROWS == 0 || r0 + g == nrows)) {
+            for (long long i = 0; i < n; i++) {
+                dw[i] += (double)aw[i];
+                db[i] += (double)ab[i];
+            }
+            std::fill(acc.begin(), acc.end(), F(0));
+        }
+    }
+    if (nt) nt_fence();
+    return 0;
+}
+
 
 // ---- columns: statistics over the middle axis of x viewed as (B, P, Q) -------------------
 //
@@ -465,11 +714,6 @@ int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
 const long long COL_CHUNK_ROWS = 128;  // float32 sums of at most this many terms a column
 const long long Y_BLOCK = 512;  // columns of channels-first y a block (3 x 2 KiB of constants)
 
-template <typename T> struct Work { typedef float type; typedef vf vec; };
-template <> struct Work<double> { typedef double type; typedef vd vec; };
-
-template <typename T> inline vf lanes(const T *p) { return narrow(p); }
-inline vd lanes(const double *p) { return load(p); }
 
 // The cache lines of [p, end) into L2, for reading soon
 inline void prefetch_l2(const char *p, const char *end) {
@@ -785,13 +1029,25 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
         return cols<T>(x, y, w, b, mean, rstd, nb, P, Q, group, strip, param_rows, eps);          \
     }
 
+#define ANYNORM_ROWS_BWD(SUFFIX, T)                                                                  \
+    extern "C" int anynorm_rows_bwd_##SUFFIX(const T *x, const T *dy, T *dx, const Acc<T>::type *w,      \
+                                             long long w_run, const Acc<T>::type *mean,                    \
+                                             const Acc<T>::type *rstd, double *dw, double *db,             \
+                                             long long nrows, long long n, int center, double eps) {      \
+        return rows_bwd<T>(x, dy, dx, w, w_run, mean, rstd, dw, db, nrows, n, center, eps);             \
+    }
+
 ANYNORM_ROWS(f32, float)
 ANYNORM_ROWS(f64, double)
 ANYNORM_ROWS(bf16, bf16)
 ANYNORM_COLS(f32, float)
 ANYNORM_COLS(f64, double)
 ANYNORM_COLS(bf16, bf16)
+ANYNORM_ROWS_BWD(f32, float)
+ANYNORM_ROWS_BWD(f64, double)
+ANYNORM_ROWS_BWD(bf16, bf16)
 #if HAVE_F16
 ANYNORM_ROWS(f16, _Float16)
 ANYNORM_COLS(f16, _Float16)
+ANYNORM_ROWS_BWD(f16, _Float16)
 #endif
