@@ -61,7 +61,7 @@ import numpy as np
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from . import _native, _numpy, _outputs, _reference, _torch_channels_last, _torch_rms
+from . import _native, _numpy, _outputs, _reference, _torch_channels_last, _torch_cpu_grad, _torch_rms
 
 __all__ = ["forward", "forward_runner", "backward"]
 
@@ -479,10 +479,14 @@ def _numpy_dtype(dtype):
     return _BF16[0]
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # no subclass that overrides torch functions
+
+
 def _numpy_eligible(plan, *tensors, kernels=False):
-    """True when the NumPy executor may run on these tensors' memory: CPU, plain tensors of a
-    NumPy dtype (with ``kernels``, for a call :func:`_native_first` gave anynorm's CPU kernels,
-    bfloat16 too), no gradient to record, not traced (:func:`_tracing`)."""
+    """True when the NumPy executor may run on these tensors' memory: CPU, plain tensors (or
+    a module's parameters) of a NumPy dtype (with ``kernels``, for a call
+    :func:`_native_first` gave anynorm's CPU kernels, bfloat16 too), no gradient to record,
+    not traced (:func:`_tracing`)."""
     dtypes = _KERNEL_DTYPES if kernels else _NUMPY_DTYPES
     if plan.dtype not in dtypes or _tracing():
         return False
@@ -490,7 +494,7 @@ def _numpy_eligible(plan, *tensors, kernels=False):
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype not in dtypes:
+        if type(t) not in _PLAIN or t.device.type != "cpu" or t.dtype not in dtypes:
             return False
         if grad and t.requires_grad:
             return False
@@ -630,9 +634,11 @@ def _numpy_forward(plan, x, weight, bias, residual):
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
     # not while traced: sizes may be symbolic there, and a size test would guard them
-    if (not _tracing() and not _prefers_native(plan, x)
-            and _numpy_eligible(plan, x, weight, bias, residual, kernels=True)):
-        return _numpy_forward(plan, x, weight, bias, residual)
+    if not _tracing() and not _prefers_native(plan, x):
+        if _numpy_eligible(plan, x, weight, bias, residual, kernels=True):
+            return _numpy_forward(plan, x, weight, bias, residual)
+        if _torch_cpu_grad.takes(plan, x, weight, bias, residual):  # autograd records it
+            return _torch_cpu_grad.forward(plan, x, weight, bias)
     h = _reference.add_residual(plan, x, residual) if residual is not None else None
     native = native_forward(plan, h if h is not None else x, weight, bias)
     if native is not None:
@@ -883,9 +889,23 @@ def _exact_forward(plan, x, weight, bias, residual):
     return _reference.forward(plan, x, weight, bias, residual)
 
 
+def _backward_kernel_takes(plan, x, dy):
+    """True where the NumPy executor's backward runs the row backward kernel on these
+    tensors (layer/RMS norm over trailing axes, NCHW instance/group norm, C-contiguous x and
+    dy of x's dtype): then bfloat16 goes there too, as ml_dtypes' arrays."""
+    if plan.op in ("layer_norm", "rms_norm"):
+        if not _trailing(plan):
+            return False
+    elif plan.channel_axis != 1:
+        return False
+    dtype = _numpy_dtype(plan.dtype)
+    return (dtype is not None and dy.dtype is x.dtype and x.is_contiguous() and dy.is_contiguous()
+            and _native.rows_backward_kernel(dtype) is not None)
+
+
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """Return ``(dx, dweight, dbias)`` as :func:`anynorm._reference.backward` does."""
-    if _numpy_eligible(plan, dy, x, weight, mean, rstd):
+    if _numpy_eligible(plan, dy, x, weight, mean, rstd, kernels=_backward_kernel_takes(plan, x, dy)):
         outs = _numpy.backward(_numpy_plan(plan), _as_numpy(dy), _as_numpy(x), _as_numpy(weight),
                                _as_numpy(mean), _as_numpy(rstd))
         return tuple(_as_torch(a) for a in outs)
