@@ -653,21 +653,24 @@ int rows_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, lon
     typedef typename Work<T>::type F;
     typedef typename Work<T>::vec V;
     if (n <= 0 || (w_run > 0 && n % w_run) || (center && rstd && !mean)) return 1;
+    // float32 dx of 4 MiB and up by non-temporal stores, as `rows` writes y, where every row
+    // (and run) starts 16-byte aligned; rows in groups where their weight and its two gradient
+    // vectors would not stay in L1 one row to the next
+    const bool nt = sizeof(T) == 4 && nrows * n * (long long)sizeof(T) >= ROWS_NT_BYTES && n % 4 == 0 &&
+                    w_run % 4 == 0 && (uintptr_t)dx % 16 == 0;
     if (w_run > 0) {
         for (long long r = 0; r < nrows; r++) {
             const GradRow<F> c = grad_row<T, V, F>(x, dy, r, n, mean, rstd, w, w_run, dw, db, center, eps);
             for (long long s = 0; s < n; s += w_run) {
                 const F wk = w ? (F)w[(r * n + s) / w_run] : F(1);
-                grad_x_rows<1, false, false, T, V, F>(x + r * n + s, dy + r * n + s, dx + r * n + s, w_run, &c, (const F *)nullptr,
-                                     (F *)nullptr, (F *)nullptr, wk);
+                const long long e = r * n + s;
+                if (nt) grad_x_rows<1, true, false, T, V, F>(x + e, dy + e, dx + e, w_run, &c, nullptr, nullptr, nullptr, wk);
+                else grad_x_rows<1, false, false, T, V, F>(x + e, dy + e, dx + e, w_run, &c, nullptr, nullptr, nullptr, wk);
             }
         }
+        if (nt) nt_fence();
         return 0;
     }
-    // float32 dx of 4 MiB and up by non-temporal stores, as `rows` writes y; rows in groups
-    // where their weight and its two gradient vectors would not stay in L1 one row to the next
-    const bool nt = sizeof(T) == 4 && nrows * n * (long long)sizeof(T) >= ROWS_NT_BYTES && n % 4 == 0 &&
-                    (uintptr_t)dx % 16 == 0;
     const int group = w && 3 * n * (long long)sizeof(F) > ROW_PARAMS_L1 ? BWD_GROUP : 1;
     std::vector<F> acc;  // float32 weight and bias gradients by position, flushed to dw, db
     if (dw) acc.assign(2 * n, F(0));
@@ -808,6 +811,111 @@ template <typename V> inline V fold(const V (&a)[SETS][4], int k) {
     return t;
 }
 
+// The moments of a strip's W columns (of a sample viewed as (P, Q), starting at xs) over its
+// P rows: per column the mean `cmean` and M2 (the sum of squared deviations) `cm2` in float64,
+// from chunks of COL_CHUNK_ROWS rows summed in float32 and merged by Chan's formula; m1, su,
+// sq: W floats of scratch each
+template <typename T, typename F, typename V>
+void strip_moments(const T *xs, long long P, long long Q, long long W, double *cmean, double *cm2, F *m1, F *su,
+                   F *sq) {
+    const long long WV = W / 8 * 8;
+    const long long R = COL_CHUNK_ROWS;
+    std::fill(cmean, cmean + W, 0.0);
+    std::fill(cm2, cm2 + W, 0.0);
+    double done = 0.0;
+    for (long long p0 = 0; p0 < P; p0 += R) {
+        const long long p1 = p0 + R < P ? p0 + R : P;
+        const F inv = (F)1 / (F)(p1 - p0);
+        // four column vectors' sums in registers down the chunk's rows: one 128-byte
+        // piece of each row (a page and two lines a row, not one a vector)
+        long long q = 0;
+        for (; q + 32 <= WV; q += 32) {
+            const T *col = xs + q;
+            V a[SETS][4] = {}, m[4], d[4], u[SETS][4] = {}, v[SETS][4] = {};
+            long long p = p0;
+            for (; p + SETS <= p1; p += SETS)
+                for (int s = 0; s < SETS; s++)
+                    for (int k = 0; k < 4; k++) a[s][k] += lanes(col + (p + s) * Q + 8 * k);
+            for (; p < p1; p++)
+                for (int k = 0; k < 4; k++) a[0][k] += lanes(col + p * Q + 8 * k);
+            for (int k = 0; k < 4; k++) m[k] = fold(a, k) * inv;
+            for (p = p0; p + SETS <= p1; p += SETS)
+                for (int s = 0; s < SETS; s++) {
+                    for (int k = 0; k < 4; k++) d[k] = lanes(col + (p + s) * Q + 8 * k) - m[k];
+                    add_moments(d, u[s], v[s]);
+                }
+            for (; p < p1; p++) {
+                for (int k = 0; k < 4; k++) d[k] = lanes(col + p * Q + 8 * k) - m[k];
+                add_moments(d, u[0], v[0]);
+            }
+            for (int k = 0; k < 4; k++) {
+                store(m1 + q + 8 * k, m[k]);
+                store(su + q + 8 * k, fold(u, k));
+                store(sq + q + 8 * k, fold(v, k));
+            }
+        }
+        // single column vectors (4 rows a step); a strip's last W % 8 columns (W >= 8)
+        // as the vector of its last 8, which sums the columns it overlaps again (their
+        // m1, su and sq all from that pass)
+        for (const long long WT = W >= 8 ? W : WV; q < WT; q += 8) {
+            const long long qv = q < WV ? q : W - 8;
+            const T *col = xs + qv;
+            V a[4] = {}, d[4], u[4] = {}, v[4] = {};
+            long long p = p0;
+            for (; p + 4 <= p1; p += 4)
+                for (int k = 0; k < 4; k++) a[k] += lanes(col + (p + k) * Q);
+            for (; p < p1; p++) a[0] += lanes(col + p * Q);
+            const V m = ((a[0] + a[1]) + (a[2] + a[3])) * inv;
+            for (p = p0; p + 4 <= p1; p += 4) {
+                for (int k = 0; k < 4; k++) d[k] = lanes(col + (p + k) * Q) - m;
+                add_moments(d, u, v);
+            }
+            for (; p < p1; p++) {
+                const V e = lanes(col + p * Q) - m;
+                u[0] += e;
+                v[0] += e * e;
+            }
+            store(m1 + qv, m);
+            store(su + qv, (u[0] + u[1]) + (u[2] + u[3]));
+            store(sq + qv, (v[0] + v[1]) + (v[2] + v[3]));
+        }
+        for (; q < W; q++) {
+            F a = 0, u = 0, v = 0;
+            for (long long p = p0; p < p1; p++) a += (F)xs[p * Q + q];
+            const F m = a * inv;
+            for (long long p = p0; p < p1; p++) {
+                const F d = (F)xs[p * Q + q] - m;
+                u += d;
+                v += d * d;
+            }
+            m1[q] = m;
+            su[q] = u;
+            sq[q] = v;
+        }
+        // where a column's first mean missed by more than a quarter of its spread
+        // (c^2 > q / 16: sq - su * c would lose bits), centre its chunk again on m1 + c
+        bool far = false;
+        for (long long q = 0; q < W; q++) {
+            const F c = su[q] * inv;
+            if (c * c > sq[q] * inv / 16) {
+                m1[q] += c;
+                far = true;
+            }
+        }
+        if (far) deviations<T, F, V>(xs, Q, p0, p1, W, m1, su, sq);
+        const double nc = (double)(p1 - p0), total_n = done + nc;
+        for (long long q = 0; q < W; q++) {  // Chan: merge the chunk's state
+            const double c = (double)su[q] / nc, mc = (double)m1[q] + c;
+            double m2c = (double)sq[q] - (double)su[q] * c;
+            if (m2c < 0.0) m2c = 0.0;
+            const double delta = mc - cmean[q];
+            cmean[q] += delta * (nc / total_n);
+            cm2[q] += m2c + delta * delta * (done * nc / total_n);
+        }
+        done = total_n;
+    }
+}
+
 template <typename T>
 int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>::type *b,
          typename Acc<T>::type *mean, typename Acc<T>::type *rstd, long long nb, long long P,
@@ -830,101 +938,7 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
             const T *xs = x + bi * P * Q + q0;
             T *ys = y + bi * P * Q + q0;
             const bool nts = nt && q0 % 4 == 0 && W % 4 == 0;  // y's rows in this strip: 16-byte pieces
-            const long long R = COL_CHUNK_ROWS;
-            std::fill(cmean.begin(), cmean.end(), 0.0);
-            std::fill(cm2.begin(), cm2.end(), 0.0);
-            double done = 0.0;
-            for (long long p0 = 0; p0 < P; p0 += R) {
-                const long long p1 = p0 + R < P ? p0 + R : P;
-                const F inv = (F)1 / (F)(p1 - p0);
-                // four column vectors' sums in registers down the chunk's rows: one 128-byte
-                // piece of each row (a page and two lines a row, not one a vector)
-                long long q = 0;
-                for (; q + 32 <= WV; q += 32) {
-                    const T *col = xs + q;
-                    V a[SETS][4] = {}, m[4], d[4], u[SETS][4] = {}, v[SETS][4] = {};
-                    long long p = p0;
-                    for (; p + SETS <= p1; p += SETS)
-                        for (int s = 0; s < SETS; s++)
-                            for (int k = 0; k < 4; k++) a[s][k] += lanes(col + (p + s) * Q + 8 * k);
-                    for (; p < p1; p++)
-                        for (int k = 0; k < 4; k++) a[0][k] += lanes(col + p * Q + 8 * k);
-                    for (int k = 0; k < 4; k++) m[k] = fold(a, k) * inv;
-                    for (p = p0; p + SETS <= p1; p += SETS)
-                        for (int s = 0; s < SETS; s++) {
-                            for (int k = 0; k < 4; k++) d[k] = lanes(col + (p + s) * Q + 8 * k) - m[k];
-                            add_moments(d, u[s], v[s]);
-                        }
-                    for (; p < p1; p++) {
-                        for (int k = 0; k < 4; k++) d[k] = lanes(col + p * Q + 8 * k) - m[k];
-                        add_moments(d, u[0], v[0]);
-                    }
-                    for (int k = 0; k < 4; k++) {
-                        store(m1.data() + q + 8 * k, m[k]);
-                        store(su.data() + q + 8 * k, fold(u, k));
-                        store(sq.data() + q + 8 * k, fold(v, k));
-                    }
-                }
-                // single column vectors (4 rows a step); a strip's last W % 8 columns (W >= 8)
-                // as the vector of its last 8, which sums the columns it overlaps again (their
-                // m1, su and sq all from that pass)
-                for (const long long WT = W >= 8 ? W : WV; q < WT; q += 8) {
-                    const long long qv = q < WV ? q : W - 8;
-                    const T *col = xs + qv;
-                    V a[4] = {}, d[4], u[4] = {}, v[4] = {};
-                    long long p = p0;
-                    for (; p + 4 <= p1; p += 4)
-                        for (int k = 0; k < 4; k++) a[k] += lanes(col + (p + k) * Q);
-                    for (; p < p1; p++) a[0] += lanes(col + p * Q);
-                    const V m = ((a[0] + a[1]) + (a[2] + a[3])) * inv;
-                    for (p = p0; p + 4 <= p1; p += 4) {
-                        for (int k = 0; k < 4; k++) d[k] = lanes(col + (p + k) * Q) - m;
-                        add_moments(d, u, v);
-                    }
-                    for (; p < p1; p++) {
-                        const V e = lanes(col + p * Q) - m;
-                        u[0] += e;
-                        v[0] += e * e;
-                    }
-                    store(m1.data() + qv, m);
-                    store(su.data() + qv, (u[0] + u[1]) + (u[2] + u[3]));
-                    store(sq.data() + qv, (v[0] + v[1]) + (v[2] + v[3]));
-                }
-                for (; q < W; q++) {
-                    F a = 0, u = 0, v = 0;
-                    for (long long p = p0; p < p1; p++) a += (F)xs[p * Q + q];
-                    const F m = a * inv;
-                    for (long long p = p0; p < p1; p++) {
-                        const F d = (F)xs[p * Q + q] - m;
-                        u += d;
-                        v += d * d;
-                    }
-                    m1[q] = m;
-                    su[q] = u;
-                    sq[q] = v;
-                }
-                // where a column's first mean missed by more than a quarter of its spread
-                // (c^2 > q / 16: sq - su * c would lose bits), centre its chunk again on m1 + c
-                bool far = false;
-                for (long long q = 0; q < W; q++) {
-                    const F c = su[q] * inv;
-                    if (c * c > sq[q] * inv / 16) {
-                        m1[q] += c;
-                        far = true;
-                    }
-                }
-                if (far) deviations<T, F, V>(xs, Q, p0, p1, W, m1.data(), su.data(), sq.data());
-                const double nc = (double)(p1 - p0), total_n = done + nc;
-                for (long long q = 0; q < W; q++) {  // Chan: merge the chunk's state
-                    const double c = (double)su[q] / nc, mc = (double)m1[q] + c;
-                    double m2c = (double)sq[q] - (double)su[q] * c;
-                    if (m2c < 0.0) m2c = 0.0;
-                    const double delta = mc - cmean[q];
-                    cmean[q] += delta * (nc / total_n);
-                    cm2[q] += m2c + delta * delta * (done * nc / total_n);
-                }
-                done = total_n;
-            }
+            strip_moments<T, F, V>(xs, P, Q, W, cmean.data(), cm2.data(), m1.data(), su.data(), sq.data());
             if (group == 1) {  // a statistic a column: a loop the compiler vectorizes
                 const double inv_p = 1.0 / (double)P;
                 for (long long q = 0; q < W; q++) {
