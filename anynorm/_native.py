@@ -6,14 +6,15 @@ at 3.2-3.4x the time of ``np.copyto`` for float32 rows of 4096, 5-7x for rows of
 kernels read a row (or a strip of a sample's columns) from memory once and keep it in cache
 for their passes: :func:`rows_kernel` for statistics over trailing axes, :func:`cols_kernel`
 for statistics over a middle axis (channels-first layer norm, NHWC instance/group norm),
-:func:`rows_backward_kernel` for the gradients through rows (x and dy read once, dx written
-once, where the NumPy backward's passes took 7-8x the time of a copy).
+:func:`rows_backward_kernel` and :func:`cols_backward_kernel` for the gradients through
+both (x and dy read from memory once, dx written once, where the NumPy backward's passes
+took 7-13x the time of a copy).
 
 Where the host has a C++ compiler (``ANYNORM_CXX``, ``CXX``, else the first of ``c++``,
 ``g++``, ``clang++`` on PATH), the library is built once per source, compiler and CPU
 (``-O3 -march=native``) into ``$ANYNORM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/anynorm`` or
 ``~/.cache/anynorm``) and loaded from there by later processes.  Without a compiler, or with
-``ANYNORM_NATIVE=0``, all three return None and the NumPy executor runs its NumPy passes (the same
+``ANYNORM_NATIVE=0``, all four return None and the NumPy executor runs its NumPy passes (the same
 results to float32 rounding); :data:`status` says which and why.
 """
 
@@ -32,7 +33,7 @@ import numpy as np
 
 from ._cuda._sources import kernel_dir
 
-__all__ = ["cols_kernel", "rows_backward_kernel", "rows_kernel", "status", "SOURCE"]
+__all__ = ["cols_backward_kernel", "cols_kernel", "rows_backward_kernel", "rows_kernel", "status", "SOURCE"]
 
 SOURCE = "cpu.cpp"
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the first is refused
@@ -48,6 +49,7 @@ _ARGS = {
     "cols": [ctypes.c_void_p] * 6 + [ctypes.c_longlong] * 5 + [ctypes.c_int, ctypes.c_double],
     "rows_bwd": [ctypes.c_void_p] * 4 + [ctypes.c_longlong] + [ctypes.c_void_p] * 4
     + [ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_double],
+    "cols_bwd": [ctypes.c_void_p] * 8 + [ctypes.c_longlong] * 5 + [ctypes.c_int, ctypes.c_double],
 }
 _SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _SUFFIXES = (*_SUFFIX.values(), "bf16")  # every entry point, bfloat16 (ml_dtypes) included
@@ -175,6 +177,16 @@ def rows_backward_kernel(dtype):
     added to): see ``kernels/cpu.cpp``.  Returns non-zero on bad sizes.
     """
     return _kernel("rows_bwd", dtype)
+
+
+def cols_backward_kernel(dtype):
+    """The ctypes function taking the gradients through columns of ``dtype``, or None.
+
+    ``fn(x, dy, dx, w, mean, rstd, dw, db, samples, P, Q, group, strip, param_rows, eps)``
+    (mean and rstd 0 together: taken again from x; dw, db float64, added to): see
+    ``kernels/cpu.cpp``.  Returns non-zero on bad sizes.
+    """
+    return _kernel("cols_bwd", dtype)
 
 
 def cols_kernel(dtype):

@@ -6,9 +6,9 @@ instance/group norm in float16, or in every dtype with the CPU kernels) and
 :mod:`anynorm._numpy_columns` (statistics over a middle axis: channels-first layer norm;
 NHWC instance/group norm), in cache-sized blocks, with float16 converted per block by
 :mod:`anynorm._numpy_half`; where anynorm's CPU kernels are built (:mod:`anynorm._native`)
-both hand their rows and samples to them instead.  Backward calls whose reduced axes are
-x's trailing ones go to the row backward kernel (:mod:`anynorm._numpy_rows_backward`) where
-it is built.  Everything else (float32 NCHW instance/group norm without the kernels, strided
+both hand their rows and samples to them instead.  Backward calls go to the row and column
+backward kernels likewise (:mod:`anynorm._numpy_rows_backward`,
+:mod:`anynorm._numpy_columns_backward`) where they are built.  Everything else (float32 NCHW instance/group norm without the kernels, strided
 views, odd axes, the other backwards) runs the general blocking below, whose float16 inputs
 are converted by the same routine.  Every path runs its blocks with
 NumPy's ufunc buffer no longer than its inner loops (:func:`anynorm._numpy_rows.bufsize`:
@@ -52,6 +52,7 @@ from . import _outputs, _reference
 from ._numpy_columns import ColumnsForward, NativeColumns
 from ._numpy_half import half_to_float
 from ._numpy_rows import RowsForward, bufsize, col_sums, reduce_sums, row_dots, row_sums
+from ._numpy_columns_backward import ColumnsBackward
 from ._numpy_rows_backward import RowsBackward
 from ._plan import plan_for
 
@@ -721,9 +722,11 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
                                   _transposed(weight, weight_axes), _transposed(mean, order),
                                   _transposed(rstd, order))
             return dx.transpose(inverse), _transposed(dw, back), _transposed(db, back)
-    rows = RowsBackward.make(plan, _layout(plan, [x, dy]), dy, x, weight, mean, rstd)
-    if rows is not None:
-        return rows.results(_run(rows.blocks(), rows.run, lambda: None, _parallel(x)))
+    layout = _layout(plan, [x, dy])
+    for path in (RowsBackward, ColumnsBackward):
+        call = path.make(plan, layout, dy, x, weight, mean, rstd)
+        if call is not None:
+            return call.results(_run(call.blocks(), call.run, lambda: None, _parallel(x)))
     call = _BackwardCall(plan, dy, x, weight, mean, rstd)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
     parts = _run(call.boxes, call.run, scratch_for, _parallel(x),

@@ -27,6 +27,7 @@
 //     anynorm_rows_<f16|bf16|f32|f64>(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)
 //     anynorm_cols_<f16|bf16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
 //     anynorm_rows_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, w_run, mean, rstd, dw, db, rows, n, center, eps)
+//     anynorm_cols_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, mean, rstd, dw, db, samples, P, Q, group, strip, param_rows, eps)
 
 #include <math.h>
 #include <stdint.h>
@@ -1025,6 +1026,177 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
     return 0;
 }
 
+// ---- columns backward: the gradients through statistics over the middle axis ----------------
+//
+// x, dy as (B, P, Q), a statistic per `group` adjacent columns over the P rows, as `cols`
+// takes it; per strip of a sample's columns (the caller keeps x's and dy's P x strip in L2):
+//
+//     [the strip's statistics as `cols` takes them, where none are given]
+//     D_q = sum_p dy * w_p,  E_q = sum_p dy * w_p * (x - hi_q)   (one pass down the rows; with
+//                          param_rows also dw_p += sum_q dy * xhat, db_p += sum_q dy)
+//     per slice: c2 = sum w_q D_q / n,  c1 = r * (sum w_q E_q - lo sum w_q D_q) / n
+//                (w_q: the column's weight, or 1 with param_rows; n = P * group)
+//     dx = dy * w_p * (r * w_q) - (x - hi) * (r^2 c1) + (r^2 c1 lo - r c2)      (a second pass)
+//
+// (xhat = ((x - hi) - lo) * r; w_p the row's weight with param_rows, else 1), without
+// param_rows dw_q += r * (E_q - lo * D_q), db_q += D_q.  float32 column sums over chunks of
+// COL_CHUNK_ROWS rows, added in float64.
+
+// one row of a strip's pass 1: D += dy * wp, E += dy * wp * (x - hi) per column; returns
+// (in *rw, *rb) sum dy * xhat and sum dy over the row's columns where `rw` is not null
+template <typename T, typename V, typename F>
+inline void col_grad_row(const T *xr, const T *dyr, long long W, long long WV, F wp, const F *hi, const F *lo,
+                         const F *rs, F *dsum, F *esum, double *rw, double *rb) {
+    V aw = {0}, ab = {0};
+    long long q = 0;
+    for (; q < WV; q += 8) {
+        const V d = lanes(dyr + q), xm = lanes(xr + q) - load(hi + q), g = d * wp;
+        store(dsum + q, load(dsum + q) + g);
+        store(esum + q, load(esum + q) + g * xm);
+        if (rw) {
+            aw += d * ((xm - load(lo + q)) * load(rs + q));
+            ab += d;
+        }
+    }
+    double tw = rw ? total(aw) : 0.0, tb = rw ? total(ab) : 0.0;
+    for (; q < W; q++) {
+        const F d = (F)dyr[q], xm = (F)xr[q] - hi[q], g = d * wp;
+        dsum[q] += g;
+        esum[q] += g * xm;
+        if (rw) {
+            tw += (double)(d * ((xm - lo[q]) * rs[q]));
+            tb += (double)d;
+        }
+    }
+    if (rw) {
+        *rw += tw;
+        *rb += tb;
+    }
+}
+
+// one row of a strip's dx: dy * wp * a - (x - hi) * k + z per column (whole vectors up to WV;
+// with NT, a last 4 columns as the first half of a vector)
+template <bool NT, typename V, typename T, typename F>
+inline void col_dx_row(const T *xr, const T *dyr, T *dxr, long long W, long long WV, F wp, const F *hi, const F *a,
+                       const F *k, const F *z) {
+    long long q = 0;
+    for (; q < WV; q += 8)
+        put_y<NT>(dxr + q, (lanes(dyr + q) * wp) * load(a + q) - (lanes(xr + q) - load(hi + q)) * load(k + q) + load(z + q));
+    if (NT && q + 4 <= W) {
+        V t;
+        for (int j = 0; j < 8; j++) t[j] = 0;
+        for (int j = 0; j < 4; j++)
+            t[j] = ((F)dyr[q + j] * wp) * a[q + j] - ((F)xr[q + j] - hi[q + j]) * k[q + j] + z[q + j];
+        put_nt4(dxr + q, t);
+        q += 4;
+    }
+    for (; q < W; q++) dxr[q] = (T)(((F)dyr[q] * wp) * a[q] - ((F)xr[q] - hi[q]) * k[q] + z[q]);
+}
+
+// `mean`/`rstd` (nullable together: then taken again as `cols` takes them) at
+// [s * Q/group + q/group]; `w` by row p (param_rows) or column q, nullable; `dw`/`db` (float64,
+// nullable; P values with param_rows, else Q): += the sample's weight and bias gradients.
+// Returns 1 for sizes `cols` refuses.
+template <typename T>
+int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, const typename Acc<T>::type *mean,
+             const typename Acc<T>::type *rstd, double *dw, double *db, long long nb, long long P, long long Q,
+             long long group, long long strip, int param_rows, double eps) {
+    typedef typename Work<T>::type F;
+    typedef typename Work<T>::vec V;
+    if (P <= 0 || Q <= 0 || group <= 0 || Q % group || strip <= 0 || strip % group || (!mean) != (!rstd)) return 1;
+    const long long S = Q / group;
+    const bool nt = sizeof(T) == 4 && (uintptr_t)dx % 16 == 0 && Q % 4 == 0;
+    std::vector<double> cmean(strip), cm2(strip), dtot(strip), etot(strip);
+    std::vector<F> m1(strip), su(strip), sq(strip), hi(strip), lo(strip), rs(strip), dsum(strip), esum(strip),
+        a(strip), k(strip), z(strip);
+    for (long long bi = 0; bi < nb; bi++) {
+        for (long long q0 = 0; q0 < Q; q0 += strip) {
+            const long long W = q0 + strip < Q ? strip : Q - q0, WV = W / 8 * 8;
+            const long long off = bi * P * Q + q0;
+            const T *xs = x + off, *dys = dy + off;
+            T *dxs = dx + off;
+            const bool nts = nt && q0 % 4 == 0 && W % 4 == 0;
+            // the strip's statistics: hi + lo the mean (lo = 0 where given), rs the rstd
+            if (rstd) {
+                for (long long q = 0; q < W; q++) {
+                    const long long s = bi * S + (q0 + q) / group;
+                    hi[q] = (F)mean[s];
+                    lo[q] = 0;
+                    rs[q] = (F)rstd[s];
+                }
+            } else {
+                strip_moments<T, F, V>(xs, P, Q, W, cmean.data(), cm2.data(), m1.data(), su.data(), sq.data());
+                for (long long c0 = 0; c0 < W; c0 += group) {
+                    double gm = 0.0, m2 = 0.0;
+                    for (long long j = 0; j < group; j++) gm += cmean[c0 + j];
+                    gm /= (double)group;
+                    for (long long j = 0; j < group; j++) {
+                        const double e = cmean[c0 + j] - gm;
+                        m2 += cm2[c0 + j] + (double)P * e * e;
+                    }
+                    double var = m2 / ((double)P * (double)group);
+                    if (var < 0.0) var = 0.0;  // NaN stays NaN
+                    const double r = 1.0 / sqrt(var + eps);
+                    for (long long j = 0; j < group; j++) {
+                        hi[c0 + j] = (F)gm;
+                        lo[c0 + j] = (F)(gm - (double)(F)gm);
+                        rs[c0 + j] = (F)r;
+                    }
+                }
+            }
+            // pass 1: D and E per column, down the rows in chunks
+            std::fill(dtot.begin(), dtot.begin() + W, 0.0);
+            std::fill(etot.begin(), etot.begin() + W, 0.0);
+            for (long long p0 = 0; p0 < P; p0 += COL_CHUNK_ROWS) {
+                const long long p1 = p0 + COL_CHUNK_ROWS < P ? p0 + COL_CHUNK_ROWS : P;
+                std::fill(dsum.begin(), dsum.begin() + W, F(0));
+                std::fill(esum.begin(), esum.begin() + W, F(0));
+                for (long long p = p0; p < p1; p++) {
+                    const F wp = param_rows && w ? (F)w[p] : F(1);
+                    const bool row_grads = param_rows && dw;
+                    col_grad_row<T, V, F>(xs + p * Q, dys + p * Q, W, WV, wp, hi.data(), lo.data(), rs.data(),
+                                          dsum.data(), esum.data(), row_grads ? dw + p : nullptr,
+                                          row_grads ? db + p : nullptr);
+                }
+                for (long long q = 0; q < W; q++) {
+                    dtot[q] += (double)dsum[q];
+                    etot[q] += (double)esum[q];
+                }
+            }
+            // per slice: c1, c2, and each column's constants of dx
+            const double inv_n = 1.0 / ((double)P * (double)group);
+            for (long long c0 = 0; c0 < W; c0 += group) {
+                double sd = 0.0, se = 0.0;
+                for (long long j = c0; j < c0 + group; j++) {
+                    const double wq = !param_rows && w ? (double)w[q0 + j] : 1.0;
+                    sd += wq * dtot[j];
+                    se += wq * etot[j];
+                }
+                const double r = (double)rs[c0], l = (double)lo[c0];
+                const double c2 = sd * inv_n, c1 = r * (se - l * sd) * inv_n, kk = r * r * c1;
+                for (long long j = c0; j < c0 + group; j++) {
+                    const double wq = !param_rows && w ? (double)w[q0 + j] : 1.0;
+                    a[j] = (F)(r * wq);
+                    k[j] = (F)kk;
+                    z[j] = (F)(kk * l - r * c2);
+                    if (!param_rows && dw) {
+                        dw[q0 + j] += r * (etot[j] - l * dtot[j]);
+                        db[q0 + j] += dtot[j];
+                    }
+                }
+            }
+            // pass 2: dx
+            for (long long p = 0; p < P; p++) {
+                const F wp = param_rows && w ? (F)w[p] : F(1);
+                if (nts) col_dx_row<true, V>(xs + p * Q, dys + p * Q, dxs + p * Q, W, WV, wp, hi.data(), a.data(), k.data(), z.data());
+                else col_dx_row<false, V>(xs + p * Q, dys + p * Q, dxs + p * Q, W, WV, wp, hi.data(), a.data(), k.data(), z.data());
+            }
+        }
+    }
+    if (nt) nt_fence();
+    return 0;
+}
+
 }  // namespace
 
 #define ANYNORM_ROWS(SUFFIX, T)                                                                    \
@@ -1051,6 +1223,14 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
         return rows_bwd<T>(x, dy, dx, w, w_run, mean, rstd, dw, db, nrows, n, center, eps);             \
     }
 
+#define ANYNORM_COLS_BWD(SUFFIX, T)                                                                   \
+    extern "C" int anynorm_cols_bwd_##SUFFIX(const T *x, const T *dy, T *dx, const Acc<T>::type *w,       \
+                                             const Acc<T>::type *mean, const Acc<T>::type *rstd, double *dw, \
+                                             double *db, long long nb, long long P, long long Q,             \
+                                             long long group, long long strip, int param_rows, double eps) { \
+        return cols_bwd<T>(x, dy, dx, w, mean, rstd, dw, db, nb, P, Q, group, strip, param_rows, eps);    \
+    }
+
 ANYNORM_ROWS(f32, float)
 ANYNORM_ROWS(f64, double)
 ANYNORM_ROWS(bf16, bf16)
@@ -1060,8 +1240,12 @@ ANYNORM_COLS(bf16, bf16)
 ANYNORM_ROWS_BWD(f32, float)
 ANYNORM_ROWS_BWD(f64, double)
 ANYNORM_ROWS_BWD(bf16, bf16)
+ANYNORM_COLS_BWD(f32, float)
+ANYNORM_COLS_BWD(f64, double)
+ANYNORM_COLS_BWD(bf16, bf16)
 #if HAVE_F16
 ANYNORM_ROWS(f16, _Float16)
 ANYNORM_COLS(f16, _Float16)
 ANYNORM_ROWS_BWD(f16, _Float16)
+ANYNORM_COLS_BWD(f16, _Float16)
 #endif

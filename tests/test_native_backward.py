@@ -1,10 +1,14 @@
-"""anynorm's CPU row backward (``anynorm_rows_bwd_*`` in kernels/cpu.cpp) through
-:class:`anynorm._numpy_rows_backward.RowsBackward`: dx, dweight and dbias against the float64
-reference for every row length's vector tails, rows one by one and in groups (weights past
-L1), statistics given and taken again, runs of parameters (NCHW instance/group norm), rows
-far from zero, NaN rows, dx by non-temporal stores, bfloat16 and the kernel's refusals."""
+"""anynorm's CPU backward kernels (``anynorm_rows_bwd_*``, ``anynorm_cols_bwd_*`` in
+kernels/cpu.cpp) through :class:`anynorm._numpy_rows_backward.RowsBackward` and
+:class:`anynorm._numpy_columns_backward.ColumnsBackward`: dx, dweight and dbias against the
+float64 reference for every row length's vector tails, rows one by one and in groups
+(weights past L1), statistics given and taken again, runs of parameters (NCHW
+instance/group norm), column strips of a sample, a vector and a group, slices far from zero,
+NaN slices, dx by non-temporal stores, bfloat16 and the kernels' refusals."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -211,3 +215,128 @@ def test_path_declines_what_it_does_not_take():
     assert make(x, strided) is None
     plan0 = make_plan("layer_norm", x, axis=0)
     assert RowsBackward.make(plan0, _numpy._Layout(plan0, [x, x]), x, x, None, None, None) is None
+
+
+# ---- the column backward (anynorm_cols_bwd_*, ColumnsBackward) --------------------------------
+
+COLUMN_CASES = [  # (op, shape, kwargs): channels-first layer norm, NHWC instance and group norm
+    ("layer_norm", (3, 24, 7, 9), {"axis": 1}),  # Q = 63: vectors and a tail
+    ("layer_norm", (2, 40, 1001), {"axis": 1}),
+    ("instance_norm", (3, 5, 7, 24), {"channel_axis": -1}),
+    ("instance_norm", (2, 130, 9), {"channel_axis": -1}),  # 9 channels: one vector and one
+    ("group_norm", (3, 5, 7, 24), {"num_groups": 6, "channel_axis": -1}),
+    ("group_norm", (2, 9, 9, 64), {"num_groups": 32, "channel_axis": -1}),
+]
+CIDS = [f"{op} {'x'.join(map(str, shape))}" for op, shape, _ in COLUMN_CASES]
+
+
+def _backward_columns(op, dy, x, weight=None, stats=None, strip=None, dx_offset=0, **kw):
+    """``(dx, dweight, dbias)`` of the column kernel path, optionally in strips of ``strip``
+    columns and with dx 4 bytes past 16-byte alignment (``dx_offset=1``)."""
+    from anynorm._numpy_columns_backward import ColumnsBackward
+
+    plan = make_plan(op, x, weight, **kw)
+    mean, rstd = stats if stats is not None else (None, None)
+    call = ColumnsBackward.make(plan, _numpy._Layout(plan, [x, dy]), dy, x, weight, mean, rstd)
+    assert call is not None
+    if strip is not None:
+        call.strip = strip
+    if dx_offset:
+        buf = np.zeros(x.size + 8, x.dtype)
+        first = (-buf.ctypes.data % 16) // x.itemsize + dx_offset
+        call.dx = buf[first:first + x.size].reshape(x.shape)
+    return call.results([call.run(call.blocks())])
+
+
+def _strip_choices(op, shape, kw):
+    """Whole samples, one vector of columns, one group of columns."""
+    group = 1
+    if op == "group_norm":
+        group = shape[-1] // kw["num_groups"]
+    return [None, math.lcm(8, group), group]
+
+
+@pytest.mark.parametrize("stats", ["given", "recomputed"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("affine", [True, False], ids=["weight", "none"])
+@pytest.mark.parametrize("op,shape,kw", COLUMN_CASES, ids=CIDS)
+def test_columns_backward_matches_float64_reference(op, shape, kw, affine, dtype, stats):
+    if dtype == np.float16 and _native.cols_backward_kernel(np.float16) is None:
+        pytest.skip("no float16 kernel on this CPU")
+    rng = np.random.default_rng(sum(shape))
+    x = (rng.standard_normal(shape) * 2 - 1).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    c = shape[kw.get("axis", kw.get("channel_axis", 1))]
+    w = (rng.standard_normal(c) + 1).astype(np.float64 if dtype == np.float64 else np.float32) if affine else None
+    given = _stats(op, x, **kw) if stats == "given" else None
+    for strip in _strip_choices(op, shape, kw):
+        got = _backward_columns(op, dy, x, w, given, strip, **kw)
+        assert got[0].dtype == dtype and got[0].shape == x.shape
+        _check(op, got, dy, x, w, DX_TOL[dtype], **kw)
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("op,shape,kw", COLUMN_CASES, ids=CIDS)
+def test_columns_backward_far_from_zero_keep_float32_rounding(op, shape, kw, offset):
+    """Statistics taken again: the mean in two floats, as the forward's kernel takes it."""
+    rng = np.random.default_rng(3)
+    x = (offset + rng.standard_normal(shape)).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(shape[kw.get("axis", kw.get("channel_axis", 1))]).astype(np.float32)
+    _check(op, _backward_columns(op, dy, x, w, **kw), dy, x, w, DX_TOL[np.float32], **kw)
+
+
+def test_columns_backward_nan_stays_in_its_slice():
+    """A NaN in one (sample, group) of an NHWC group norm makes that slice's dx NaN, no other."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 6, 6, 16)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    x[1, 2, 3, 5] = np.nan  # sample 1, group 1 (channels 4-7)
+    dx = _backward_columns("group_norm", dy, x, np.ones(16, np.float32), channel_axis=-1, num_groups=4)[0]
+    nan = np.zeros(x.shape, bool)
+    nan[1, :, :, 4:8] = True
+    np.testing.assert_array_equal(np.isnan(dx), nan)
+
+
+@pytest.mark.parametrize("op,shape,kw", [("layer_norm", (2, 16, 64), {"axis": 1}),
+                                         ("group_norm", (2, 16, 64), {"num_groups": 8, "channel_axis": -1})])
+def test_columns_streamed_dx_as_stored(op, shape, kw):
+    """float32 dx by non-temporal stores where dx is 16-byte aligned and a strip's rows are
+    whole 16-byte pieces: the same bits as ordinary stores into dx 4 bytes off, whole and in
+    strips of 8 and 4 columns (a last 4 as half a vector)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(shape) + 3).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(shape[1] if kw.get("axis") == 1 else shape[-1]).astype(np.float32)
+    for strip in (None, 8, 12) if op == "layer_norm" else (None, 8, 16):
+        streamed = _backward_columns(op, dy, x, w, None, strip, **kw)
+        stored = _backward_columns(op, dy, x, w, None, strip, dx_offset=1, **kw)
+        np.testing.assert_array_equal(streamed[0], stored[0])
+
+
+def test_columns_bfloat16_is_float32s_result_rounded():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(7)
+    for op, shape, kw in COLUMN_CASES:
+        x = rng.standard_normal(shape).astype(np.float32).astype(bf16)
+        dy = rng.standard_normal(shape).astype(np.float32).astype(bf16)
+        w = rng.standard_normal(shape[kw.get("axis", kw.get("channel_axis", 1))]).astype(np.float32)
+        got = _backward_columns(op, dy, x, w, **kw)
+        want = _backward_columns(op, dy.astype(np.float32), x.astype(np.float32), w, **kw)
+        assert got[0].dtype == bf16
+        dx, dx32 = got[0].astype(np.float64), want[0].astype(np.float64)
+        assert np.all(np.abs(dx - dx32) <= 2.0 ** -8 * np.abs(dx32) + 64 * EPS32 * np.abs(dx32).max())
+        for a, b in zip(got[1:], want[1:]):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
+
+
+def test_column_kernel_refuses_bad_sizes():
+    kernel = _native.cols_backward_kernel(np.float32)
+    a = np.ones((2, 8, 8), np.float32)
+    p = a.ctypes.data
+    assert kernel(p, p, p, 0, 0, 0, 0, 0, 2, 0, 8, 1, 8, 1, 1e-5) == 1  # no rows
+    assert kernel(p, p, p, 0, 0, 0, 0, 0, 2, 8, 8, 3, 6, 0, 1e-5) == 1  # groups not whole
+    assert kernel(p, p, p, 0, 0, 0, 0, 0, 2, 8, 8, 2, 3, 0, 1e-5) == 1  # strip not whole groups
+    assert kernel(p, p, p, 0, p, 0, 0, 0, 2, 8, 8, 1, 8, 1, 1e-5) == 1  # mean without rstd
+    assert kernel(p, p, p, 0, 0, 0, 0, 0, 2, 8, 8, 1, 8, 1, 1e-5) == 0
