@@ -13,7 +13,7 @@ from anynorm import _outputs
 import reference
 from support import run_in_threads
 
-ROWS, N = 2048, 4096  # float32: 32 MiB, the smallest output the cache takes
+ROWS, N = 2048, 4096  # float32: 32 MiB, past glibc's largest mmap threshold
 
 
 @pytest.fixture(autouse=True)
@@ -115,8 +115,14 @@ def test_a_torch_tensor_keeps_its_block():
 
 
 def test_small_outputs_and_a_disabled_cache_take_np_empty(monkeypatch):
-    small = _ln(_x(shape=(ROWS // 2, N)))
+    rows = _outputs.MIN_BYTES // (4 * 1024)
+    small = _ln(_x(shape=(rows - 1, 1024)))
     assert small.base is None and not _outputs._blocks
+    smallest = _ln(_x(shape=(rows, 1024)))
+    block = _held_block(smallest)
+    del smallest
+    assert _held_block(_ln(_x(1, shape=(rows, 1024)))) == block
+    _outputs.clear()
     monkeypatch.setattr(_outputs, "ENABLED", False)
     y = _ln(_x())
     assert y.base is None and not _outputs._blocks
