@@ -634,10 +634,13 @@ def _numpy_forward(plan, x, weight, bias, residual):
 def forward(plan, x, weight=None, bias=None, residual=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does."""
     # not while traced: sizes may be symbolic there, and a size test would guard them
-    if not _tracing() and not _prefers_native(plan, x):
-        if _numpy_eligible(plan, x, weight, bias, residual, kernels=True):
-            return _numpy_forward(plan, x, weight, bias, residual)
-        if _torch_cpu_grad.takes(plan, x, weight, bias, residual):  # autograd records it
+    if not _tracing():
+        if not _prefers_native(plan, x):
+            if _numpy_eligible(plan, x, weight, bias, residual, kernels=True):
+                return _numpy_forward(plan, x, weight, bias, residual)
+            if _torch_cpu_grad.takes(plan, x, weight, bias, residual):  # autograd records it
+                return _torch_cpu_grad.forward(plan, x, weight, bias)
+        elif _torch_cpu_grad.prefers_kernels(plan) and _torch_cpu_grad.takes(plan, x, weight, bias, residual):
             return _torch_cpu_grad.forward(plan, x, weight, bias)
     h = _reference.add_residual(plan, x, residual) if residual is not None else None
     native = native_forward(plan, h if h is not None else x, weight, bias)
@@ -776,6 +779,13 @@ def forward_runner(plan, x, stats):
                 return finish(x, weight, bias, weight, bias, y, mean, rstd, True)
             return finish(x, weight, bias, weight, bias, y, mean, rstd)
 
+    if _torch_cpu_grad.prefers_kernels(plan):  # what autograd records runs on anynorm's kernels
+        untracked = run
+
+        def run(x, weight, bias, residual):
+            if _torch_cpu_grad.takes(plan, x, weight, bias, residual):
+                return _torch_cpu_grad.forward(plan, x, weight, bias)
+            return untracked(x, weight, bias, residual)
     return run
 
 
@@ -890,17 +900,12 @@ def _exact_forward(plan, x, weight, bias, residual):
 
 
 def _backward_kernel_takes(plan, x, dy):
-    """True where the NumPy executor's backward runs the row backward kernel on these
-    tensors (layer/RMS norm over trailing axes, NCHW instance/group norm, C-contiguous x and
-    dy of x's dtype): then bfloat16 goes there too, as ml_dtypes' arrays."""
-    if plan.op in ("layer_norm", "rms_norm"):
-        if not _trailing(plan):
-            return False
-    elif plan.channel_axis != 1:
-        return False
+    """True where the NumPy executor's backward runs anynorm's backward kernels on these
+    tensors (the layouts of :func:`_kernel_layout`, C-contiguous x and dy of x's dtype): then
+    bfloat16 goes there too, as ml_dtypes' arrays."""
     dtype = _numpy_dtype(plan.dtype)
-    return (dtype is not None and dy.dtype is x.dtype and x.is_contiguous() and dy.is_contiguous()
-            and _native.rows_backward_kernel(dtype) is not None)
+    return (dtype is not None and _kernel_layout(plan) and dy.dtype is x.dtype and x.is_contiguous()
+            and dy.is_contiguous() and _native.rows_backward_kernel(dtype) is not None)
 
 
 def backward(plan, dy, x, weight=None, mean=None, rstd=None):

@@ -2,12 +2,14 @@
 
 Where :func:`anynorm._torch._native_first` sends a call to anynorm's kernels (outputs of
 32 MiB and up, which the NumPy executor reuses where torch's fault in their pages again;
-float16 channels-first group norm) and autograd must record it, torch's own routine would
-run both ways instead: its backward is as slow as its forward there (layer norm 8192 x 4096
-float32: forward + backward 78 ms, most of it page faults).  Layer norm over trailing axes
-and NCHW instance/group norm then run as one ``autograd.Function``: the forward is the NumPy
-executor's (y, mean, rstd on the tensors' memory), the backward the row backward kernel
-(:mod:`anynorm._numpy_rows_backward`) on the saved x and statistics::
+channels-first layer norm, which torch permutes and copies; float16 channels-first group
+norm) and autograd must record it, torch's own routine would run both ways instead, as slow
+backward as forward there (layer norm 8192 x 4096 float32: forward + backward 78 ms, most
+of it page faults).  Layer norm and instance/group norm in the CPU kernels' layouts then run
+as one ``autograd.Function``: the forward is the NumPy executor's (y, mean, rstd on the
+tensors' memory), the backward the row or column backward kernel
+(:mod:`anynorm._numpy_rows_backward`, :mod:`anynorm._numpy_columns_backward`) on the saved x
+and statistics::
 
     dx = (g - xhat * mean(g * xhat) - mean(g)) * rstd,   g = dy * w
     dweight = sum(dy * xhat),  dbias = sum(dy)
@@ -20,26 +22,36 @@ which autograd differentiates again.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _native, _reference
 from . import _torch as _executor
 
-__all__ = ["takes", "forward"]
+__all__ = ["takes", "forward", "prefers_kernels"]
+
+# Where _native_first keeps torch's kernels (they win without autograd) but a call autograd
+# records runs faster on anynorm's both ways: forward + backward, kernels / torch's route, both
+# / F (float32, bfloat16), this VM's 2 cores.  Layer norm rows of 768: 256 rows 2.55/1.14,
+# 1.90/1.07; 1024 rows 0.46/0.79, 1.36/1.03; 4096 rows 0.55/1.01, 0.81/1.14.  NHWC group norm
+# (32 groups, 64 channels, 28x28): 1 sample 1.25/2.64, 0.26/0.97; 4 samples 0.67/1.50,
+# 0.11/0.73; 16 samples 0.42/1.35, 0.07/0.72.  NCHW group norm lost at every size under 32 MiB
+# (16x64x28x28: 1.77/1.00, 2.12/1.03): torch's kernel serves it.
+TRAINING_ROWS_MIN_ELEMENTS = 1 << 21
+TRAINING_CHANNELS_LAST_MIN_ELEMENTS = 1 << 15
 
 
 def takes(plan, x, weight, bias, residual):
     """True for a call this path serves: a gradient to record (else the NumPy executor runs
-    it directly), plain CPU tensors of a kernel dtype, no residual, layer norm over trailing
-    axes or instance/group norm with channels on axis 1, C-contiguous x, the kernel built."""
+    it directly), plain CPU tensors of a kernel dtype, no residual, layer norm or
+    instance/group norm in a layout the CPU kernels take (rows, channels first or last),
+    C-contiguous x, the kernels built."""
     if residual is not None or (weight is None and bias is not None) or _executor._tracing():
         return False
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return False
-    if plan.op == "layer_norm":
-        if not _executor._trailing(plan):
-            return False
-    elif plan.op not in ("group_norm", "instance_norm") or plan.channel_axis != 1:
+    if plan.op == "rms_norm" or not _executor._kernel_layout(plan):  # RMS: _torch_rms's
         return False
     for t in (x, weight, bias):
         if t is not None and (type(t) not in _executor._PLAIN or t.device.type != "cpu"
@@ -47,6 +59,19 @@ def takes(plan, x, weight, bias, residual):
             return False
     dtype = _executor._numpy_dtype(plan.dtype)
     return dtype is not None and x.is_contiguous() and _native.rows_backward_kernel(dtype) is not None
+
+
+def prefers_kernels(plan):
+    """True for a signature whose calls autograd records run faster here than on torch's
+    kernels, though without autograd torch's win (:func:`anynorm._torch._native_first`):
+    layer norm rows of ``TRAINING_ROWS_MIN_ELEMENTS`` and up, instance/group norm with
+    channels last from ``TRAINING_CHANNELS_LAST_MIN_ELEMENTS`` (torch's channels-last
+    backward is slow)."""
+    size = math.prod(plan.shape)
+    if plan.op == "layer_norm":
+        return _executor._trailing(plan) and size >= TRAINING_ROWS_MIN_ELEMENTS
+    return (plan.op in ("group_norm", "instance_norm") and plan.channel_axis == len(plan.shape) - 1
+            and size >= TRAINING_CHANNELS_LAST_MIN_ELEMENTS)
 
 
 def forward(plan, x, weight, bias):

@@ -49,7 +49,8 @@ def _inputs(op, shape, kw, dtype, affine=True, offset=2.0, seed=0):
 
 def _call(op, x, w, b, kw, **extra):
     if op == "group_norm":
-        return anynorm.group_norm(x, kw["num_groups"], w, b, eps=1e-5, **extra)
+        rest = {k: v for k, v in kw.items() if k != "num_groups"}
+        return anynorm.group_norm(x, kw["num_groups"], w, b, eps=1e-5, **rest, **extra)
     return getattr(anynorm, op)(x, w, b, eps=1e-5, **{**kw, **extra})
 
 
@@ -127,25 +128,32 @@ def test_gradient_of_any_memory_layout_reaches_the_kernel(kernel_route):
         torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_route_declines_what_its_kernels_do_not_take():
-    """Channels-last group norm, channels-first layer norm, a residual, a bias without weight,
-    no gradient to record, strided x: not this route."""
+def test_route_takes_the_kernels_layouts_and_declines_the_rest():
+    """Rows, channels-first layer norm, NCHW and NHWC group norm with a gradient to record
+    are taken; channels-last memory (not C-contiguous), a residual, a bias without weight,
+    RMS norm (its own blocked autograd), strided x and no gradient are not."""
     from anynorm._plan import make_plan
 
+    if _native.rows_backward_kernel(np.float32) is None:
+        pytest.skip("anynorm's CPU kernels are not built here")
     x = torch.randn(4, 8, 6, 6, requires_grad=True)
     w, b = torch.ones(8), torch.zeros(8)
 
     def takes(op, t, *args, residual=None, **kw):
         return _torch_cpu_grad.takes(make_plan(op, t, *args, **kw), t, *args, residual)
 
-    assert takes("group_norm", x, w, b, num_groups=2) == (_native.rows_backward_kernel(np.float32) is not None)
+    assert takes("group_norm", x, w, b, num_groups=2)
+    assert takes("layer_norm", x, w, b, axis=1)
+    nhwc = x.detach().permute(0, 2, 3, 1).contiguous().requires_grad_(True)
+    assert takes("group_norm", nhwc, w, b, num_groups=2, channel_axis=-1)
     assert not takes("group_norm", x.detach(), w, b, num_groups=2)
-    assert not takes("group_norm", x.permute(0, 2, 3, 1), w, b, num_groups=2, channel_axis=-1)
-    assert not takes("layer_norm", x, w, b, axis=1)
-    assert not takes("layer_norm", x, None, b, axis=-1) if x.shape[-1] == 8 else True
+    channels_last = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    assert not takes("group_norm", channels_last, w, b, num_groups=2)
     rows = torch.randn(16, 8, requires_grad=True)
+    assert takes("layer_norm", rows, w, b)
     assert not takes("layer_norm", rows, w, b, residual=rows)
     assert not takes("layer_norm", rows, None, b)
+    assert not takes("rms_norm", rows, w, None)
     assert not takes("layer_norm", rows.t().contiguous().t(), w, b)
     with torch.no_grad():
         assert not takes("layer_norm", rows, w, b)
@@ -194,3 +202,39 @@ def test_module_parameters_reach_the_kernels_without_autograd(kernel_route, monk
     assert calls
     np.testing.assert_array_equal(y.numpy(), anynorm.layer_norm(x.numpy(), m.weight.detach().numpy(),
                                                                 m.bias.detach().numpy()))
+
+
+
+def test_training_route_where_torchs_kernels_win_only_without_autograd():
+    """Layer norm rows of TRAINING_ROWS_MIN_ELEMENTS and channels-last group/instance norm
+    of TRAINING_CHANNELS_LAST_MIN_ELEMENTS keep torch's kernels without autograd but take
+    the kernel route when autograd records, from a signature's first call and from its
+    cached runner; smaller rows and NCHW group norm keep torch's either way."""
+    if _native.rows_backward_kernel(np.float32) is None:
+        pytest.skip("anynorm's CPU kernels are not built here")
+    anynorm._calls.clear()
+    gen = torch.Generator().manual_seed(0)
+    n_rows = _torch_cpu_grad.TRAINING_ROWS_MIN_ELEMENTS // 512
+    nhwc = (2, 16, 16, 64)
+    assert np.prod(nhwc) == _torch_cpu_grad.TRAINING_CHANNELS_LAST_MIN_ELEMENTS
+    cases = [("layer_norm", (n_rows, 512), {}, True),
+             ("layer_norm", (n_rows - 1, 512), {}, False),
+             ("group_norm", nhwc, {"num_groups": 8, "channel_axis": -1}, True),
+             ("instance_norm", nhwc, {"channel_axis": -1}, True),
+             ("group_norm", (2, 64, 16, 16), {"num_groups": 8}, False)]
+    for op, shape, kw, kernels in cases:
+        x = 1e3 + torch.randn(shape, generator=gen)
+        c = shape[kw.get("channel_axis", 1)] if op != "layer_norm" else shape[-1]
+        w = torch.rand(c, generator=gen) + 0.5
+        dy = torch.randn(shape, generator=gen)
+        where = {"num_groups": kw.get("num_groups"), "channel_axis": kw.get("channel_axis", 1)}
+        exact = reference.backward(op, dy.double().numpy(), x.double().numpy(), w.double().numpy(), eps=1e-5,
+                                   **where)[0]
+        for _ in range(2):  # the signature's first call, then its cached runner
+            with torch.no_grad():
+                assert _call(op, x, w, None, kw).grad_fn is None
+            xg = x.clone().requires_grad_(True)
+            y = _call(op, xg, w, None, kw)
+            assert (type(y.grad_fn).__name__ == "_KernelNormBackward") == kernels, (op, shape)
+            y.backward(dy)
+            assert _rel(xg.grad.double(), exact) <= 64 * EPS32
