@@ -96,15 +96,42 @@ class NumpyForward(_NumpyCase):
 
 
 class NumpyBackward(_NumpyCase):
-    """Backward pass (dx, dweight, dbias) with the statistics recomputed."""
+    """Backward pass (dx, dweight, dbias) with the statistics recomputed.
+
+    ``track_copy_ratio``: its time / ``np.copyto`` of x (it reads x and dy and writes dx:
+    1.5 is the floor); ``track_torch_ratio``: / torch's backward of ``torch.nn.functional``'s
+    graph on the same memory (``peers.torch_backward``: its kernel and permutes)."""
 
     params = [MAIN_CASES + ["ln rows 8192x768", "ln odd axes 7x130x33 (0,2)"], ["float32", "float16"]]
 
+    def ours_backward(self):
+        return call_anynorm_backward(anynorm, self.name, self.dy, self.x, self.weight)
+
     def time_anynorm_backward(self, name, dtype):
-        call_anynorm_backward(anynorm, self.name, self.dy, self.x, self.weight)
+        self.ours_backward()
 
     def peakmem_anynorm_backward(self, name, dtype):
-        call_anynorm_backward(anynorm, self.name, self.dy, self.x, self.weight)
+        self.ours_backward()
+
+    def track_copy_ratio(self, name, dtype):
+        return best_time(self.ours_backward) / best_time(self.copy)
+
+    track_copy_ratio.unit = "backward time / copy time"
+
+    def track_torch_ratio(self, name, dtype):
+        try:
+            import torch
+        except ImportError:
+            return float("nan")
+        from .peers import torch_backward
+
+        x, w, b, dy = (torch.from_numpy(a) for a in (self.x, self.weight, self.bias, self.dy))
+        peer = torch_backward(self.name, x, w, b, dy)
+        if peer is None:
+            return float("nan")
+        return best_time(self.ours_backward) / best_time(peer)
+
+    track_torch_ratio.unit = "anynorm time / torch time"
 
 
 def _cpu_seconds(fn, batch):

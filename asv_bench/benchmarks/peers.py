@@ -77,3 +77,19 @@ def torch_functional(name, x, weight, bias):
     if c != 1:
         y = y.permute(sorted(range(ndim), key=order.__getitem__))
     return y
+
+
+def torch_backward(name, x, weight, bias, dy):
+    """A callable running torch's backward of :func:`torch_functional`'s graph, built once
+    and kept (``retain_graph``): what autograd runs after F's forward, its permutes
+    included; None where torch has no backward for the dtype on this device."""
+    import torch
+
+    leaves = [t.detach().requires_grad_(True) for t in (x, weight, bias)]
+    with torch.enable_grad():
+        y = torch_functional(name, *leaves)
+    try:
+        torch.autograd.grad(y, leaves, dy, retain_graph=True)
+    except RuntimeError:  # e.g. "not implemented for 'Half'"
+        return None
+    return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
