@@ -363,3 +363,21 @@ def run_in_threads(work, n):
         t.join()
     if errors:
         raise errors[0]
+
+
+def build_wheel(repo, out_dir):
+    """``pip wheel`` of ``repo`` into ``out_dir``; returns the CompletedProcess.  One build at a
+    time (a lock file beside the repository's ``build/``): two pytest-xdist workers building
+    at once share setuptools' ``build/`` directory and one of them fails."""
+    import fcntl
+    import subprocess
+    import sys
+    import tempfile
+    import zlib
+
+    lock = f"{tempfile.gettempdir()}/anynorm-wheel-{zlib.crc32(str(repo).encode()):08x}.lock"
+    cmd = [sys.executable, "-m", "pip", "wheel", str(repo), "--no-deps", "--no-build-isolation", "-q",
+           "-w", str(out_dir)]
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)

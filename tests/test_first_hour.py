@@ -27,6 +27,7 @@ import pytest
 
 import anynorm
 from anynorm import __main__ as demo
+from support import build_wheel
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -199,9 +200,7 @@ def test_license_file_is_bsd3_and_in_the_wheel(tmp_path):
     assert "BSD 3-Clause" in text and "the anynorm developers" in text and "2026" in text
     assert PYPROJECT["project"]["license"] == "BSD-3-Clause"
     assert "LICENSE" in PYPROJECT["project"]["license-files"]
-    cmd = [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
-           "-q", "-w", str(tmp_path)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    build = build_wheel(REPO, tmp_path)
     assert build.returncode == 0, build.stdout + build.stderr
     (wheel,) = tmp_path.glob("anynorm-*.whl")
     with zipfile.ZipFile(wheel) as zf:

@@ -11,6 +11,8 @@ import zipfile
 
 import pytest
 
+from support import build_wheel
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted(p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".cu", ".cuh", ".cpp"))
 
@@ -37,12 +39,9 @@ print("ok")
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
-    cmd = [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
-           "-q", "-w", str(out)]
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
-    except subprocess.CalledProcessError as exc:
-        pytest.fail(f"building the wheel failed:\n{exc.stdout}\n{exc.stderr}")
+    build = build_wheel(REPO, out)
+    if build.returncode:
+        pytest.fail(f"building the wheel failed:\n{build.stdout}\n{build.stderr}")
     (path,) = out.glob("anynorm-*.whl")
     return path
 
