@@ -1042,9 +1042,15 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
 // param_rows dw_q += r * (E_q - lo * D_q), db_q += D_q.  float32 column sums over chunks of
 // COL_CHUNK_ROWS rows, added in float64.
 
-// one row of a strip's pass 1: D += dy * wp, E += dy * wp * (x - hi) per column; returns
-// (in *rw, *rb) sum dy * xhat and sum dy over the row's columns where `rw` is not null
-template <typename T, typename V, typename F>
+// the sum of a vector's 8 lanes, in its own precision
+template <typename V> inline auto lane_sum(V v) -> decltype(v[0] + v[0]) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// one row of a strip's pass 1: D += dy * wp, E += dy * wp * (x - hi) per column; with RG
+// (channels first, weight gradients by row) also *rw += sum dy * xhat, *rb += sum dy over the
+// row's columns (float32 sums of the strip's columns, added in float64)
+template <bool RG, typename T, typename V, typename F>
 inline void col_grad_row(const T *xr, const T *dyr, long long W, long long WV, F wp, const F *hi, const F *lo,
                          const F *rs, F *dsum, F *esum, double *rw, double *rb) {
     V aw = {0}, ab = {0};
@@ -1053,24 +1059,24 @@ inline void col_grad_row(const T *xr, const T *dyr, long long W, long long WV, F
         const V d = lanes(dyr + q), xm = lanes(xr + q) - load(hi + q), g = d * wp;
         store(dsum + q, load(dsum + q) + g);
         store(esum + q, load(esum + q) + g * xm);
-        if (rw) {
+        if (RG) {
             aw += d * ((xm - load(lo + q)) * load(rs + q));
             ab += d;
         }
     }
-    double tw = rw ? total(aw) : 0.0, tb = rw ? total(ab) : 0.0;
+    F tw = RG ? lane_sum(aw) : F(0), tb = RG ? lane_sum(ab) : F(0);
     for (; q < W; q++) {
         const F d = (F)dyr[q], xm = (F)xr[q] - hi[q], g = d * wp;
         dsum[q] += g;
         esum[q] += g * xm;
-        if (rw) {
-            tw += (double)(d * ((xm - lo[q]) * rs[q]));
-            tb += (double)d;
+        if (RG) {
+            tw += d * ((xm - lo[q]) * rs[q]);
+            tb += d;
         }
     }
-    if (rw) {
-        *rw += tw;
-        *rb += tb;
+    if (RG) {
+        *rw += (double)tw;
+        *rb += (double)tb;
     }
 }
 
@@ -1153,10 +1159,12 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
                 std::fill(esum.begin(), esum.begin() + W, F(0));
                 for (long long p = p0; p < p1; p++) {
                     const F wp = param_rows && w ? (F)w[p] : F(1);
-                    const bool row_grads = param_rows && dw;
-                    col_grad_row<T, V, F>(xs + p * Q, dys + p * Q, W, WV, wp, hi.data(), lo.data(), rs.data(),
-                                          dsum.data(), esum.data(), row_grads ? dw + p : nullptr,
-                                          row_grads ? db + p : nullptr);
+                    if (param_rows && dw)
+                        col_grad_row<true, T, V, F>(xs + p * Q, dys + p * Q, W, WV, wp, hi.data(), lo.data(),
+                                                    rs.data(), dsum.data(), esum.data(), dw + p, db + p);
+                    else
+                        col_grad_row<false, T, V, F>(xs + p * Q, dys + p * Q, W, WV, wp, hi.data(), lo.data(),
+                                                     rs.data(), dsum.data(), esum.data(), nullptr, nullptr);
                 }
                 for (long long q = 0; q < W; q++) {
                     dtot[q] += (double)dsum[q];
@@ -1185,9 +1193,27 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
                     }
                 }
             }
-            // pass 2: dx
+            // pass 2: dx.  Row p also prefetches row p of the next strip's x and dy (or of the
+            // next sample's first strip) into L2, as the forward's y pass does: its pass 1
+            // then reads them from L2 in row order rather than by strided misses
+            const char *nx = nullptr, *ndy = nullptr;
+            long long nbytes = 0;
+            if (q0 + strip < Q) {
+                nx = (const char *)(xs + strip);
+                ndy = (const char *)(dys + strip);
+                nbytes = std::min(strip, Q - q0 - strip) * (long long)sizeof(T);
+            } else if (bi + 1 < nb) {
+                nx = (const char *)(x + (bi + 1) * P * Q);
+                ndy = (const char *)(dy + (bi + 1) * P * Q);
+                nbytes = std::min(strip, Q) * (long long)sizeof(T);
+            }
+            const long long row_bytes = Q * (long long)sizeof(T);
             for (long long p = 0; p < P; p++) {
                 const F wp = param_rows && w ? (F)w[p] : F(1);
+                if (nx) {
+                    prefetch_l2(nx + p * row_bytes, nx + p * row_bytes + nbytes);
+                    prefetch_l2(ndy + p * row_bytes, ndy + p * row_bytes + nbytes);
+                }
                 if (nts) col_dx_row<true, V>(xs + p * Q, dys + p * Q, dxs + p * Q, W, WV, wp, hi.data(), a.data(), k.data(), z.data());
                 else col_dx_row<false, V>(xs + p * Q, dys + p * Q, dxs + p * Q, W, WV, wp, hi.data(), a.data(), k.data(), z.data());
             }
