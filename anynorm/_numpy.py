@@ -765,8 +765,9 @@ class _BackwardCall:
         return dw, db
 
 
-def backward(plan, dy, x, weight=None, mean=None, rstd=None):
-    """Return ``(dx, dweight, dbias)``; stats in public shape, recomputed when None."""
+def backward(plan, dy, x, weight=None, mean=None, rstd=None, *, threads=None):
+    """Return ``(dx, dweight, dbias)``; stats in public shape, recomputed when None;
+    ``threads``: at most this many threads, as :func:`forward`."""
     if x.size < SMALL_ELEMENTS:
         return _small_backward(plan, dy, x, weight, mean, rstd)
     if plan.op in ("layer_norm", "rms_norm"):
@@ -775,18 +776,18 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
             plan_t, weight_axes, inverse, back = _in_memory_order(plan, order)
             dx, dw, db = backward(plan_t, dy.transpose(order), x.transpose(order),
                                   _transposed(weight, weight_axes), _transposed(mean, order),
-                                  _transposed(rstd, order))
+                                  _transposed(rstd, order), threads=threads)
             return dx.transpose(inverse), _transposed(dw, back), _transposed(db, back)
     layout = _layout(plan, [x, dy])
     for path in (RowsBackward, ColumnsBackward):
         call = path.make(plan, layout, dy, x, weight, mean, rstd)
         if call is not None:
-            return call.results(_run(call.blocks(), call.run, lambda: None, _parallel(x)))
+            return call.results(_run(call.blocks(), call.run, lambda: None, _parallel(x, threads)))
     if x.size < SMALL_BACKWARD_ELEMENTS:
         return _small_backward(plan, dy, x, weight, mean, rstd)
     call = _BackwardCall(plan, dy, x, weight, mean, rstd)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
-    parts = _run(call.boxes, call.run, scratch_for, _parallel(x),
+    parts = _run(call.boxes, call.run, scratch_for, _parallel(x, threads),
                  _box_shape(call.boxes[0], call.layout.shape)[-1])
     dx = call.dx.reshape(plan.shape)
     if weight is None:

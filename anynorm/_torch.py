@@ -912,6 +912,6 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """Return ``(dx, dweight, dbias)`` as :func:`anynorm._reference.backward` does."""
     if _numpy_eligible(plan, dy, x, weight, mean, rstd, kernels=_backward_kernel_takes(plan, x, dy)):
         outs = _numpy.backward(_numpy_plan(plan), _as_numpy(dy), _as_numpy(x), _as_numpy(weight),
-                               _as_numpy(mean), _as_numpy(rstd))
+                               _as_numpy(mean), _as_numpy(rstd), threads=torch.get_num_threads())
         return tuple(_as_torch(a) for a in outs)
     return _reference.backward(plan, dy, x, weight, mean, rstd)

@@ -612,9 +612,9 @@ def test_torch_routes_to_the_kernels(monkeypatch):
 
 
 def test_torch_route_takes_at_most_torchs_threads(monkeypatch):
-    """Torch CPU tensors that take the NumPy executor run on at most ``torch.get_num_threads()``
-    threads: a caller who limits torch's threads (a DataLoader worker, ``torch.set_num_threads(1)``)
-    gets no second thread from anynorm either."""
+    """Torch CPU tensors that take the NumPy executor, forward or backward, run on at most
+    ``torch.get_num_threads()`` threads: a caller who limits torch's threads (a DataLoader
+    worker, ``torch.set_num_threads(1)``) gets no second thread from anynorm either."""
     torch = pytest.importorskip("torch")
     import anynorm
     from anynorm import _torch
@@ -631,13 +631,18 @@ def test_torch_route_takes_at_most_torchs_threads(monkeypatch):
         with torch.no_grad():
             torch.set_num_threads(1)
             y1 = anynorm.layer_norm(x)
+            dx1 = anynorm.layer_norm_backward(x, x)[0]
             assert not pooled
             torch.set_num_threads(2)
             y2 = anynorm.layer_norm(x)
             assert pooled
+            pooled.clear()
+            dx2 = anynorm.layer_norm_backward(x, x)[0]
+            assert pooled
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(y1, y2)
+    torch.testing.assert_close(dx1, dx2, rtol=0, atol=0)
 
 
 def test_torch_float16_rows_run_the_kernel():
