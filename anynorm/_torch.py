@@ -47,8 +47,11 @@ arrays of ``CF_KERNEL_MIN_ELEMENTS``), float16 channels-first group norm, and ev
 the CPU kernels take once an output reaches ``FAULTING_BYTES`` (torch's allocations fault
 their pages in again on every call, the executor reuses its own).  bfloat16 tensors reach the
 kernels as ml_dtypes' bfloat16 arrays on the same memory (where ml_dtypes is installed).
-With autograd on, layouts without a torch routine take the array-API core, whose torch
-operations autograd differentiates.
+With autograd on, the calls the kernels serve (and layer norm rows of 2M elements and up,
+channels-last group/instance norm, where only the backward makes the kernels the faster) run
+the NumPy executor's forward and anynorm's backward kernels as one ``autograd.Function``
+(:mod:`anynorm._torch_cpu_grad`); layouts without a torch routine take the array-API core,
+whose torch operations autograd differentiates.
 """
 
 from __future__ import annotations

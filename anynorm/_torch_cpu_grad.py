@@ -51,7 +51,7 @@ def takes(plan, x, weight, bias, residual):
         return False
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return False
-    if plan.op == "rms_norm" or not _executor._kernel_layout(plan):  # RMS: _torch_rms's
+    if plan.op == "rms_norm" or not _executor._kernel_layout(plan):  # RMS: _torch_rms records its own
         return False
     for t in (x, weight, bias):
         if t is not None and (type(t) not in _executor._PLAIN or t.device.type != "cpu"
