@@ -348,6 +348,33 @@ class ColumnsForward:
         return self.y, None, mean, self.rstd.reshape(plan.stats_shape)
 
 
+def native_params(arr, layout, lead, P, Q, param_rows, acc):
+    """weight/bias (or None) as the column kernels read it: one value a row (P, ``param_rows``:
+    channels first) or a column (Q)."""
+    if arr is None:
+        return None
+    p = np.asarray(arr, dtype=acc)
+    if p.size == (P if param_rows else Q):  # one value a row or column
+        return np.ascontiguousarray(p).reshape(-1)
+    p = p.reshape(layout.param_shape[lead:])
+    if param_rows:
+        return np.ascontiguousarray(p.reshape(P))
+    return np.ascontiguousarray(np.broadcast_to(p, (1,) + layout.shape[lead + 1:])).reshape(Q)
+
+
+def native_strip(P, Q, group, size, param_rows, arrays=1):
+    """Columns a strip of a (P, Q) sample of ``size``-byte elements, for the column kernels:
+    ``arrays`` (x; x and dy for the backward) of P x strip within the L2 budget, or a whole
+    channels-first sample of up to NATIVE_CF_WHOLE_BYTES; multiples of the group (and of 8
+    columns where that fits)."""
+    whole, budget = (NATIVE_CF_WHOLE_BYTES, NATIVE_CF_STRIP_BYTES) if param_rows \
+        else (NATIVE_STRIP_BYTES // arrays, NATIVE_STRIP_BYTES)
+    budget //= arrays
+    unit = math.lcm(group, 8) if P * math.lcm(group, 8) * size <= budget else group
+    fit = budget // (P * size) // unit * unit
+    return Q if P * Q * size <= whole else min(Q, max(unit, fit))
+
+
 class NativeColumns:
     """A ``"cf"``/``"cl"`` call through ``kernels/cpu.cpp``'s column kernel (:mod:`anynorm._native`):
     each strip of a sample's columns read from memory once, its statistics from chunks of
@@ -375,23 +402,9 @@ class NativeColumns:
         self.y = _outputs.empty(plan.shape, plan.dtype)
         stats = self.B * (self.Q // self.group)
         self.mean, self.rstd = np.empty(stats, acc), np.empty(stats, acc)
-        self.w, self.b = (None if p is None else self._params(layout, lead, p) for p in (weight, bias))
-        size = np.dtype(plan.dtype).itemsize
-        whole, budget = (NATIVE_CF_WHOLE_BYTES, NATIVE_CF_STRIP_BYTES) if self.param_rows \
-            else (NATIVE_STRIP_BYTES, NATIVE_STRIP_BYTES)
-        unit = math.lcm(self.group, 8) if self.P * math.lcm(self.group, 8) * size <= budget else self.group
-        fit = budget // (self.P * size) // unit * unit
-        self.strip = self.Q if self.P * self.Q * size <= whole else min(self.Q, max(unit, fit))
-
-    def _params(self, layout, lead, arr):
-        """weight/bias as one value a row (P, "cf") or a column (Q, "cl")."""
-        p = np.asarray(arr, dtype=self.acc)
-        if p.size == (self.P if self.param_rows else self.Q):  # one value a row or column
-            return np.ascontiguousarray(p).reshape(-1)
-        p = p.reshape(layout.param_shape[lead:])
-        if self.param_rows:
-            return np.ascontiguousarray(p.reshape(self.P))
-        return np.ascontiguousarray(np.broadcast_to(p, (1,) + layout.shape[lead + 1:])).reshape(self.Q)
+        self.w, self.b = (native_params(p, layout, lead, self.P, self.Q, self.param_rows, acc)
+                          for p in (weight, bias))
+        self.strip = native_strip(self.P, self.Q, self.group, np.dtype(plan.dtype).itemsize, self.param_rows)
 
     inner = None  # no NumPy loops: the ufunc buffer stays as it is
 

@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from . import _native, _outputs
-from ._numpy_columns import NATIVE_CF_STRIP_BYTES, NATIVE_CF_WHOLE_BYTES, NATIVE_STRIP_BYTES, _pattern
+from ._numpy_columns import _pattern, native_params, native_strip
 
 __all__ = ["ColumnsBackward"]
 
@@ -58,27 +58,12 @@ class ColumnsBackward:
         if rstd is not None:
             self.mean = np.ascontiguousarray(mean, dtype=acc).reshape(-1)
             self.rstd = np.ascontiguousarray(rstd, dtype=acc).reshape(-1)
-        self.w = None if weight is None else self._weight(weight)
+        self.w = native_params(weight, layout, lead, self.P, self.Q, self.param_rows, acc)
         self.w_dtype = None if weight is None else weight.dtype
-        # x's and dy's rows of a strip both in L2: the forward's strips, halved; a whole
-        # channels-first sample as the forward takes one (x and dy then one run of memory each)
-        size = np.dtype(plan.dtype).itemsize
-        whole, budget = ((NATIVE_CF_WHOLE_BYTES, NATIVE_CF_STRIP_BYTES // 2) if self.param_rows
-                         else (NATIVE_STRIP_BYTES // 2, NATIVE_STRIP_BYTES // 2))
-        unit = math.lcm(self.group, 8) if self.P * math.lcm(self.group, 8) * size <= budget else self.group
-        fit = budget // (self.P * size) // unit * unit
-        self.strip = self.Q if self.P * self.Q * size <= whole else min(self.Q, max(unit, fit))
-
-    def _weight(self, weight):
-        """The weight as one value a row (P, "cf") or a column (Q, "cl")."""
-        layout, lead = self.layout, self.lead
-        p = np.asarray(weight, dtype=self.acc)
-        if p.size == (self.P if self.param_rows else self.Q):
-            return np.ascontiguousarray(p).reshape(-1)
-        p = p.reshape(layout.param_shape[lead:])
-        if self.param_rows:
-            return np.ascontiguousarray(p.reshape(self.P))
-        return np.ascontiguousarray(np.broadcast_to(p, (1,) + layout.shape[lead + 1:])).reshape(self.Q)
+        # x's and dy's rows of a strip both in L2; a whole channels-first sample as the
+        # forward takes one (x and dy then one run of memory each)
+        self.strip = native_strip(self.P, self.Q, self.group, np.dtype(plan.dtype).itemsize, self.param_rows,
+                                  arrays=2)
 
     def blocks(self):
         return [(b, b + 1) for b in range(self.B)]

@@ -37,7 +37,7 @@ from . import _native, _outputs
 from ._numpy_half import float_to_half, half_to_float
 
 __all__ = ["COL_RUN", "REDUCE_RUN", "ROW_BLOCK_BYTES", "SUM_RUN", "RowsForward", "bufsize", "col_sums", "far_off",
-           "reduce_sums", "row_dots", "row_sums"]
+           "param_vector", "reduce_sums", "row_dots", "row_sums"]
 
 ROW_BLOCK_BYTES = 512 << 10  # accumulation-dtype bytes of x per block (256K: 1.1x the time)
 MIN_RUN = 64  # shortest run of constant parameters for the "per run" affine step
@@ -201,6 +201,22 @@ def _affine_mode(layout, has_params, min_run=MIN_RUN):
     return ("run", tail) if tail < d and math.prod(layout.shape[tail:]) >= min_run else None
 
 
+def param_vector(arr, layout, k, tail, acc):
+    """weight/bias (or None) as the vector the row kernels read, for rows of the layout's axes
+    from ``k`` on: one value a position in the row (``tail`` None: n values), or one a run of
+    the axes from ``tail`` on, over all of x (NCHW instance/group norm)."""
+    if arr is None:
+        return None
+    p = np.asarray(arr, dtype=acc)
+    if tail is None and p.size == math.prod(layout.shape[k:]):  # the row's own: no broadcast
+        return np.ascontiguousarray(p).reshape(-1)
+    p = p.reshape(layout.param_shape)
+    if tail is None:
+        return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[k:]), layout.shape[k:])).reshape(-1)
+    lead = layout.shape[:tail]
+    return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[:tail]), lead)).reshape(-1)
+
+
 class RowsForward:
     """One forward call whose reduced axes are x's trailing ones.
 
@@ -249,21 +265,8 @@ class RowsForward:
         self.mean = np.empty(self.rows, acc)
         self.rstd = np.empty(self.rows, acc)
         self.block_rows = max(1, min(self.rows, ROW_BLOCK_BYTES // (self.n * acc.itemsize)))
-        self.w, self.b = self._params(layout, k, weight), self._params(layout, k, bias)
-
-    def _params(self, layout, k, arr):
-        """weight/bias as the vector the affine step reads: n per row ("outer") or one per
-        run of S elements over all of x ("run")."""
-        if arr is None:
-            return None
-        p = np.asarray(arr, dtype=self.acc)
-        if self.mode == "outer" and p.size == self.n:  # the row's own: no broadcast
-            return np.ascontiguousarray(p).reshape(-1)
-        p = p.reshape(layout.param_shape)
-        if self.mode == "outer":
-            return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[k:]), layout.shape[k:])).reshape(-1)
-        lead = layout.shape[:self.tail]
-        return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[:self.tail]), lead)).reshape(-1)
+        self.w, self.b = (param_vector(p, layout, k, tail if self.mode == "run" else None, acc)
+                          for p in (weight, bias))
 
     def blocks(self):
         rb = self.block_rows

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from . import _native, _outputs
-from ._numpy_rows import MIN_RUN_NATIVE, ROW_BLOCK_BYTES, _affine_mode
+from ._numpy_rows import MIN_RUN_NATIVE, ROW_BLOCK_BYTES, _affine_mode, param_vector
 
 __all__ = ["RowsBackward"]
 
@@ -63,25 +63,13 @@ class RowsBackward:
         self.rstd = None if rstd is None else np.ascontiguousarray(rstd, dtype=acc).reshape(-1)
         self.mean = (np.ascontiguousarray(mean, dtype=acc).reshape(-1)
                      if rstd is not None and plan.center else None)
-        self.w = self._weight(weight)
+        self.w = param_vector(weight, layout, k, self.tail if self.by_run else None, acc)
         self.w_dtype = None if weight is None else weight.dtype
         # by run: one gradient a run of all x (each run in one row: threads write apart)
         if self.w is not None and self.by_run:
             runs = self.rows * (n // self.run_length)
             self.dw_runs, self.db_runs = np.zeros(runs), np.zeros(runs)
         self.block_rows = max(1, min(self.rows, ROW_BLOCK_BYTES // (n * acc.itemsize)))
-
-    def _weight(self, weight):
-        """The weight as the kernel reads it: n values by position in the row, or one a run
-        of all x (broadcast over the outer axes)."""
-        if weight is None:
-            return None
-        layout = self.layout
-        p = np.asarray(weight, dtype=self.acc).reshape(layout.param_shape)
-        if not self.by_run:
-            return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[self.k:]), layout.shape[self.k:])).reshape(-1)
-        lead = layout.shape[:self.tail]
-        return np.ascontiguousarray(np.broadcast_to(p.reshape(p.shape[:self.tail]), lead)).reshape(-1)
 
     def blocks(self):
         rb = self.block_rows
