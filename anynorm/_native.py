@@ -14,7 +14,7 @@ Where the host has a C++ compiler (``ANYNORM_CXX``, ``CXX``, else the first of `
 ``g++``, ``clang++`` on PATH), the library is built once per source, compiler and CPU
 (``-O3 -march=native``) into ``$ANYNORM_CACHE_DIR`` (default ``$XDG_CACHE_HOME/anynorm`` or
 ``~/.cache/anynorm``) and loaded from there by later processes.  Without a compiler, or with
-``ANYNORM_NATIVE=0``, all four return None and the NumPy executor runs its NumPy passes (the same
+``ANYNORM_NATIVE=0``, every kernel function returns None and the NumPy executor runs its NumPy passes (the same
 results to float32 rounding); :data:`status` says which and why.
 """
 
@@ -33,7 +33,8 @@ import numpy as np
 
 from ._cuda._sources import kernel_dir
 
-__all__ = ["cols_backward_kernel", "cols_kernel", "rows_backward_kernel", "rows_kernel", "status", "SOURCE"]
+__all__ = ["cols_backward_kernel", "cols_kernel", "far_kernel", "rows_backward_kernel", "rows_kernel", "status",
+           "SOURCE"]
 
 SOURCE = "cpu.cpp"
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the first is refused
@@ -50,6 +51,7 @@ _ARGS = {
     "rows_bwd": [ctypes.c_void_p] * 4 + [ctypes.c_longlong] + [ctypes.c_void_p] * 4
     + [ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_double],
     "cols_bwd": [ctypes.c_void_p] * 8 + [ctypes.c_longlong] * 5 + [ctypes.c_int, ctypes.c_double],
+    "far": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double],
 }
 _SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _SUFFIXES = (*_SUFFIX.values(), "bf16")  # every entry point, bfloat16 (ml_dtypes) included
@@ -187,6 +189,16 @@ def cols_backward_kernel(dtype):
     ``kernels/cpu.cpp``.  Returns non-zero on bad sizes.
     """
     return _kernel("cols_bwd", dtype)
+
+
+def far_kernel(dtype):
+    """The ctypes function checking statistics of ``dtype`` (float16, ml_dtypes' bfloat16,
+    float32, float64) for conditioning, or None.
+
+    ``fn(mean, rstd, n, limit)`` with the addresses of n contiguous values each: 1 where
+    some ``|mean * rstd|`` exceeds ``limit``, else 0 (NaN passes): see ``kernels/cpu.cpp``.
+    """
+    return _kernel("far", dtype)
 
 
 def cols_kernel(dtype):

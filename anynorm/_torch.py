@@ -305,6 +305,9 @@ def _conditioned(mean, rstd, limit):
     """True unless some slice's ``|mean| * rstd`` exceeds ``limit`` (NaN slices pass: their
     result is NaN on every path; the other slices are still checked).  CPU statistics of any
     shape and float dtype, each tensor one kernel gave (same dtype)."""
+    far = _far_kernels().get(mean.dtype)
+    if far is not None and rstd.dtype is mean.dtype and mean.is_contiguous() and rstd.is_contiguous():
+        return not far(mean.data_ptr(), rstd.data_ptr(), mean.numel(), limit)
     if mean.requires_grad:  # detach() costs a microsecond where there is no graph to leave
         mean, rstd = mean.detach(), rstd.detach()
     n = mean.numel()
@@ -332,6 +335,21 @@ _LIST_CHECK = 24
 _SHIFT_FIRST_AFTER = 2  # reruns after which a float32/float64 signature shifts first
 _NUMPY_CHECK = 32768  # statistics from which it runs in NumPy (torch's ops go parallel there)
 _FMAX = np.fmax.reduce
+
+
+_FAR = None  # {torch dtype: anynorm_far_<f32|f64>} once looked up ({} without the kernels)
+
+
+def _far_kernels():
+    """The compiled conditioning checks by statistics dtype (:func:`anynorm._native.far_kernel`:
+    one ctypes call of 0.5 us, where the loop over ``tolist()`` took 1.1-1.4 us and torch's
+    ops 3-4 us); empty where the CPU kernels are not built."""
+    global _FAR
+    if _FAR is None:
+        found = {t: _numpy_dtype(t) for t in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+        found = {t: _native.far_kernel(d) for t, d in found.items() if d is not None}
+        _FAR = {t: fn for t, fn in found.items() if fn is not None}
+    return _FAR
 
 
 def _lists_within(means, rstds, limit):
@@ -794,9 +812,10 @@ def forward_runner(plan, x, stats):
 
 def _checker(plan, lay, limit):
     """``within(mean, rstd) -> bool``: :func:`_conditioned` in the cheapest form for this
-    signature's statistics as :func:`_kernel` gives them (decided once): up to
-    ``_LIST_CHECK`` statistics a Python loop over ``tolist()`` without flattening where
-    the kernel's statistics are (rows, 1), (B, T, 1) or (N, groups)."""
+    signature's statistics as :func:`_kernel` gives them (decided once): the compiled check
+    (:func:`_far_kernels`) where the CPU kernels are built; else, up to ``_LIST_CHECK``
+    statistics, a Python loop over ``tolist()`` without flattening where the kernel's
+    statistics are (rows, 1), (B, T, 1) or (N, groups)."""
     if lay.kind == "rows":
         k = len(plan.reduce_axes)
         count = math.prod(plan.shape) // plan.count
@@ -805,6 +824,16 @@ def _checker(plan, lay, limit):
     else:
         count = lay.n * lay.groups
         rows_by_one = rows_3d = False
+    far = _far_kernels()
+    if far:
+        # the kernel's statistics: contiguous, of one float dtype (float32 for half inputs
+        # with float32 parameters, else x's, which torch may return for half x too)
+        def within(mean, rstd, _far=far.get, _count=count):
+            check = _far(mean.dtype)
+            if check is None:
+                return _conditioned(mean, rstd, limit)
+            return not check(mean.data_ptr(), rstd.data_ptr(), _count, limit)
+        return within
     if count > _LIST_CHECK:
         return lambda mean, rstd: _conditioned(mean, rstd, limit)
     # the common forms loop here, one Python frame per check (NaN slices pass)

@@ -28,6 +28,7 @@
 //     anynorm_cols_<f16|bf16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
 //     anynorm_rows_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, w_run, mean, rstd, dw, db, rows, n, center, eps)
 //     anynorm_cols_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, mean, rstd, dw, db, samples, P, Q, group, strip, param_rows, eps)
+//     anynorm_far_<f16|bf16|f32|f64>(mean, rstd, n, limit)   (1 where some |mean * rstd| > limit, else 0)
 
 #include <math.h>
 #include <stdint.h>
@@ -1257,6 +1258,20 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
         return cols_bwd<T>(x, dy, dx, w, mean, rstd, dw, db, nb, P, Q, group, strip, param_rows, eps);    \
     }
 
+// The conditioning check of torch's one-pass statistics (anynorm/_torch.py): 1 where some
+// slice's |mean| * rstd exceeds `limit` (its variance lost the digits a two-pass keeps), else
+// 0; a NaN slice passes (its output is NaN on every path).  One ctypes call costs 0.5 us
+// where torch's three ops and an item() took 3-4 us, a loop over tolist() 1.1-1.4.
+#define ANYNORM_FAR(SUFFIX, T)                                                                      \
+    extern "C" int anynorm_far_##SUFFIX(const T *mean, const T *rstd, long long n, double limit) { \
+        int far = 0;                                                                                \
+        for (long long i = 0; i < n; ++i) far |= fabs((double)mean[i] * (double)rstd[i]) > limit;  \
+        return far;                                                                                 \
+    }
+
+ANYNORM_FAR(f32, float)
+ANYNORM_FAR(f64, double)
+ANYNORM_FAR(bf16, bf16)  // torch's CPU kernels return half inputs' statistics in their dtype
 ANYNORM_ROWS(f32, float)
 ANYNORM_ROWS(f64, double)
 ANYNORM_ROWS(bf16, bf16)
@@ -1270,6 +1285,7 @@ ANYNORM_COLS_BWD(f32, float)
 ANYNORM_COLS_BWD(f64, double)
 ANYNORM_COLS_BWD(bf16, bf16)
 #if HAVE_F16
+ANYNORM_FAR(f16, _Float16)
 ANYNORM_ROWS(f16, _Float16)
 ANYNORM_COLS(f16, _Float16)
 ANYNORM_ROWS_BWD(f16, _Float16)

@@ -409,3 +409,55 @@ def test_nan_slice_does_not_hide_far_rows(rows):
     assert np.isnan(y[0]).all() and not np.isnan(y[1:]).any()
     y_ref = _reference("layer_norm", x[1:], dict(axis=-1))[0]
     assert np.max(np.abs(y[1:] - y_ref)) <= _ulp_bound(y_ref)
+
+
+@pytest.mark.parametrize("n", [1, 5, 24, 25, 1000, 40000])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_compiled_check_agrees_with_the_python_loop(dtype, n):
+    """The check of torch's statistics (``|mean| * rstd`` against the limit, NaN passing) gives
+    the same verdict by the compiled ``anynorm_far_*`` as by the Python loop over floats, for
+    statistics of every dtype torch's CPU kernels return, one far slice anywhere or none."""
+    from anynorm import _native, _torch
+
+    tdtype = getattr(torch, dtype)
+    if not _torch._far_kernels().get(tdtype):
+        pytest.skip(f"no compiled check for {dtype} ({_native.status})")
+    limit = _torch._LIMITS[tdtype if tdtype in _torch._LIMITS else torch.float32][0]
+    gen = np.random.default_rng(n)
+    cases = []
+    for where in (None, 0, n // 2, n - 1):
+        rstd = gen.random((n, 1)) + 0.5
+        mean = 0.5 * limit * (2 * gen.random((n, 1)) - 1) / rstd  # near: half the limit at most
+        if n > 2:
+            mean[1] = np.nan  # a NaN slice passes, and hides no far one
+        if where is not None:
+            mean[where] = 2.5 * limit / rstd[where]  # far: twice past the limit and more
+        cases.append((where, mean, rstd))
+    for where, mean, rstd in cases:
+        m, r = (torch.from_numpy(a).to(tdtype) for a in (mean, rstd))
+        want = _torch._lists_within(m.tolist(), r.tolist(), limit)
+        assert want == (where is None or (n > 2 and where == 1)), (where, want)
+        assert _torch._conditioned(m, r, limit) == want, (dtype, n, where)
+        fn = _torch._far_kernels()[tdtype]
+        assert (not fn(m.data_ptr(), r.data_ptr(), n, limit)) == want
+        # a strided view (not a kernel's statistics) takes the other forms
+        m2, r2 = (torch.cat([t, t], dim=1)[:, :1] for t in (m, r))
+        assert not m2.is_contiguous() or n == 1
+        assert _torch._conditioned(m2, r2, limit) == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("rows", [4, 30, 1000])
+def test_runner_check_finds_the_far_slice(rows, dtype):
+    """A signature's cached runner checks with the compiled form: the one far row among
+    ``rows`` (last, so a check that reads too few statistics misses it) comes out exact,
+    on the first call and on the cached ones."""
+    import anynorm
+
+    x = np.random.default_rng(rows).standard_normal((rows, 64)).astype(dtype)
+    x[-1] += 1e4 if dtype == "float32" else 1e9  # torch's float64 kernel: 2e-8 at 1e9
+    y_ref = reference.forward("layer_norm", x.astype(np.float64), eps=1e-5, axis=-1)[0]
+    tol = _ulp_bound(y_ref) if dtype == "float32" else 64 * np.finfo(np.float64).eps * float(np.max(np.abs(y_ref)))
+    for _ in range(3):
+        y = anynorm.layer_norm(torch.from_numpy(x)).numpy()
+        assert np.max(np.abs(y - y_ref)) <= tol
