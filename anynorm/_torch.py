@@ -333,6 +333,9 @@ def _conditioned(mean, rstd, limit):
 # costs 1.1 us at 4 statistics, 2.6 at 16, 4.6 at 32; NumPy's or torch's three ops 3.4)
 _LIST_CHECK = 24
 _SHIFT_FIRST_AFTER = 2  # reruns after which a float32/float64 signature shifts first
+# |mean| * rstd up to which torch's backward may take half statistics (each xhat then off by
+# at most that many half-ulps of its dtype); past it the call runs on float32 parameters
+_GRAD_LIMIT = 2.0
 _NUMPY_CHECK = 32768  # statistics from which it runs in NumPy (torch's ops go parallel there)
 _FMAX = np.fmax.reduce
 
@@ -761,7 +764,25 @@ def forward_runner(plan, x, stats):
             w, b = _float_params(plan, w, b, plan.param_shape)
         return finish(x, weight, bias, w, b, *kernel(x, w, b))
 
-    if float_params:
+    def run_plain(x, weight, bias, residual):
+        if _diverted():
+            return general(x, weight, bias, residual)
+        if ((weight is not None and weight.dtype is not dtype)
+                or (bias is not None and bias.dtype is not dtype)):
+            return converted(x, weight, bias)
+        if reruns is not None and reruns[0] >= _SHIFT_FIRST_AFTER:
+            out = shift_first(x, weight, bias)
+            if out is not None:
+                return out
+        y, mean, rstd = kernel(x, weight, bias)
+        if plain:  # the common call, finish's first branch inline
+            if within(mean, rstd):
+                return y, None, None, None
+            return finish(x, weight, bias, weight, bias, y, mean, rstd, True)
+        return finish(x, weight, bias, weight, bias, y, mean, rstd)
+
+    run = run_plain
+    if half and center:
         # Parameters of x's dtype are converted on every call (``_to_float``, 1.6 us each):
         # a converted copy kept between calls would go stale where a parameter changes
         # in place without a version bump (``p.data.copy_(...)``, a NumPy view of its memory),
@@ -769,7 +790,7 @@ def forward_runner(plan, x, stats):
         # both parameters float32, or the statistics come back in x's dtype).
         ones = _float_params(plan, None, None, plan.param_shape)[0]
 
-        def run(x, weight, bias, residual):
+        def run_float(x, weight, bias, residual):
             if _diverted():
                 return general(x, weight, bias, residual)
             if weight is None:
@@ -782,23 +803,31 @@ def forward_runner(plan, x, stats):
                 return converted(x, weight, bias)
             b = None if bias is None else _to_float(bias)
             return finish(x, weight, bias, w, b, *kernel(x, w, b))
-    else:
-        def run(x, weight, bias, residual):
-            if _diverted():
-                return general(x, weight, bias, residual)
-            if ((weight is not None and weight.dtype is not dtype)
-                    or (bias is not None and bias.dtype is not dtype)):
-                return converted(x, weight, bias)
-            if reruns is not None and reruns[0] >= _SHIFT_FIRST_AFTER:
-                out = shift_first(x, weight, bias)
-                if out is not None:
-                    return out
-            y, mean, rstd = kernel(x, weight, bias)
-            if plain:  # the common call, finish's first branch inline
-                if within(mean, rstd):
+
+        if float_params:
+            run = run_float
+        else:
+            # A call autograd records: torch's backward centres x on the mean its forward
+            # saved, in x's dtype for half parameters, off by up to half an ulp of the mean
+            # (2^-8 of it in bfloat16), so every xhat is off by |mean| * rstd half-ulps (rows
+            # of 16 at |mean| = 15 std: 4% of the gradient, rows of 2 at any offset 100%
+            # and more).  Where the statistics show more than _GRAD_LIMIT, the call runs
+            # again on float32 parameters, whose float32 statistics keep xhat exact.
+            within_grad = _checker(plan, lay, min(limit, _GRAD_LIMIT))
+
+            def run(x, weight, bias, residual, _grad=torch.is_grad_enabled):
+                if not (_grad() and (x.requires_grad or (weight is not None and weight.requires_grad)
+                                     or (bias is not None and bias.requires_grad))):
+                    return run_plain(x, weight, bias, residual)
+                if _diverted():
+                    return general(x, weight, bias, residual)
+                if ((weight is not None and weight.dtype is not dtype)
+                        or (bias is not None and bias.dtype is not dtype)):
+                    return converted(x, weight, bias)  # float32 parameters, as run_float's
+                y, mean, rstd = kernel(x, weight, bias)
+                if within_grad(mean, rstd):
                     return y, None, None, None
-                return finish(x, weight, bias, weight, bias, y, mean, rstd, True)
-            return finish(x, weight, bias, weight, bias, y, mean, rstd)
+                return run_float(x, weight, bias, residual)
 
     if _torch_cpu_grad.prefers_kernels(plan):  # what autograd records runs on anynorm's kernels
         untracked = run
