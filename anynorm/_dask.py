@@ -226,7 +226,8 @@ def _stat_partial(xc, *, cp, kind):
 def _grad_partial(dyc, xc, wc, *stats, cp, kind):
     """One chunk's backward partial, rows stacked on axis 0, float64.
 
-    ``kind``: "given" -> (sum(g), sum(g * xhat)) with the caller's mean/rstd;
+    ``kind``: "given" -> (sum(g), sum(g * xhat)) with the caller's mean/rstd, and where
+    centred also (sum(x - mean), sum(g * rstd)), which take back the given mean's rounding;
     "chan" -> (count, shift, correction, M2, sum(g), sum(g * (x - chunk mean)));
     "sumsq" (RMS norm, no stats) -> (sum(x^2), sum(g * x)).
     """
@@ -242,7 +243,10 @@ def _grad_partial(dyc, xc, wc, *stats, cp, kind):
 
     if kind == "given":
         xcen = xa - _acc(cp, xp, stats[0]) if cp.center else xa
-        rows = [s(ga), s(ga * (xcen * _acc(cp, xp, stats[-1])))]
+        rc = _acc(cp, xp, stats[-1])
+        rows = [s(ga), s(ga * (xcen * rc))]
+        if cp.center:
+            rows += [s(xcen), s(ga * rc)]
     elif kind == "sumsq":
         rows = [s(xa * xa), s(ga * xa)]
     else:
@@ -480,10 +484,16 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     else:
         acc = plan.acc_dtype
         if given:
-            s = _merged(g, _partials(_grad_partial, g, [dy, x, w] + given, 2, x, kind="given"), _merge_sum)
+            k = 4 if plan.center else 2
+            s = _merged(g, _partials(_grad_partial, g, [dy, x, w] + given, k, x, kind="given"), _merge_sum)
             mg, mgx = s[0] / plan.count, s[1] / plan.count
-            hi = given[0].astype(acc) if plan.center else None
-            lo = da.zeros_like(hi) if plan.center else None
+            hi = lo = None
+            if plan.center:
+                # xhat about the given mean less its slice's mean (lo: what its rounding to the
+                # statistics' dtype left out): sum(g * xhat) loses lo * sum(g * rstd)
+                lo64 = s[2] / plan.count
+                mgx = mgx - lo64 * s[3] / plan.count
+                hi, lo = given[0].astype(acc), g.per_channel(lo64.astype(acc))
             r = given[-1].astype(acc)
         elif plan.center:
             s = _merged(g, _partials(_grad_partial, g, [dy, x, w], 6, x, kind="chan"), _merge_chan)

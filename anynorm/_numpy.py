@@ -596,8 +596,11 @@ def _small_backward(plan, dy, x, weight, mean, rstd):
             xhat *= r
     else:
         r = np.asarray(rstd, dtype=acc).reshape(plan.stats_view_shape)
-        xhat = np.subtract(xv, np.asarray(mean, dtype=acc).reshape(plan.stats_view_shape)) if plan.center \
-            else np.array(xv)
+        if plan.center:  # about the given (rounded) mean, then what its rounding left out
+            xhat = np.subtract(xv, np.asarray(mean, dtype=acc).reshape(plan.stats_view_shape))
+            xhat -= np.add.reduce(xhat, axis=plan.reduce_axes, keepdims=True) * (1.0 / plan.count)
+        else:
+            xhat = np.array(xv)
         xhat *= r
     g = dyv if weight is None else np.multiply(dyv, np.asarray(weight, dtype=acc).reshape(plan.param_view_shape))
     axes, inv_n = plan.reduce_axes, 1.0 / plan.count
@@ -736,7 +739,13 @@ class _BackwardCall:
             xhat = scratch.get("xhat", shape)
             if self.given:
                 if plan.center:
+                    # about the given mean, then its slice's mean: the given one is rounded to
+                    # the statistics' dtype, which would put |mean| * rstd ulps into every xhat
                     kernel.apply(np.subtract, xa, self.mean[stats_index], xhat)
+                    lo = np.empty(rb.shape, self.acc)
+                    kernel.sums(xhat, lo)
+                    lo /= n
+                    kernel.apply(np.subtract, xhat, lo, xhat)
                     kernel.apply(np.multiply, xhat, rb, xhat)
                 else:
                     kernel.apply(np.multiply, xa, rb, xhat)

@@ -97,7 +97,12 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
         _, rstd_v, xc = centred_statistics(plan, xv)
     else:
         rstd_v = xp.reshape(_acc(plan, rstd), plan.stats_view_shape)
-        xc = xv - xp.reshape(_acc(plan, mean), plan.stats_view_shape) if plan.center else xv
+        xc = xv
+        if plan.center:
+            # about the given mean, then the slice's mean of that: the given one is rounded to
+            # the statistics' dtype, which would put |mean| * rstd ulps into every xhat
+            xc = xv - xp.reshape(_acc(plan, mean), plan.stats_view_shape)
+            xc = xc - xp.mean(xc, axis=plan.reduce_axes, keepdims=True)
     xhat = xc * rstd_v
     g = dyv * _param(plan, weight) if weight is not None else dyv
     axes = plan.reduce_axes

@@ -459,8 +459,9 @@ inline vd lanes(const double *p) { return load(p); }
 
 // ---- rows backward: the gradients through a row's normalization ------------------------------
 //
-// Per row, with xhat = ((x - hi) - lo) * r (the statistics given, hi = mean, lo = 0, or taken
-// again as the forward takes them) and g = dy * w:
+// Per row, with xhat = ((x - hi) - lo) * r (the statistics given: hi = mean, lo = sum(x - hi)
+// / n from the row's sums, what the mean's rounding left out; or taken again as the forward
+// takes them) and g = dy * w:
 //
 //     dx = (g - xhat * mean(g * xhat) - mean(g)) * r          (RMS norm: no mean(g))
 //     dweight += dy * xhat,  dbias += dy                      (summed over rows / runs)
@@ -470,48 +471,61 @@ inline vd lanes(const double *p) { return load(p); }
 // every BWD_FLUSH_ROWS rows; by run (w_run = S > 0: NCHW instance/group norm) each run's sums
 // are float32 over chunks of SUM_CHUNK added in float64, written to dw[k] and db[k] of run k.
 
-// sum(g) and sum(g * (x - hi)) over elements [i0, i1) of a row (float32 over chunks of
-// SUM_CHUNK, added in float64), the weight `wp` by position or `wk` for all of them where wp
-// is null (POS: wp not null); sum(g * xhat) is then r * (the second - lo * the first)
-template <bool POS, typename T, typename V, typename F>
+// sum(g), sum(g * (x - hi)) and sum(x - hi) over elements [i0, i1) of a row (float32 over
+// chunks of SUM_CHUNK, added in float64), the weight `wp` by position or `wk` for all of them
+// where wp is null (POS: wp not null); sum(g * xhat) is then r * (the second - lo * the first),
+// and with the forward's mean as hi (rounded to the statistics' dtype) lo = the third / n is
+// what that rounding left out (OFF: the third wanted)
+template <bool POS, bool OFF, typename T, typename V, typename F>
 inline void grad_sums_by(const T *x, const T *dy, long long i0, long long i1, F hi, const F *wp, F wk, double *sg,
-                         double *sgd) {
-    double tg = 0.0, tgd = 0.0;
+                         double *sgd, double *sx) {
+    double tg = 0.0, tgd = 0.0, tx = 0.0;
     for (long long c0 = i0; c0 < i1; c0 += SUM_CHUNK) {
         const long long c1 = c0 + SUM_CHUNK < i1 ? c0 + SUM_CHUNK : i1;
-        V u0 = {0}, u1 = {0}, v0 = {0}, v1 = {0};
+        V u0 = {0}, u1 = {0}, v0 = {0}, v1 = {0}, e0 = {0}, e1 = {0};
         long long i = c0;
         for (; i + 16 <= c1; i += 16) {
             const V d0 = lanes(dy + i), d1 = lanes(dy + i + 8);
             const V g0 = POS ? d0 * load(wp + i) : d0 * wk, g1 = POS ? d1 * load(wp + i + 8) : d1 * wk;
+            const V m0 = lanes(x + i) - hi, m1 = lanes(x + i + 8) - hi;
             u0 += g0;
             u1 += g1;
-            v0 += g0 * (lanes(x + i) - hi);
-            v1 += g1 * (lanes(x + i + 8) - hi);
+            v0 += g0 * m0;
+            v1 += g1 * m1;
+            if (OFF) {
+                e0 += m0;
+                e1 += m1;
+            }
         }
         for (; i + 8 <= c1; i += 8) {
-            const V d = lanes(dy + i);
+            const V d = lanes(dy + i), m = lanes(x + i) - hi;
             const V g = POS ? d * load(wp + i) : d * wk;
             u0 += g;
-            v0 += g * (lanes(x + i) - hi);
+            v0 += g * m;
+            if (OFF) e0 += m;
         }
         tg += total(u0 + u1);
         tgd += total(v0 + v1);
+        if (OFF) tx += total(e0 + e1);
         for (; i < c1; i++) {
-            const F d = (F)dy[i], g = POS ? d * wp[i] : d * wk;
+            const F d = (F)dy[i], g = POS ? d * wp[i] : d * wk, m = (F)x[i] - hi;
             tg += (double)g;
-            tgd += (double)(g * ((F)x[i] - hi));
+            tgd += (double)(g * m);
+            if (OFF) tx += (double)m;
         }
     }
     *sg = tg;
     *sgd = tgd;
+    *sx = tx;
 }
 
 template <typename T, typename V, typename F>
-inline void grad_sums(const T *x, const T *dy, long long i0, long long i1, F hi, const F *wp, F wk, double *sg,
-                      double *sgd) {
-    if (wp) grad_sums_by<true, T, V, F>(x, dy, i0, i1, hi, wp, wk, sg, sgd);
-    else grad_sums_by<false, T, V, F>(x, dy, i0, i1, hi, wp, wk, sg, sgd);
+inline void grad_sums(const T *x, const T *dy, long long i0, long long i1, F hi, const F *wp, F wk, bool off,
+                      double *sg, double *sgd, double *sx) {
+    if (wp && off) grad_sums_by<true, true, T, V, F>(x, dy, i0, i1, hi, wp, wk, sg, sgd, sx);
+    else if (wp) grad_sums_by<true, false, T, V, F>(x, dy, i0, i1, hi, wp, wk, sg, sgd, sx);
+    else if (off) grad_sums_by<false, true, T, V, F>(x, dy, i0, i1, hi, wp, wk, sg, sgd, sx);
+    else grad_sums_by<false, false, T, V, F>(x, dy, i0, i1, hi, wp, wk, sg, sgd, sx);
 }
 
 // A row's constants for its dx: xhat = ((x - hi) - lo) * r, dx = ((g - c2) - xhat * c1) * r
@@ -586,15 +600,18 @@ inline void grad_x_group(const T *x, const T *dy, T *dx, long long n, const Grad
     else grad_x_rows<G, false, false, T, V, F>(x, dy, dx, n, rows, wp, aw, ab, F(1));
 }
 
-// A row's GradRow: its statistics as given (`mean` null for RMS norm) or, with rstd null, taken
-// again from x as `rows` takes them; then sum(g) and sum(g * xhat) over its elements, the
-// weight by position (`wp`) or by run (`w`, w_run > 0: its runs' sums also go to dw[k], db[k]
-// where dw is not null)
+// A row's GradRow: its statistics as given (`mean` null for RMS norm; lo, what the mean's
+// rounding to the statistics' dtype left out, taken back from the row in the same pass as the
+// sums: xhat about hi alone was off by |mean| * rstd * 2^-24, 6e-3 of dx at 1e6 std) or, with
+// rstd null, taken again from x as `rows` takes them; then sum(g) and sum(g * xhat) over its
+// elements, the weight by position (`wp`) or by run (`w`, w_run > 0: its runs' sums also go
+// to dw[k], db[k] where dw is not null; `runs`: 2 * n / w_run doubles of scratch)
 template <typename T, typename V, typename F>
 inline GradRow<F> grad_row(const T *x, const T *dy, long long r, long long n, const typename Acc<T>::type *mean,
                            const typename Acc<T>::type *rstd, const F *w, long long w_run, double *dw,
-                           double *db, int center, double eps) {
+                           double *db, int center, double eps, double *runs) {
     GradRow<F> c;
+    const bool off = rstd && center;  // lo from the row's sums
     if (rstd) {
         c.hi = center ? (F)mean[r] : F(0);
         c.lo = 0;
@@ -609,18 +626,27 @@ inline GradRow<F> grad_row(const T *x, const T *dy, long long r, long long n, co
         c.r = (F)st.rs;
     }
     const T *xr = x + r * n, *dyr = dy + r * n;
-    const double rs = (double)c.r, lo = (double)c.lo;
+    const double rs = (double)c.r, inv_n = 1.0 / (double)n;
     double sg = 0.0, sgx = 0.0;
     if (w_run <= 0) {
-        double sgd;
-        grad_sums<T, V, F>(xr, dyr, 0, n, c.hi, w, F(1), &sg, &sgd);
-        sgx = rs * (sgd - lo * sg);
+        double sgd, sx;
+        grad_sums<T, V, F>(xr, dyr, 0, n, c.hi, w, F(1), off, &sg, &sgd, &sx);
+        if (off) c.lo = (F)(sx * inv_n);
+        sgx = rs * (sgd - (double)c.lo * sg);
     } else {
-        for (long long s = 0; s < n; s += w_run) {
-            const long long k = (r * n + s) / w_run;
-            double sd, sdd;
-            grad_sums<T, V, F>(xr, dyr, s, s + w_run, c.hi, (const F *)nullptr, F(1), &sd, &sdd);
-            const double sdx = rs * (sdd - lo * sd), wk = w ? (double)w[k] : 1.0;
+        const long long nruns = n / w_run;
+        double tx = 0.0;
+        for (long long j = 0; j < nruns; j++) {
+            double sx;
+            grad_sums<T, V, F>(xr, dyr, j * w_run, (j + 1) * w_run, c.hi, (const F *)nullptr, F(1), off,
+                               runs + 2 * j, runs + 2 * j + 1, &sx);
+            tx += sx;
+        }
+        if (off) c.lo = (F)(tx * inv_n);
+        const double lo = (double)c.lo;
+        for (long long j = 0; j < nruns; j++) {
+            const long long k = (r * n + j * w_run) / w_run;
+            const double sd = runs[2 * j], sdx = rs * (runs[2 * j + 1] - lo * sd), wk = w ? (double)w[k] : 1.0;
             sg += wk * sd;
             sgx += wk * sdx;
             if (dw) {
@@ -629,7 +655,6 @@ inline GradRow<F> grad_row(const T *x, const T *dy, long long r, long long n, co
             }
         }
     }
-    const double inv_n = 1.0 / (double)n;
     c.c1 = (F)(sgx * inv_n);
     c.c2 = center ? (F)(sg * inv_n) : F(0);
     return c;
@@ -661,8 +686,9 @@ int rows_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, lon
     const bool nt = sizeof(T) == 4 && nrows * n * (long long)sizeof(T) >= ROWS_NT_BYTES && n % 4 == 0 &&
                     w_run % 4 == 0 && (uintptr_t)dx % 16 == 0;
     if (w_run > 0) {
+        std::vector<double> runs(2 * (n / w_run));
         for (long long r = 0; r < nrows; r++) {
-            const GradRow<F> c = grad_row<T, V, F>(x, dy, r, n, mean, rstd, w, w_run, dw, db, center, eps);
+            const GradRow<F> c = grad_row<T, V, F>(x, dy, r, n, mean, rstd, w, w_run, dw, db, center, eps, runs.data());
             for (long long s = 0; s < n; s += w_run) {
                 const F wk = w ? (F)w[(r * n + s) / w_run] : F(1);
                 const long long e = r * n + s;
@@ -681,7 +707,7 @@ int rows_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, lon
     for (long long r0 = 0; r0 < nrows; r0 += group) {
         const int g = r0 + group < nrows ? group : (int)(nrows - r0);
         for (int k = 0; k < g; k++)
-            rows[k] = grad_row<T, V, F>(x, dy, r0 + k, n, mean, rstd, w, 0, nullptr, nullptr, center, eps);
+            rows[k] = grad_row<T, V, F>(x, dy, r0 + k, n, mean, rstd, w, 0, nullptr, nullptr, center, eps, nullptr);
         const long long e = r0 * n;
         if (g == BWD_GROUP) {
             grad_x_group<BWD_GROUP, T, V, F>(x + e, dy + e, dx + e, n, rows, w, aw, ab, nt);
@@ -814,12 +840,15 @@ template <typename V> inline V fold(const V (&a)[SETS][4], int k) {
 }
 
 // The moments of a strip's W columns (of a sample viewed as (P, Q), starting at xs) over its
-// P rows: per column the mean `cmean` and M2 (the sum of squared deviations) `cm2` in float64,
-// from chunks of COL_CHUNK_ROWS rows summed in float32 and merged by Chan's formula; m1, su,
-// sq: W floats of scratch each
+// P rows: per column the mean as `cpiv + cmean` (the first chunk's first mean, a value near
+// the data, and the deviation from it: two doubles, so that far from zero the mean keeps the
+// bits one double would round off) and M2 (the sum of squared deviations) `cm2` in float64,
+// from chunks of COL_CHUNK_ROWS rows summed in float32 and merged by Chan's formula, each
+// chunk's mean taken relative to the pivot (`m1 - cpiv` is exact near the data); m1, su, sq:
+// W floats of scratch each
 template <typename T, typename F, typename V>
-void strip_moments(const T *xs, long long P, long long Q, long long W, double *cmean, double *cm2, F *m1, F *su,
-                   F *sq) {
+void strip_moments(const T *xs, long long P, long long Q, long long W, double *cpiv, double *cmean, double *cm2,
+                   F *m1, F *su, F *sq) {
     const long long WV = W / 8 * 8;
     const long long R = COL_CHUNK_ROWS;
     std::fill(cmean, cmean + W, 0.0);
@@ -906,8 +935,10 @@ void strip_moments(const T *xs, long long P, long long Q, long long W, double *c
         }
         if (far) deviations<T, F, V>(xs, Q, p0, p1, W, m1, su, sq);
         const double nc = (double)(p1 - p0), total_n = done + nc;
+        if (done == 0.0)
+            for (long long q = 0; q < W; q++) cpiv[q] = (double)m1[q];
         for (long long q = 0; q < W; q++) {  // Chan: merge the chunk's state
-            const double c = (double)su[q] / nc, mc = (double)m1[q] + c;
+            const double c = (double)su[q] / nc, mc = ((double)m1[q] - cpiv[q]) + c;
             double m2c = (double)sq[q] - (double)su[q] * c;
             if (m2c < 0.0) m2c = 0.0;
             const double delta = mc - cmean[q];
@@ -916,6 +947,36 @@ void strip_moments(const T *xs, long long P, long long Q, long long W, double *c
         }
         done = total_n;
     }
+}
+
+// A slice's statistics from its `group` columns' strip_moments (starting at column c0):
+// the mean as hi + lo (hi in F, lo the rest: two floats, or two doubles for float64, each
+// column's pivot taken relative to the first's), the variance, in float64
+template <typename F> struct SliceStats {
+    F hi, lo;
+    double mean, var;
+};
+
+template <typename F>
+inline SliceStats<F> slice_stats(const double *cpiv, const double *cmean, const double *cm2, long long c0,
+                                 long long group, long long P) {
+    const double pivot = cpiv[c0];
+    double dev = 0.0;
+    for (long long k = c0; k < c0 + group; k++) dev += (cpiv[k] - pivot) + cmean[k];
+    dev /= (double)group;
+    double m2 = 0.0;
+    for (long long k = c0; k < c0 + group; k++) {
+        const double e = ((cpiv[k] - pivot) + cmean[k]) - dev;
+        m2 += cm2[k] + (double)P * e * e;
+    }
+    double var = m2 / ((double)P * (double)group);
+    if (var < 0.0) var = 0.0;  // NaN stays NaN
+    SliceStats<F> st;
+    st.mean = pivot + dev;
+    st.hi = (F)st.mean;
+    st.lo = (F)((pivot - (double)st.hi) + dev);
+    st.var = var;
+    return st;
 }
 
 template <typename T>
@@ -932,7 +993,7 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
     // third of the traffic); x and the next strip keep the caches.  With y preallocated, the
     // kernel alone / a copy: 32x96x56x56 2.62 -> 1.41, 32x384x14x14 2.69 -> 1.87
     const bool nt = sizeof(T) == 4 && (uintptr_t)y % 16 == 0 && Q % 4 == 0;
-    std::vector<double> cmean(strip), cm2(strip), rr(strip);
+    std::vector<double> cpiv(strip), cmean(strip), cm2(strip);
     std::vector<F> m1(strip), su(strip), sq(strip), hi(strip), rs(strip), lor(strip);
     for (long long bi = 0; bi < nb; bi++) {
         for (long long q0 = 0; q0 < Q; q0 += strip) {
@@ -940,44 +1001,36 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
             const T *xs = x + bi * P * Q + q0;
             T *ys = y + bi * P * Q + q0;
             const bool nts = nt && q0 % 4 == 0 && W % 4 == 0;  // y's rows in this strip: 16-byte pieces
-            strip_moments<T, F, V>(xs, P, Q, W, cmean.data(), cm2.data(), m1.data(), su.data(), sq.data());
+            strip_moments<T, F, V>(xs, P, Q, W, cpiv.data(), cmean.data(), cm2.data(), m1.data(), su.data(),
+                                   sq.data());
             if (group == 1) {  // a statistic a column: a loop the compiler vectorizes
                 const double inv_p = 1.0 / (double)P;
                 for (long long q = 0; q < W; q++) {
-                    const double var = cm2[q] * inv_p;
+                    const double var = cm2[q] * inv_p, m = cpiv[q] + cmean[q];
                     const double r = 1.0 / sqrt((var < 0.0 ? 0.0 : var) + eps);  // NaN stays NaN
-                    const F h = (F)cmean[q], rf = (F)r;
+                    const F h = (F)m, rf = (F)r;
                     hi[q] = h;
                     rs[q] = rf;
-                    lor[q] = (F)(cmean[q] - (double)h) * rf;
-                    rr[q] = r;
+                    lor[q] = (F)((cpiv[q] - (double)h) + cmean[q]) * rf;
+                    cm2[q] = r;  // the rstd, for the loop below
+                    cmean[q] = m;
                 }
                 for (long long q = 0; q < W; q++) {
                     if (mean) mean[bi * S + q0 + q] = (A)cmean[q];
-                    if (rstd) rstd[bi * S + q0 + q] = (A)rr[q];
+                    if (rstd) rstd[bi * S + q0 + q] = (A)cm2[q];
                 }
             }
-            for (long long g = 0; group > 1 && g < W / group; g++) {  // a group's columns (P rows each)
-                const long long c0 = g * group;
-                double gm = 0.0;
-                for (long long k = 0; k < group; k++) gm += cmean[c0 + k];
-                gm /= (double)group;
-                double m2 = 0.0;
-                for (long long k = 0; k < group; k++) {
-                    const double e = cmean[c0 + k] - gm;
-                    m2 += cm2[c0 + k] + (double)P * e * e;
-                }
-                double var = m2 / ((double)P * (double)group);
-                if (var < 0.0) var = 0.0;
-                const double r = 1.0 / sqrt(var + eps);
+            for (long long c0 = 0; group > 1 && c0 < W; c0 += group) {  // a group's columns (P rows each)
+                const SliceStats<F> st = slice_stats<F>(cpiv.data(), cmean.data(), cm2.data(), c0, group, P);
+                const double r = 1.0 / sqrt(st.var + eps);
                 const long long s = bi * S + (q0 + c0) / group;
-                if (mean) mean[s] = (A)gm;
+                if (mean) mean[s] = (A)st.mean;
                 if (rstd) rstd[s] = (A)r;
-                const F h = (F)gm, l = (F)(gm - (double)h), rf = (F)r;
-                for (long long k = 0; k < group; k++) {
-                    hi[c0 + k] = h;
-                    rs[c0 + k] = rf;
-                    lor[c0 + k] = l * rf;
+                const F rf = (F)r;
+                for (long long k = c0; k < c0 + group; k++) {
+                    hi[k] = st.hi;
+                    rs[k] = rf;
+                    lor[k] = st.lo * rf;
                 }
             }
             if (param_rows) {  // y = (x - hi) * (r * w_p) + (b_p - lo * r * w_p)
@@ -1034,7 +1087,9 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
 //
 //     [the strip's statistics as `cols` takes them, where none are given]
 //     D_q = sum_p dy * w_p,  E_q = sum_p dy * w_p * (x - hi_q)   (one pass down the rows; with
-//                          param_rows also dw_p += sum_q dy * xhat, db_p += sum_q dy)
+//                          param_rows also dw_p += sum_q dy * xhat, db_p += sum_q dy; with
+//                          the statistics given, hi_q = their mean and F_q = sum_p (x - hi_q),
+//                          whose mean over a slice is its lo)
 //     per slice: c2 = sum w_q D_q / n,  c1 = r * (sum w_q E_q - lo sum w_q D_q) / n
 //                (w_q: the column's weight, or 1 with param_rows; n = P * group)
 //     dx = dy * w_p * (r * w_q) - (x - hi) * (r^2 c1) + (r^2 c1 lo - r c2)      (a second pass)
@@ -1051,15 +1106,16 @@ template <typename V> inline auto lane_sum(V v) -> decltype(v[0] + v[0]) {
 // one row of a strip's pass 1: D += dy * wp, E += dy * wp * (x - hi) per column; with RG
 // (channels first, weight gradients by row) also *rw += sum dy * xhat, *rb += sum dy over the
 // row's columns (float32 sums of the strip's columns, added in float64)
-template <bool RG, typename T, typename V, typename F>
+template <bool RG, bool OFF, typename T, typename V, typename F>
 inline void col_grad_row(const T *xr, const T *dyr, long long W, long long WV, F wp, const F *hi, const F *lo,
-                         const F *rs, F *dsum, F *esum, double *rw, double *rb) {
+                         const F *rs, F *dsum, F *esum, F *fsum, double *rw, double *rb) {
     V aw = {0}, ab = {0};
     long long q = 0;
     for (; q < WV; q += 8) {
         const V d = lanes(dyr + q), xm = lanes(xr + q) - load(hi + q), g = d * wp;
         store(dsum + q, load(dsum + q) + g);
         store(esum + q, load(esum + q) + g * xm);
+        if (OFF) store(fsum + q, load(fsum + q) + xm);
         if (RG) {
             aw += d * ((xm - load(lo + q)) * load(rs + q));
             ab += d;
@@ -1070,6 +1126,7 @@ inline void col_grad_row(const T *xr, const T *dyr, long long W, long long WV, F
         const F d = (F)dyr[q], xm = (F)xr[q] - hi[q], g = d * wp;
         dsum[q] += g;
         esum[q] += g * xm;
+        if (OFF) fsum[q] += xm;
         if (RG) {
             tw += d * ((xm - lo[q]) * rs[q]);
             tb += d;
@@ -1081,23 +1138,38 @@ inline void col_grad_row(const T *xr, const T *dyr, long long W, long long WV, F
     }
 }
 
+
 // one row of a strip's dx: dy * wp * a - (x - hi) * k + z per column (whole vectors up to WV;
-// with NT, a last 4 columns as the first half of a vector)
-template <bool NT, typename V, typename T, typename F>
-inline void col_dx_row(const T *xr, const T *dyr, T *dxr, long long W, long long WV, F wp, const F *hi, const F *a,
-                       const F *k, const F *z) {
+// with NT, a last 4 columns as the first half of a vector); with DOT, returns sum dy * v
+// over the row's columns (float32 lanes, added in float64), else 0
+template <bool NT, bool DOT, typename V, typename T, typename F>
+inline double col_dx_row(const T *xr, const T *dyr, T *dxr, long long W, long long WV, F wp, const F *hi,
+                         const F *a, const F *k, const F *z, const F *v) {
+    V acc = {0};
     long long q = 0;
-    for (; q < WV; q += 8)
-        put_y<NT>(dxr + q, (lanes(dyr + q) * wp) * load(a + q) - (lanes(xr + q) - load(hi + q)) * load(k + q) + load(z + q));
+    for (; q < WV; q += 8) {
+        const V d = lanes(dyr + q);
+        put_y<NT>(dxr + q, (d * wp) * load(a + q) - (lanes(xr + q) - load(hi + q)) * load(k + q) + load(z + q));
+        if (DOT) acc += d * load(v + q);
+    }
+    double dot = DOT ? total(acc) : 0.0;
     if (NT && q + 4 <= W) {
         V t;
         for (int j = 0; j < 8; j++) t[j] = 0;
-        for (int j = 0; j < 4; j++)
-            t[j] = ((F)dyr[q + j] * wp) * a[q + j] - ((F)xr[q + j] - hi[q + j]) * k[q + j] + z[q + j];
+        for (int j = 0; j < 4; j++) {
+            const F d = (F)dyr[q + j];
+            t[j] = (d * wp) * a[q + j] - ((F)xr[q + j] - hi[q + j]) * k[q + j] + z[q + j];
+            if (DOT) dot += (double)(d * v[q + j]);
+        }
         put_nt4(dxr + q, t);
         q += 4;
     }
-    for (; q < W; q++) dxr[q] = (T)(((F)dyr[q] * wp) * a[q] - ((F)xr[q] - hi[q]) * k[q] + z[q]);
+    for (; q < W; q++) {
+        const F d = (F)dyr[q];
+        dxr[q] = (T)((d * wp) * a[q] - ((F)xr[q] - hi[q]) * k[q] + z[q]);
+        if (DOT) dot += (double)(d * v[q]);
+    }
+    return dot;
 }
 
 // `mean`/`rstd` (nullable together: then taken again as `cols` takes them) at
@@ -1113,9 +1185,9 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
     if (P <= 0 || Q <= 0 || group <= 0 || Q % group || strip <= 0 || strip % group || (!mean) != (!rstd)) return 1;
     const long long S = Q / group;
     const bool nt = sizeof(T) == 4 && (uintptr_t)dx % 16 == 0 && Q % 4 == 0;
-    std::vector<double> cmean(strip), cm2(strip), dtot(strip), etot(strip);
+    std::vector<double> cpiv(strip), cmean(strip), cm2(strip), dtot(strip), etot(strip), ftot(strip);
     std::vector<F> m1(strip), su(strip), sq(strip), hi(strip), lo(strip), rs(strip), dsum(strip), esum(strip),
-        a(strip), k(strip), z(strip);
+        fsum(strip), rl(strip), a(strip), k(strip), z(strip);
     for (long long bi = 0; bi < nb; bi++) {
         for (long long q0 = 0; q0 < Q; q0 += strip) {
             const long long W = q0 + strip < Q ? strip : Q - q0, WV = W / 8 * 8;
@@ -1123,53 +1195,82 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
             const T *xs = x + off, *dys = dy + off;
             T *dxs = dx + off;
             const bool nts = nt && q0 % 4 == 0 && W % 4 == 0;
-            // the strip's statistics: hi + lo the mean (lo = 0 where given), rs the rstd
+            // the strip's statistics: hi + lo the mean (where given, lo from pass 1), rs the rstd
             if (rstd) {
                 for (long long q = 0; q < W; q++) {
                     const long long s = bi * S + (q0 + q) / group;
                     hi[q] = (F)mean[s];
-                    lo[q] = 0;
                     rs[q] = (F)rstd[s];
                 }
+                std::fill(lo.begin(), lo.begin() + W, F(0));  // until pass 1 has taken it
             } else {
-                strip_moments<T, F, V>(xs, P, Q, W, cmean.data(), cm2.data(), m1.data(), su.data(), sq.data());
-                for (long long c0 = 0; c0 < W; c0 += group) {
-                    double gm = 0.0, m2 = 0.0;
-                    for (long long j = 0; j < group; j++) gm += cmean[c0 + j];
-                    gm /= (double)group;
-                    for (long long j = 0; j < group; j++) {
-                        const double e = cmean[c0 + j] - gm;
-                        m2 += cm2[c0 + j] + (double)P * e * e;
+                strip_moments<T, F, V>(xs, P, Q, W, cpiv.data(), cmean.data(), cm2.data(), m1.data(), su.data(),
+                                       sq.data());
+                if (group == 1) {  // a statistic a column: a loop the compiler vectorizes
+                    const double inv_p = 1.0 / (double)P;
+                    for (long long q = 0; q < W; q++) {
+                        const double var = cm2[q] * inv_p, m = cpiv[q] + cmean[q];
+                        const F h = (F)m;
+                        hi[q] = h;
+                        lo[q] = (F)((cpiv[q] - (double)h) + cmean[q]);
+                        rs[q] = (F)(1.0 / sqrt((var < 0.0 ? 0.0 : var) + eps));
                     }
-                    double var = m2 / ((double)P * (double)group);
-                    if (var < 0.0) var = 0.0;  // NaN stays NaN
-                    const double r = 1.0 / sqrt(var + eps);
-                    for (long long j = 0; j < group; j++) {
-                        hi[c0 + j] = (F)gm;
-                        lo[c0 + j] = (F)(gm - (double)(F)gm);
-                        rs[c0 + j] = (F)r;
+                }
+                for (long long c0 = 0; group > 1 && c0 < W; c0 += group) {
+                    const SliceStats<F> st = slice_stats<F>(cpiv.data(), cmean.data(), cm2.data(), c0, group, P);
+                    const F rf = (F)(1.0 / sqrt(st.var + eps));
+                    for (long long j = c0; j < c0 + group; j++) {
+                        hi[j] = st.hi;
+                        lo[j] = st.lo;
+                        rs[j] = rf;
                     }
                 }
             }
-            // pass 1: D and E per column, down the rows in chunks
+            // pass 1: D and E per column, down the rows in chunks; with the statistics given,
+            // also sum(x - hi) per column, whose mean over a slice is its lo (what the given
+            // mean's rounding left out: xhat about hi alone was off by |mean| * rstd * 2^-24).
+            // The rows' dweight (param_rows) is then taken about hi; pass 2 subtracts
+            // sum_q dy * r * lo from it.
+            const bool given = rstd != nullptr;
             std::fill(dtot.begin(), dtot.begin() + W, 0.0);
             std::fill(etot.begin(), etot.begin() + W, 0.0);
+            std::fill(ftot.begin(), ftot.begin() + W, 0.0);
             for (long long p0 = 0; p0 < P; p0 += COL_CHUNK_ROWS) {
                 const long long p1 = p0 + COL_CHUNK_ROWS < P ? p0 + COL_CHUNK_ROWS : P;
                 std::fill(dsum.begin(), dsum.begin() + W, F(0));
                 std::fill(esum.begin(), esum.begin() + W, F(0));
+                std::fill(fsum.begin(), fsum.begin() + W, F(0));
                 for (long long p = p0; p < p1; p++) {
                     const F wp = param_rows && w ? (F)w[p] : F(1);
-                    if (param_rows && dw)
-                        col_grad_row<true, T, V, F>(xs + p * Q, dys + p * Q, W, WV, wp, hi.data(), lo.data(),
-                                                    rs.data(), dsum.data(), esum.data(), dw + p, db + p);
+                    const T *xr = xs + p * Q, *dyr = dys + p * Q;
+                    if (param_rows && dw && given)
+                        col_grad_row<true, true, T, V, F>(xr, dyr, W, WV, wp, hi.data(), lo.data(), rs.data(), dsum.data(),
+                                                          esum.data(), fsum.data(), dw + p, db + p);
+                    else if (param_rows && dw)
+                        col_grad_row<true, false, T, V, F>(xr, dyr, W, WV, wp, hi.data(), lo.data(), rs.data(), dsum.data(),
+                                                           esum.data(), fsum.data(), dw + p, db + p);
+                    else if (given)
+                        col_grad_row<false, true, T, V, F>(xr, dyr, W, WV, wp, hi.data(), lo.data(), rs.data(),
+                                                           dsum.data(), esum.data(), fsum.data(), nullptr, nullptr);
                     else
-                        col_grad_row<false, T, V, F>(xs + p * Q, dys + p * Q, W, WV, wp, hi.data(), lo.data(),
-                                                     rs.data(), dsum.data(), esum.data(), nullptr, nullptr);
+                        col_grad_row<false, false, T, V, F>(xr, dyr, W, WV, wp, hi.data(), lo.data(), rs.data(),
+                                                            dsum.data(), esum.data(), fsum.data(), nullptr, nullptr);
                 }
                 for (long long q = 0; q < W; q++) {
                     dtot[q] += (double)dsum[q];
                     etot[q] += (double)esum[q];
+                    ftot[q] += (double)fsum[q];
+                }
+            }
+            if (given) {
+                for (long long c0 = 0; c0 < W; c0 += group) {
+                    double t = 0.0;
+                    for (long long j = c0; j < c0 + group; j++) t += ftot[j];
+                    const F l = (F)(t / ((double)P * (double)group));
+                    for (long long j = c0; j < c0 + group; j++) {
+                        lo[j] = l;
+                        rl[j] = rs[j] * l;
+                    }
                 }
             }
             // per slice: c1, c2, and each column's constants of dx
@@ -1215,8 +1316,16 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
                     prefetch_l2(nx + p * row_bytes, nx + p * row_bytes + nbytes);
                     prefetch_l2(ndy + p * row_bytes, ndy + p * row_bytes + nbytes);
                 }
-                if (nts) col_dx_row<true, V>(xs + p * Q, dys + p * Q, dxs + p * Q, W, WV, wp, hi.data(), a.data(), k.data(), z.data());
-                else col_dx_row<false, V>(xs + p * Q, dys + p * Q, dxs + p * Q, W, WV, wp, hi.data(), a.data(), k.data(), z.data());
+                const T *xr = xs + p * Q, *dyr = dys + p * Q;
+                T *dxr = dxs + p * Q;
+                if (param_rows && dw && given) {  // the row's dweight about hi + lo (pass 1: about hi)
+                    dw[p] -= nts ? col_dx_row<true, true, V>(xr, dyr, dxr, W, WV, wp, hi.data(), a.data(), k.data(), z.data(), rl.data())
+                                 : col_dx_row<false, true, V>(xr, dyr, dxr, W, WV, wp, hi.data(), a.data(), k.data(), z.data(), rl.data());
+                } else if (nts) {
+                    col_dx_row<true, false, V>(xr, dyr, dxr, W, WV, wp, hi.data(), a.data(), k.data(), z.data(), rl.data());
+                } else {
+                    col_dx_row<false, false, V>(xr, dyr, dxr, W, WV, wp, hi.data(), a.data(), k.data(), z.data(), rl.data());
+                }
             }
         }
     }

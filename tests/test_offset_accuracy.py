@@ -517,3 +517,80 @@ def test_half_gradients_through_torch_kernels(name, op, shape, kw, dtype, mean_i
             bound = 4 * step * float(np.max(np.abs(r))) * (1.0 if what == "dx" else math.sqrt(terms))
             assert err <= bound, (what, err, bound)
 
+
+GIVEN_STATS_CASES = [
+    ("ln rows", "layer_norm", (16, 1024), {}),
+    ("ln channels-first", "layer_norm", (4, 32, 16, 16), {"axis": 1}),
+    ("gn nchw", "group_norm", (4, 16, 16, 32), {"num_groups": 8}),
+    ("gn nhwc", "group_norm", (4, 16, 16, 32), {"num_groups": 8, "channel_axis": -1}),
+    ("in nhwc", "instance_norm", (2, 300, 40), {"channel_axis": -1}),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("offset", OFFSETS)
+@pytest.mark.parametrize("name,op,shape,kw", GIVEN_STATS_CASES, ids=[c[0] for c in GIVEN_STATS_CASES])
+def test_backward_kernels_exact_with_the_forwards_statistics(name, op, shape, kw, offset, dtype, monkeypatch):
+    """The CPU backward kernels given the statistics ``return_stats`` returned (the mean rounded
+    to float32, or to one float64), and torch autograd's route through them (which saves
+    them): dx, dweight and dbias keep their dtype's rounding far from zero.  Taking xhat
+    about the rounded mean put |mean| * rstd * 2^-24 into every xhat (dx 6e-3 off at 1e6)."""
+    import anynorm
+    from anynorm import _numpy, _torch_cpu_grad
+
+    monkeypatch.setattr(_numpy, "SMALL_BACKWARD_ELEMENTS", 1)
+    monkeypatch.setattr(_torch_cpu_grad, "TRAINING_ROWS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(_torch_cpu_grad, "TRAINING_CHANNELS_LAST_MIN_ELEMENTS", 0)
+    gen = np.random.default_rng(7)
+    x = (offset + gen.standard_normal(shape)).astype(dtype)
+    dy = gen.standard_normal(shape).astype(dtype)
+    c = shape[kw.get("channel_axis", 1)] if op != "layer_norm" else shape[kw.get("axis", -1)]
+    w = (1 + 0.1 * gen.standard_normal(c)).astype(dtype)
+    groups = (kw["num_groups"],) if op == "group_norm" else ()
+    kws = {k: v for k, v in kw.items() if k != "num_groups"}
+    forward, backward = getattr(anynorm, op), getattr(anynorm, op + "_backward")
+    _, mean, rstd = forward(x, *groups, w, return_stats=True, **kws)
+    ref = reference.backward(op, dy.astype(np.float64), x.astype(np.float64), w.astype(np.float64), eps=1e-5, **kw)
+    eps = F32_EPS if dtype == "float32" else float(np.finfo(np.float64).eps)
+
+    def check(grads, what):
+        for g, r, part in zip(grads, ref, ("dx", "dweight", "dbias")):
+            if g is None:
+                continue
+            bound = 32 * eps * float(np.max(np.abs(r))) * (1 if part == "dx" else math.sqrt(x.size / c))
+            err = float(np.max(np.abs(np.asarray(g, dtype=np.float64) - r)))
+            assert err <= bound, f"{what} {part}: error {err:.3g}, bound {bound:.3g}"
+
+    check(backward(dy, x, *groups, w, stats=(mean, rstd), **kws), "numpy, statistics given")
+    check(backward(dy, x, *groups, w, **kws), "numpy, statistics taken again")
+    xt, wt = (torch.from_numpy(a).requires_grad_(True) for a in (x, w))
+    y = forward(xt, *groups, wt, **kws)
+    y.backward(torch.from_numpy(dy))
+    check((xt.grad.numpy(), wt.grad.numpy(), None), f"torch autograd ({y.grad_fn.name()})")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("backend_name", ["numpy", "torch", "array-api-strict", "dask", "jax", "torch-cuda", "cupy"])
+@pytest.mark.parametrize("name,op,shape,kw", [GIVEN_STATS_CASES[0], GIVEN_STATS_CASES[3]],
+                         ids=[GIVEN_STATS_CASES[0][0], GIVEN_STATS_CASES[3][0]])
+def test_backward_with_given_statistics_on_every_backend(name, op, shape, kw, backend_name, dtype):
+    """``*_backward(..., stats=...)`` with what ``return_stats`` gave, on every executor (the
+    array-API core, the NumPy passes, the kernels): dx keeps its dtype's rounding at 1e6."""
+    backend = get_backend(backend_name)
+    if dtype not in backend.dtypes:
+        pytest.skip(f"{backend_name} has no {dtype}")
+    gen = np.random.default_rng(3)
+    x64 = 1e6 + gen.standard_normal(shape)
+    dy64 = gen.standard_normal(shape)
+    x, dy = backend.asarray(x64, dtype), backend.asarray(dy64, dtype)
+    groups = (kw["num_groups"],) if op == "group_norm" else ()
+    kws = {k: v for k, v in kw.items() if k != "num_groups"}
+    import anynorm
+
+    _, mean, rstd = getattr(anynorm, op)(x, *groups, return_stats=True, **kws)
+    dx = getattr(anynorm, op + "_backward")(dy, x, *groups, stats=(mean, rstd), **kws)[0]
+    xr, dyr = backend.to_numpy(x).astype(np.float64), backend.to_numpy(dy).astype(np.float64)
+    ref = reference.backward(op, dyr, xr, None, eps=1e-5, **kw)[0]
+    eps = F32_EPS if dtype == "float32" else float(np.finfo(np.float64).eps)
+    err = float(np.max(np.abs(backend.to_numpy(dx).astype(np.float64) - ref)))
+    assert err <= 32 * eps * float(np.max(np.abs(ref))), err
