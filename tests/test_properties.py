@@ -26,12 +26,12 @@ def axis_sets(draw, rank):
 
 
 @st.composite
-def problems(draw, dtypes=("float32", "float64")):
-    """(Case, dtype, affine, seed) for any of the four operations."""
+def problems(draw, dtypes=("float32", "float64"), max_size=4):
+    """(Case, dtype, affine, seed) for any of the four operations, axes of 1 to ``max_size``."""
     op = draw(st.sampled_from(reference.OPS))
     min_rank = {"layer_norm": 1, "rms_norm": 1, "instance_norm": 3, "group_norm": 2}[op]
     rank = draw(st.integers(min_rank, 5))
-    shape = draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank))
+    shape = draw(st.lists(st.integers(1, max_size), min_size=rank, max_size=rank))
     if op in ("layer_norm", "rms_norm"):
         where = {"axis": draw(axis_sets(rank))}
     else:
