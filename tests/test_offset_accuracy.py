@@ -430,8 +430,8 @@ def test_compiled_check_agrees_with_the_python_loop(dtype, n):
         mean = 0.5 * limit * (2 * gen.random((n, 1)) - 1) / rstd  # near: half the limit at most
         if n > 2:
             mean[1] = np.nan  # a NaN slice passes, and hides no far one
-        if where is not None:
-            mean[where] = 2.5 * limit / rstd[where]  # far: twice past the limit and more
+        if where is not None:  # far: twice past the limit and more, below zero at n // 2
+            mean[where] = (-2.5 if where == n // 2 else 2.5) * limit / rstd[where]
         cases.append((where, mean, rstd))
     for where, mean, rstd in cases:
         m, r = (torch.from_numpy(a).to(tdtype) for a in (mean, rstd))
