@@ -949,34 +949,54 @@ void strip_moments(const T *xs, long long P, long long Q, long long W, double *c
     }
 }
 
-// A slice's statistics from its `group` columns' strip_moments (starting at column c0):
-// the mean as hi + lo (hi in F, lo the rest: two floats, or two doubles for float64, each
-// column's pivot taken relative to the first's), the variance, in float64
-template <typename F> struct SliceStats {
-    F hi, lo;
-    double mean, var;
-};
-
+// A strip's statistics from its strip_moments, a slice of `group` adjacent columns each: per
+// column hi + lo the slice's mean (hi in F, lo the rest: two floats, or two doubles for
+// float64, each column's pivot taken relative to the slice's first) and rs its rstd; where
+// `md` is not null, md/rd the slice's mean and rstd in float64 at each of its columns.
+// group 1: a loop the compiler vectorizes.
 template <typename F>
-inline SliceStats<F> slice_stats(const double *cpiv, const double *cmean, const double *cm2, long long c0,
-                                 long long group, long long P) {
-    const double pivot = cpiv[c0];
-    double dev = 0.0;
-    for (long long k = c0; k < c0 + group; k++) dev += (cpiv[k] - pivot) + cmean[k];
-    dev /= (double)group;
-    double m2 = 0.0;
-    for (long long k = c0; k < c0 + group; k++) {
-        const double e = ((cpiv[k] - pivot) + cmean[k]) - dev;
-        m2 += cm2[k] + (double)P * e * e;
+inline void strip_stats(const double *cpiv, const double *cmean, const double *cm2, long long W, long long group,
+                        long long P, double eps, F *hi, F *lo, F *rs, double *md, double *rd) {
+    if (group == 1) {
+        const double inv_p = 1.0 / (double)P;
+        for (long long q = 0; q < W; q++) {
+            const double var = cm2[q] * inv_p, m = cpiv[q] + cmean[q];
+            const double r = 1.0 / sqrt((var < 0.0 ? 0.0 : var) + eps);  // NaN stays NaN
+            const F h = (F)m;
+            hi[q] = h;
+            lo[q] = (F)((cpiv[q] - (double)h) + cmean[q]);
+            rs[q] = (F)r;
+            if (md) {
+                md[q] = m;
+                rd[q] = r;
+            }
+        }
+        return;
     }
-    double var = m2 / ((double)P * (double)group);
-    if (var < 0.0) var = 0.0;  // NaN stays NaN
-    SliceStats<F> st;
-    st.mean = pivot + dev;
-    st.hi = (F)st.mean;
-    st.lo = (F)((pivot - (double)st.hi) + dev);
-    st.var = var;
-    return st;
+    for (long long c0 = 0; c0 < W; c0 += group) {
+        const double pivot = cpiv[c0];
+        double dev = 0.0;
+        for (long long k = c0; k < c0 + group; k++) dev += (cpiv[k] - pivot) + cmean[k];
+        dev /= (double)group;
+        double m2 = 0.0;
+        for (long long k = c0; k < c0 + group; k++) {
+            const double e = ((cpiv[k] - pivot) + cmean[k]) - dev;
+            m2 += cm2[k] + (double)P * e * e;
+        }
+        double var = m2 / ((double)P * (double)group);
+        if (var < 0.0) var = 0.0;  // NaN stays NaN
+        const double m = pivot + dev, r = 1.0 / sqrt(var + eps);
+        const F h = (F)m, l = (F)((pivot - (double)h) + dev), rf = (F)r;
+        for (long long k = c0; k < c0 + group; k++) {
+            hi[k] = h;
+            lo[k] = l;
+            rs[k] = rf;
+            if (md) {
+                md[k] = m;
+                rd[k] = r;
+            }
+        }
+    }
 }
 
 template <typename T>
@@ -993,7 +1013,7 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
     // third of the traffic); x and the next strip keep the caches.  With y preallocated, the
     // kernel alone / a copy: 32x96x56x56 2.62 -> 1.41, 32x384x14x14 2.69 -> 1.87
     const bool nt = sizeof(T) == 4 && (uintptr_t)y % 16 == 0 && Q % 4 == 0;
-    std::vector<double> cpiv(strip), cmean(strip), cm2(strip);
+    std::vector<double> cpiv(strip), cmean(strip), cm2(strip), md(strip), rd(strip);
     std::vector<F> m1(strip), su(strip), sq(strip), hi(strip), rs(strip), lor(strip);
     for (long long bi = 0; bi < nb; bi++) {
         for (long long q0 = 0; q0 < Q; q0 += strip) {
@@ -1003,35 +1023,13 @@ int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>
             const bool nts = nt && q0 % 4 == 0 && W % 4 == 0;  // y's rows in this strip: 16-byte pieces
             strip_moments<T, F, V>(xs, P, Q, W, cpiv.data(), cmean.data(), cm2.data(), m1.data(), su.data(),
                                    sq.data());
-            if (group == 1) {  // a statistic a column: a loop the compiler vectorizes
-                const double inv_p = 1.0 / (double)P;
-                for (long long q = 0; q < W; q++) {
-                    const double var = cm2[q] * inv_p, m = cpiv[q] + cmean[q];
-                    const double r = 1.0 / sqrt((var < 0.0 ? 0.0 : var) + eps);  // NaN stays NaN
-                    const F h = (F)m, rf = (F)r;
-                    hi[q] = h;
-                    rs[q] = rf;
-                    lor[q] = (F)((cpiv[q] - (double)h) + cmean[q]) * rf;
-                    cm2[q] = r;  // the rstd, for the loop below
-                    cmean[q] = m;
-                }
-                for (long long q = 0; q < W; q++) {
-                    if (mean) mean[bi * S + q0 + q] = (A)cmean[q];
-                    if (rstd) rstd[bi * S + q0 + q] = (A)cm2[q];
-                }
-            }
-            for (long long c0 = 0; group > 1 && c0 < W; c0 += group) {  // a group's columns (P rows each)
-                const SliceStats<F> st = slice_stats<F>(cpiv.data(), cmean.data(), cm2.data(), c0, group, P);
-                const double r = 1.0 / sqrt(st.var + eps);
+            strip_stats<F>(cpiv.data(), cmean.data(), cm2.data(), W, group, P, eps, hi.data(), lor.data(), rs.data(),
+                           md.data(), rd.data());
+            for (long long q = 0; q < W; q++) lor[q] *= rs[q];
+            for (long long c0 = 0; c0 < W; c0 += group) {
                 const long long s = bi * S + (q0 + c0) / group;
-                if (mean) mean[s] = (A)st.mean;
-                if (rstd) rstd[s] = (A)r;
-                const F rf = (F)r;
-                for (long long k = c0; k < c0 + group; k++) {
-                    hi[k] = st.hi;
-                    rs[k] = rf;
-                    lor[k] = st.lo * rf;
-                }
+                if (mean) mean[s] = (A)md[c0];
+                if (rstd) rstd[s] = (A)rd[c0];
             }
             if (param_rows) {  // y = (x - hi) * (r * w_p) + (b_p - lo * r * w_p)
                 // in blocks of columns, all rows a block: the block's hi, r, lo * r stay in L1.
@@ -1206,25 +1204,8 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
             } else {
                 strip_moments<T, F, V>(xs, P, Q, W, cpiv.data(), cmean.data(), cm2.data(), m1.data(), su.data(),
                                        sq.data());
-                if (group == 1) {  // a statistic a column: a loop the compiler vectorizes
-                    const double inv_p = 1.0 / (double)P;
-                    for (long long q = 0; q < W; q++) {
-                        const double var = cm2[q] * inv_p, m = cpiv[q] + cmean[q];
-                        const F h = (F)m;
-                        hi[q] = h;
-                        lo[q] = (F)((cpiv[q] - (double)h) + cmean[q]);
-                        rs[q] = (F)(1.0 / sqrt((var < 0.0 ? 0.0 : var) + eps));
-                    }
-                }
-                for (long long c0 = 0; group > 1 && c0 < W; c0 += group) {
-                    const SliceStats<F> st = slice_stats<F>(cpiv.data(), cmean.data(), cm2.data(), c0, group, P);
-                    const F rf = (F)(1.0 / sqrt(st.var + eps));
-                    for (long long j = c0; j < c0 + group; j++) {
-                        hi[j] = st.hi;
-                        lo[j] = st.lo;
-                        rs[j] = rf;
-                    }
-                }
+                strip_stats<F>(cpiv.data(), cmean.data(), cm2.data(), W, group, P, eps, hi.data(), lo.data(), rs.data(),
+                               nullptr, nullptr);
             }
             // pass 1: D and E per column, down the rows in chunks; with the statistics given,
             // also sum(x - hi) per column, whose mean over a slice is its lo (what the given
