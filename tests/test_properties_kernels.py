@@ -132,3 +132,32 @@ def test_the_sweep_reaches_the_kernels(op, shape, kw, kind, monkeypatch):
     call(op, x, w, w, **kw)
     call_backward(op, x, x, w, **kw)
     assert kind in called and f"{kind}_bwd" in called, called
+
+
+@given(problem=problems(dtypes=DTYPES, max_size=9), far=st.booleans())
+def test_sweep_backward_with_the_forwards_statistics(problem, far):
+    """``*_backward(..., stats=...)`` with what ``return_stats`` gave, through the kernels
+    (their given-statistics mode) and the NumPy passes, against the float64 reference; float32
+    and float64 also at offset 1e4, where xhat about the rounded mean alone was 30x off."""
+    c, dtype, affine, seed = problem
+    b = get_backend("numpy")
+    if dtype not in b.dtypes:
+        dtype = "float32"
+    offset = 1e4 if far and dtype in ("float32", "float64") else 0.0
+    x64, w64, _ = make_inputs(c, seed, affine=affine, offset=offset, scale=1.0)
+    x = b.asarray(x64, dtype)
+    w = None if w64 is None else b.asarray(w64, dtype)
+    dy = b.asarray(np.random.default_rng(seed + 1).standard_normal(c.shape), dtype)
+    eps = default_eps(c.op, dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        _every_size(mp)
+        out = call(c.op, x, w, None, return_stats=True, **c.kw)
+        stats = out[1:]
+        grads = call_backward(c.op, dy, x, w, stats=stats, **c.kw)
+    f64 = [None if a is None else b.to_numpy(a).astype(np.float64) for a in (dy, x, w)]
+    ref = reference.backward(c.op, *f64, eps=eps, **c.kw)
+    n = float(np.prod(c.shape))
+    for name, g, r in zip(("dx", "dweight", "dbias"), grads, ref):
+        if r is not None and g is not None:
+            assert_close(b.to_numpy(g).astype(np.float64), r, dtype, scale=4 if name == "dx" else 10 * n ** 0.5,
+                         what=f"{name} of {c} at offset {offset}, statistics given")
