@@ -340,7 +340,7 @@ _NUMPY_CHECK = 32768  # statistics from which it runs in NumPy (torch's ops go p
 _FMAX = np.fmax.reduce
 
 
-_FAR = None  # {torch dtype: anynorm_far_<f32|f64>} once looked up ({} without the kernels)
+_FAR = None  # {torch dtype: anynorm_far_*} once looked up ({} without the kernels)
 
 
 def _far_kernels():
@@ -855,11 +855,12 @@ def _checker(plan, lay, limit):
         rows_by_one = rows_3d = False
     far = _far_kernels()
     if far:
-        # the kernel's statistics: contiguous, of one float dtype (float32 for half inputs
-        # with float32 parameters, else x's, which torch may return for half x too)
+        # the kernel's statistics: of one float dtype (float32 for half inputs with float32
+        # parameters, else x's, which torch returns for half x too), contiguous as torch's
+        # kernels return them
         def within(mean, rstd, _far=far.get, _count=count):
             check = _far(mean.dtype)
-            if check is None:
+            if check is None or not (mean.is_contiguous() and rstd.is_contiguous()):
                 return _conditioned(mean, rstd, limit)
             return not check(mean.data_ptr(), rstd.data_ptr(), _count, limit)
         return within
