@@ -13,7 +13,8 @@
 # on BASE_DIR then on this tree; rows_fwd_lean against rows_fwd_block on the same rows
 # (gpu_row_variants.py shipped,nolean); --sections overhead,e2e; the host profile of a training
 # call; ncu instruction counts of the row kernels, forward and backward, with ncu's
-# per-instruction CSVs kept (compressed) for a look at where the instructions go.
+# per-instruction CSVs kept (compressed) for a look at where the instructions go, and the
+# backward's warp stall reasons and occupancy (ncu_bwd_details.txt).
 R=/tmp/session; rm -rf "$R"; mkdir -p "$R"
 BASE=${1:-}
 snap() { tar czf "$OUT/all.tgz" -C "$R" . ; }
@@ -47,10 +48,17 @@ snap; elapsed e2e; tail -1 "$R/e2e.log"
 timeout 40 python3 asv_bench/gpu_host_profile.py --calls 1000 --rounds 3 > "$R/host_profile.txt" 2>&1
 snap; elapsed host; sed -n 2,8p "$R/host_profile.txt"
 for part in fwd bwd; do
+    # the backward also with its warps' stall reasons: at ~50 instructions an element it
+    # issues at a third of what copy bandwidth allows, so stalls (its barriers, 4 a row in
+    # rows_bwd_block_params) rather than issue may bound it (eighteenth stop's note)
+    sections="--section SourceCounters"
+    [ "$part" = bwd ] && sections="$sections --section WarpStateStats --section Occupancy"
+    # shellcheck disable=SC2086
     timeout 80 "$NCU" --clock-control none --profile-from-start off --kernel-name "regex:rows_${part}" \
-        --section SourceCounters -o "/tmp/rows_$part" python3 asv_bench/ncu_rows.py > "$R/ncu_$part.log" 2>&1 &&
+        $sections -o "/tmp/rows_$part" python3 asv_bench/ncu_rows.py > "$R/ncu_$part.log" 2>&1 &&
     "$NCU" --import "/tmp/rows_$part.ncu-rep" --page source --csv --print-source sass > "$R/rows_${part}_sass.csv" 2>> "$R/ncu_$part.log" &&
     python3 asv_bench/ncu_rows.py --count "$R/rows_${part}_sass.csv" > "$R/ncu_${part}_count.txt" 2>&1
+    [ "$part" = bwd ] && "$NCU" --import "/tmp/rows_$part.ncu-rep" --page details > "$R/ncu_bwd_details.txt" 2>&1
     gzip -f "$R/rows_${part}_sass.csv" 2>/dev/null
     snap; elapsed "ncu $part"; cat "$R/ncu_${part}_count.txt" 2>/dev/null
 done
