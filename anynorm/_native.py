@@ -33,8 +33,8 @@ import numpy as np
 
 from ._cuda._sources import kernel_dir
 
-__all__ = ["cols_backward_kernel", "cols_kernel", "far_kernel", "rows_backward_kernel", "rows_kernel", "status",
-           "SOURCE"]
+__all__ = ["address", "cols_backward_kernel", "cols_kernel", "far_kernel", "rows_backward_kernel", "rows_kernel",
+           "status", "SOURCE"]
 
 SOURCE = "cpu.cpp"
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the first is refused
@@ -55,6 +55,18 @@ _ARGS = {
 }
 _SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _SUFFIXES = (*_SUFFIX.values(), "bf16")  # every entry point, bfloat16 (ml_dtypes) included
+
+
+_from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
+
+
+def address(a):
+    """The address of NumPy array ``a``'s first element, for the kernels' pointer arguments:
+    through ctypes' view of its buffer where that is writable, C-contiguous NumPy floats
+    (0.3 us), else ``a.ctypes.data`` (0.8 us: a NumPy call passes 5-8 of them)."""
+    if a.dtype.kind == "f" and a.flags.writeable and a.flags.c_contiguous and a.size:
+        return _addressof(_from_buffer(a))
+    return a.ctypes.data
 
 
 def _suffix(dtype):

@@ -418,9 +418,10 @@ class NativeColumns:
         b0, b1 = blocks[0][0], blocks[-1][1]  # a thread's samples are consecutive
         sample, acc = self.P * self.Q * self.x3.itemsize, self.acc.itemsize
         stats = self.Q // self.group
-        err = self.kernel(self.x3.ctypes.data + b0 * sample, self.y.ctypes.data + b0 * sample,
-                          0 if self.w is None else self.w.ctypes.data, 0 if self.b is None else self.b.ctypes.data,
-                          self.mean.ctypes.data + b0 * stats * acc, self.rstd.ctypes.data + b0 * stats * acc,
+        at = _native.address
+        err = self.kernel(at(self.x3) + b0 * sample, at(self.y) + b0 * sample,
+                          0 if self.w is None else at(self.w), 0 if self.b is None else at(self.b),
+                          at(self.mean) + b0 * stats * acc, at(self.rstd) + b0 * stats * acc,
                           b1 - b0, self.P, self.Q, self.group, self.strip, int(self.param_rows), self.plan.eps)
         if err:
             raise RuntimeError(f"anynorm's CPU kernel refused columns ({self.P}, {self.Q}, group {self.group})")

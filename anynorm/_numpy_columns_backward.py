@@ -75,10 +75,10 @@ class ColumnsBackward:
         sample, acc = self.P * self.Q * self.x3.itemsize, self.acc.itemsize
         stats = self.Q // self.group
         part = None if self.w is None else np.zeros((2, self.w.size))
-        at = (lambda a, step: 0 if a is None else a.ctypes.data + b0 * step)  # noqa: E731
+        at = (lambda a, step: 0 if a is None else _native.address(a) + b0 * step)  # noqa: E731
         err = self.kernel(at(self.x3, sample), at(self.dy3, sample), at(self.dx, sample), at(self.w, 0),
                           at(self.mean, stats * acc), at(self.rstd, stats * acc),
-                          at(part, 0), 0 if part is None else part.ctypes.data + self.w.size * 8,
+                          at(part, 0), 0 if part is None else _native.address(part) + self.w.size * 8,
                           b1 - b0, self.P, self.Q, self.group, self.strip, int(self.param_rows), self.plan.eps)
         if err:
             raise RuntimeError(f"anynorm's CPU backward kernel refused columns ({self.P}, {self.Q}, "

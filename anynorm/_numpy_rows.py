@@ -297,12 +297,12 @@ class RowsForward:
         n, size = self.n, self.y2.itemsize
 
         def at(a, itemsize=size, per_row=n):
-            return 0 if a is None else a.ctypes.data + s0 * per_row * itemsize
+            return 0 if a is None else _native.address(a) + s0 * per_row * itemsize
 
         acc = self.acc.itemsize
         w_run = 0 if self.mode == "outer" else self.run_length
         per_run = n // self.run_length
-        params = [0 if p is None else p.ctypes.data + (0 if w_run == 0 else s0 * per_run * acc)
+        params = [0 if p is None else _native.address(p) + (0 if w_run == 0 else s0 * per_run * acc)
                   for p in (self.w, self.b)]
         mean = at(self.mean, acc, 1) if self.plan.center else 0
         err = self.kernel(at(self.x2), at(self.r2), at(self.h2), at(self.y2), *params, w_run,

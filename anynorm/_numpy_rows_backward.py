@@ -85,15 +85,15 @@ class RowsBackward:
             w_at = dw_at = db_at = 0
         elif self.by_run:
             per_run = n // self.run_length
-            w_at = w.ctypes.data + s0 * per_run * acc
-            dw_at = self.dw_runs.ctypes.data + s0 * per_run * 8
-            db_at = self.db_runs.ctypes.data + s0 * per_run * 8
+            w_at = _native.address(w) + s0 * per_run * acc
+            dw_at = _native.address(self.dw_runs) + s0 * per_run * 8
+            db_at = _native.address(self.db_runs) + s0 * per_run * 8
         else:
             part = np.zeros((2, n))
-            w_at, dw_at, db_at = w.ctypes.data, part.ctypes.data, part.ctypes.data + n * 8
-        stats = [0 if s is None else s.ctypes.data + s0 * acc for s in (self.mean, self.rstd)]
-        err = self.kernel(self.x2.ctypes.data + s0 * n * size, self.dy2.ctypes.data + s0 * n * size,
-                          self.dx2.ctypes.data + s0 * n * size, w_at, self.run_length, *stats,
+            w_at, dw_at, db_at = _native.address(w), _native.address(part), _native.address(part) + n * 8
+        stats = [0 if s is None else _native.address(s) + s0 * acc for s in (self.mean, self.rstd)]
+        err = self.kernel(_native.address(self.x2) + s0 * n * size, _native.address(self.dy2) + s0 * n * size,
+                          _native.address(self.dx2) + s0 * n * size, w_at, self.run_length, *stats,
                           dw_at, db_at, s1 - s0, n, int(self.plan.center), self.plan.eps)
         if err:
             raise RuntimeError(f"anynorm's CPU backward kernel refused rows of {n} (runs of {self.run_length})")

@@ -713,8 +713,8 @@ def forward_runner(plan, x, stats):
     # ops (a (4, 8) call at offset 1e4: 54 us against F's 4 us).  A float32/float64 signature
     # that met such data twice shifts first from then on: torch's kernel on x minus a shift
     # per slice taken from its data (exact for a far slice, a float32 rounding of the
-    # spread for a near one), checked after as ever.  Half dtypes never do: x - x0 rounded to 8 or 11 bits would lose the float32
-    # statistics' digits on slices near zero.
+    # spread for a near one), checked after as ever.  Half dtypes never do: x - x0 rounded
+    # to 8 or 11 bits would lose the float32 statistics' digits on slices near zero.
     reruns = [0] if center and not half and not lay.channels_last else None
     view_shape, shape, stats_shape = plan.view_shape, plan.shape, plan.stats_shape
     # the shift: the mean of up to 8 leading elements of each slice (one element would sit

@@ -780,3 +780,22 @@ def test_torch_bfloat16_takes_the_kernels():
         assert first("rms_norm", cases[0][1].to(torch.bfloat16))
     finally:
         _torch._BF16[:] = saved
+
+
+def test_address_is_the_first_elements():
+    """``_native.address`` (ctypes' view of the buffer where it can take one) gives what
+    ``a.ctypes.data`` gives for every array the executors pass: contiguous, row-offset views,
+    read-only, Fortran-ordered, strided, empty, float16 and ml_dtypes' bfloat16."""
+    base = np.arange(96, dtype=np.float32).reshape(8, 12)
+    readonly = base.copy()
+    readonly.flags.writeable = False
+    arrays = [base, base[3:], base[3:5], readonly, np.asfortranarray(base), base[:, ::2],
+              np.empty(0, np.float32), base.astype(np.float16), base.astype(np.float64)[1:]]
+    try:
+        import ml_dtypes
+    except ImportError:
+        pass
+    else:
+        arrays.append(base.astype(ml_dtypes.bfloat16)[2:])
+    for a in arrays:
+        assert _native.address(a) == a.ctypes.data, (a.dtype, a.shape, a.strides)
