@@ -816,14 +816,13 @@ def forward_runner(plan, x, stats):
             within_grad = _checker(plan, lay, min(limit, _GRAD_LIMIT))
 
             def run(x, weight, bias, residual, _grad=torch.is_grad_enabled):
-                if not (_grad() and (x.requires_grad or (weight is not None and weight.requires_grad)
-                                     or (bias is not None and bias.requires_grad))):
+                # unrecorded, diverted, or parameters not of x's dtype (which `converted`
+                # makes float32): run_plain's own branches
+                if (not (_grad() and (x.requires_grad or (weight is not None and weight.requires_grad)
+                                      or (bias is not None and bias.requires_grad)))
+                        or (weight is not None and weight.dtype is not dtype)
+                        or (bias is not None and bias.dtype is not dtype) or _diverted()):
                     return run_plain(x, weight, bias, residual)
-                if _diverted():
-                    return general(x, weight, bias, residual)
-                if ((weight is not None and weight.dtype is not dtype)
-                        or (bias is not None and bias.dtype is not dtype)):
-                    return converted(x, weight, bias)  # float32 parameters, as run_float's
                 y, mean, rstd = kernel(x, weight, bias)
                 if within_grad(mean, rstd):
                     return y, None, None, None
