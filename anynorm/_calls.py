@@ -246,7 +246,7 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
     executor = _backend.choose(plan, x, _backend_now())
     runner = getattr(executor, "forward_runner", None)  # the CUDA executor's
     if runner is not None:
-        run = runner(plan, x, stats)
+        run = runner(plan, x, weight, bias, stats)
     else:
         def run(x, weight, bias, residual, _forward=executor.forward, _plan=plan):
             return _forward(_plan, x, weight, bias, residual)

@@ -34,7 +34,7 @@ import numpy as np
 from ._cuda._sources import kernel_dir
 
 __all__ = ["address", "cols_backward_kernel", "cols_kernel", "far_kernel", "rows_backward_kernel", "rows_kernel",
-           "status", "SOURCE"]
+           "rows_packed_kernel", "RowsCall", "status", "SOURCE"]
 
 SOURCE = "cpu.cpp"
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the first is refused
@@ -52,6 +52,7 @@ _ARGS = {
     + [ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_double],
     "cols_bwd": [ctypes.c_void_p] * 8 + [ctypes.c_longlong] * 5 + [ctypes.c_int, ctypes.c_double],
     "far": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double],
+    "rows_packed": [ctypes.c_void_p] * 7,
 }
 _SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _SUFFIXES = (*_SUFFIX.values(), "bf16")  # every entry point, bfloat16 (ml_dtypes) included
@@ -151,7 +152,7 @@ def _load():
         status = f"build or load failed: {exc}"
         return False
     for kind, args in _ARGS.items():
-        for suffix in _SUFFIXES:
+        for suffix in (*_SUFFIXES, "hp_f16", "hp_bf16"):
             fn = getattr(lib, f"anynorm_{kind}_{suffix}", None)
             if fn is not None:
                 fn.argtypes, fn.restype = args, ctypes.c_int
@@ -159,11 +160,12 @@ def _load():
     return lib
 
 
-def _kernel(kind, dtype):
+def _kernel(kind, dtype, prefix=""):
     global _library
     suffix = _suffix(dtype)
     if suffix is None:
         return None
+    suffix = prefix + suffix
     lib = _library
     if lib is None:
         with _lock:
@@ -181,6 +183,28 @@ def rows_kernel(dtype):
     (0 for absent ones): see ``kernels/cpu.cpp``.  Returns non-zero on bad sizes.
     """
     return _kernel("rows", dtype)
+
+
+class RowsCall(ctypes.Structure):
+    """The sizes of a :func:`rows_packed_kernel` call (``kernels/cpu.cpp``'s ``RowsCall``)."""
+
+    _fields_ = [("rows", ctypes.c_longlong), ("n", ctypes.c_longlong), ("w_run", ctypes.c_longlong),
+                ("w_count", ctypes.c_longlong), ("center", ctypes.c_longlong), ("eps", ctypes.c_double)]
+
+
+def rows_packed_kernel(dtype, half_params=False):
+    """:func:`rows_kernel` with a call's sizes packed, for calls whose sizes repeat, or None.
+
+    ``fn(x, y, w, b, mean, rstd, sizes)``: buffer addresses (0 for absent w, b, mean, rstd)
+    and the address of a :class:`RowsCall` ``(rows, n, w_run, w_count, center, eps)``, where
+    ``w_count > 0`` takes run-indexed parameters modulo ``w_count`` (one sample's channels
+    serve every sample); no residual.  w and b are float32 for float16/bfloat16 x, or, with
+    ``half_params`` (float16 and bfloat16 only), of x's own dtype.  A ctypes call costs
+    ~70 ns an argument: seven here, fourteen in :func:`rows_kernel`.
+    """
+    if half_params and _suffix(dtype) not in ("f16", "bf16"):
+        return None
+    return _kernel("rows_packed", dtype, "hp_" if half_params else "")
 
 
 def rows_backward_kernel(dtype):

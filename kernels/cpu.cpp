@@ -25,6 +25,7 @@
 // arguments at each kernel below and in kernels/README.md):
 //
 //     anynorm_rows_<f16|bf16|f32|f64>(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)
+//     anynorm_rows_packed_<f16|bf16|f32|f64|hp_f16|hp_bf16>(x, y, w, b, mean, rstd, &{rows, n, w_run, w_count, center, eps})
 //     anynorm_cols_<f16|bf16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
 //     anynorm_rows_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, w_run, mean, rstd, dw, db, rows, n, center, eps)
 //     anynorm_cols_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, mean, rstd, dw, db, samples, P, Q, group, strip, param_rows, eps)
@@ -302,25 +303,26 @@ inline void row_moments(const T *x, long long n, int center, double *m1, double 
 
 // y = ((x - hi) - lo) * r * w + b over elements [i0, i1) of a row, in float32 (float16 and
 // float32 rows), as (x - hi) * r - lo * r and then * w + b (fused multiply-adds where the CPU
-// has them); wp/bp null: no weight / no bias; `scalar_params`: w and b are wp[0], bp[0]
-template <bool NT, typename T>
+// has them); wp/bp null: no weight / no bias; `scalar_params`: w and b are wp[0], bp[0];
+// parameters of type P: float32, or x's half type (widened exactly, as torch's kernels do)
+template <bool NT, typename T, typename P>
 inline void affine_f32(const T *x, T *y, long long i0, long long i1, float hi, float lo, float r,
-                       const float *wp, const float *bp, int scalar_params) {
+                       const P *wp, const P *bp, int scalar_params) {
     long long i = i0;
     const float lor = lo * r;
     if (scalar_params || (!wp && !bp)) {
-        const float s = r * (wp ? wp[0] : 1.0f), los = lo * s, b0 = bp ? bp[0] : 0.0f;
+        const float s = r * (wp ? (float)wp[0] : 1.0f), los = lo * s, b0 = bp ? (float)bp[0] : 0.0f;
         for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * s - los) + b0);
         for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * s - los) + b0);
     } else if (wp && bp) {
-        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * r - lor) * load(wp + i) + load(bp + i));
-        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) * wp[i] + bp[i]);
+        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * r - lor) * narrow(wp + i) + narrow(bp + i));
+        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) * (float)wp[i] + (float)bp[i]);
     } else if (wp) {
-        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * r - lor) * load(wp + i));
-        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) * wp[i]);
+        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * r - lor) * narrow(wp + i));
+        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) * (float)wp[i]);
     } else {
-        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * r - lor) + load(bp + i));
-        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) + bp[i]);
+        for (; i + 8 <= i1; i += 8) put_y<NT>(y + i, ((narrow(x + i) - hi) * r - lor) + narrow(bp + i));
+        for (; i < i1; i++) y[i] = (T)((((float)x[i] - hi) * r - lor) + (float)bp[i]);
     }
 }
 
@@ -353,18 +355,17 @@ template <typename T> struct Acc { typedef float type; };
 template <> struct Acc<double> { typedef double type; };
 
 // `nt`: y by non-temporal stores where its part [i0, i1) starts 16-byte aligned (float32)
-template <typename T>
+template <typename T, typename P>
 inline void affine(const T *x, T *y, long long i0, long long i1, double m1, double c, double r,
-                   const typename Acc<T>::type *wp, const typename Acc<T>::type *bp, int scalar_params,
-                   bool nt) {
+                   const P *wp, const P *bp, int scalar_params, bool nt) {
     const double mean = m1 + c;
     const float hi = (float)mean, lo = (float)(mean - (double)hi);
     if (nt && (uintptr_t)(y + i0) % 16 == 0) affine_f32<true>(x, y, i0, i1, hi, lo, (float)r, wp, bp, scalar_params);
     else affine_f32<false>(x, y, i0, i1, hi, lo, (float)r, wp, bp, scalar_params);
 }
 template <>
-inline void affine<double>(const double *x, double *y, long long i0, long long i1, double m1, double c,
-                           double r, const double *wp, const double *bp, int scalar_params, bool) {
+inline void affine<double, double>(const double *x, double *y, long long i0, long long i1, double m1, double c,
+                                   double r, const double *wp, const double *bp, int scalar_params, bool) {
     affine_f64(x, y, i0, i1, m1, c, r, wp, bp, scalar_params);
 }
 
@@ -404,22 +405,23 @@ inline RowStats<T> row_stats(const T *x, const T *res, T *h, long long r, long l
 // they go one by one).
 const long long ROW_GROUP = 4, ROW_CHUNK = 1024, ROW_PARAMS_L1 = 16 << 10, ROWS_NT_BYTES = 4 << 20;
 
-// Parameters by position in the row (`w_run == 0`: layer/RMS norm), or constant over runs of
-// `w_run` elements, indexed by `(row * n + i) / w_run` (NCHW instance/group norm: a run is a
-// channel's spatial extent).  With `res`, h = x + res (rounded to x's type) is written to `h`
-// and normalized.  Returns 1 for n <= 0 or n not a multiple of w_run.
-template <typename T>
-int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
-         const typename Acc<T>::type *b, long long w_run, typename Acc<T>::type *mean,
-         typename Acc<T>::type *rstd, long long nrows, long long n, int center, double eps) {
-    typedef typename Acc<T>::type A;
+// Parameters (of type P: the accumulation type, or x's half type) by position in the row
+// (`w_run == 0`: layer/RMS norm), or constant over runs of `w_run` elements, indexed by
+// `(row * n + i) / w_run` modulo `w_count` where that is > 0 (NCHW instance/group norm: a run
+// is a channel's spatial extent, `w_count` the channels, so that one sample's C values serve
+// every sample).  With `res`, h = x + res (rounded to x's type) is written to `h` and
+// normalized.  Returns 1 for n <= 0 or n not a multiple of w_run.
+template <typename T, typename P>
+int rows(const T *x, const T *res, T *h, T *y, const P *w, const P *b, long long w_run, long long w_count,
+         typename Acc<T>::type *mean, typename Acc<T>::type *rstd, long long nrows, long long n, int center,
+         double eps) {
     if (n <= 0 || (w_run > 0 && n % w_run)) return 1;
     // float32 y past ROWS_NT_BYTES by non-temporal stores: written once and not read here, and
     // a store that misses first reads its line (rows of 768: 0.90x the time, 1024 rows of 4096
     // 0.66x, 65536 rows of 256 0.92x, 8192 rows of 4096 0.98x, 4096 of 2048 1.05x); smaller
     // outputs stay in the caches for whoever reads them next
     const bool nt = sizeof(T) == 4 && nrows * n * (long long)sizeof(T) >= ROWS_NT_BYTES;
-    const bool grouped = w_run <= 0 && (w || b) && 2 * n * (long long)sizeof(A) > ROW_PARAMS_L1;
+    const bool grouped = w_run <= 0 && (w || b) && 2 * n * (long long)sizeof(P) > ROW_PARAMS_L1;
     if (grouped) {
         RowStats<T> st[ROW_GROUP];
         for (long long r0 = 0; r0 < nrows; r0 += ROW_GROUP) {
@@ -442,6 +444,7 @@ int rows(const T *x, const T *res, T *h, T *y, const typename Acc<T>::type *w,
         } else {
             for (long long s = 0; s < n; s += w_run) {
                 long long k = (r * n + s) / w_run;
+                if (w_count > 0) k %= w_count;
                 affine(st.x, yr, s, s + w_run, st.m1, st.c, st.rs, w ? w + k : 0, b ? b + k : 0, 1, nt);
             }
         }
@@ -1321,7 +1324,22 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
                                          const Acc<T>::type *w, const Acc<T>::type *b,             \
                                          long long w_run, Acc<T>::type *mean, Acc<T>::type *rstd, \
                                          long long nrows, long long n, int center, double eps) {  \
-        return rows<T>(x, res, h, y, w, b, w_run, mean, rstd, nrows, n, center, eps);            \
+        return rows<T, Acc<T>::type>(x, res, h, y, w, b, w_run, 0, mean, rstd, nrows, n, center, eps); \
+    }
+
+// The same rows with a call's sizes in one struct, made once per call signature (a ctypes call
+// costs ~70 ns an argument: 14 of them 1.0 us, 7 pointers 0.4), no residual, parameters of
+// type P; anynorm_rows_packed_hp_*: float16/bfloat16 x with parameters of its own dtype
+struct RowsCall {
+    long long rows, n, w_run, w_count, center;
+    double eps;
+};
+#define ANYNORM_ROWS_PACKED(SUFFIX, T, P)                                                           \
+    extern "C" int anynorm_rows_packed_##SUFFIX(const T *x, T *y, const P *w, const P *b,          \
+                                                Acc<T>::type *mean, Acc<T>::type *rstd,             \
+                                                const RowsCall *c) {                               \
+        return rows<T, P>(x, nullptr, nullptr, y, w, b, c->w_run, c->w_count, mean, rstd, c->rows, \
+                          c->n, (int)c->center, c->eps);                                           \
     }
 
 #define ANYNORM_COLS(SUFFIX, T)                                                                     \
@@ -1385,6 +1403,10 @@ ANYNORM_FAR(bf16, bf16)  // torch's CPU kernels return half inputs' statistics i
 ANYNORM_ROWS(f32, float)
 ANYNORM_ROWS(f64, double)
 ANYNORM_ROWS(bf16, bf16)
+ANYNORM_ROWS_PACKED(f32, float, float)
+ANYNORM_ROWS_PACKED(f64, double, double)
+ANYNORM_ROWS_PACKED(bf16, bf16, float)
+ANYNORM_ROWS_PACKED(hp_bf16, bf16, bf16)
 ANYNORM_COLS(f32, float)
 ANYNORM_COLS(f64, double)
 ANYNORM_COLS(bf16, bf16)
@@ -1397,6 +1419,8 @@ ANYNORM_COLS_BWD(bf16, bf16)
 #if HAVE_F16
 ANYNORM_FAR(f16, _Float16)
 ANYNORM_ROWS(f16, _Float16)
+ANYNORM_ROWS_PACKED(f16, _Float16, float)
+ANYNORM_ROWS_PACKED(hp_f16, _Float16, _Float16)
 ANYNORM_COLS(f16, _Float16)
 ANYNORM_ROWS_BWD(f16, _Float16)
 ANYNORM_COLS_BWD(f16, _Float16)

@@ -1,10 +1,11 @@
 """Tiny torch CPU calls (issue 16): the per-signature runner stays exact.
 
-A repeat call of a signature goes straight to torch's kernel and a conditioning check on
-Python floats chosen once per signature ((rows, 1) and (N, groups) statistics get their own
-loops).  These tests change the data, the parameters' dtypes and NaN placement between calls
-of one signature, so that a check or a dtype decision taken once for the signature rather than
-per call would fail them.
+A repeat call of a signature goes straight to anynorm's row kernel (:mod:`anynorm._torch_direct`,
+calls of up to DIRECT_MAX_ELEMENTS with nothing for autograd to record) or to torch's kernel
+and a conditioning check chosen once per signature (``route="torch"``: the direct path off,
+as for larger calls and recorded ones).  These tests change the data, the parameters' dtypes
+and NaN placement between calls of one signature, so that a check or a dtype decision taken
+once for the signature rather than per call would fail them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import reference
 
 torch = pytest.importorskip("torch")
 import anynorm  # noqa: E402
+from anynorm import _torch_direct  # noqa: E402
 
 F32_EPS = float(np.finfo(np.float32).eps)
 HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -70,10 +72,20 @@ def _offsets(shape, kind, seed):
     return x + (10.0 ** np.minimum(2 * np.arange(shape[0]), 6) - 1).reshape((-1,) + (1,) * (len(shape) - 1))
 
 
+@pytest.fixture(params=["direct", "torch"])
+def route(request, monkeypatch):
+    """The small-call route: anynorm's row kernel, or (its limit at 0) torch's kernel and the check."""
+    if request.param == "torch":
+        monkeypatch.setattr(_torch_direct, "DIRECT_MAX_ELEMENTS", 0)
+    anynorm._calls.clear()
+    yield request.param
+    anynorm._calls.clear()
+
+
 @pytest.mark.parametrize("stats", [False, True], ids=["y", "stats"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("op,shape,kw", CASES, ids=IDS)
-def test_repeat_calls_stay_exact_as_the_data_moves(op, shape, kw, dtype, stats):
+def test_repeat_calls_stay_exact_as_the_data_moves(op, shape, kw, dtype, stats, route):
     """One signature, data near zero first (the check passes), then far from zero (1e4, 1e6,
     a different offset per slice): every call exact, with and without the statistics."""
     w64, b64 = _params(op, shape, kw)
@@ -111,7 +123,7 @@ def test_repeat_calls_stay_exact_as_the_data_moves(op, shape, kw, dtype, stats):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("op,shape,kw", [c for c in CASES if c[0] != "rms_norm"],
                          ids=[i for i, c in zip(IDS, CASES) if c[0] != "rms_norm"])
-def test_parameter_dtypes_change_between_calls(op, shape, kw, dtype):
+def test_parameter_dtypes_change_between_calls(op, shape, kw, dtype, route):
     """x's signature fixed, the parameters' dtypes changing call to call (float64 with float32
     x, float32 with half x, mixed): each result as its float64 reference, far from zero."""
     w64, b64 = _params(op, shape, kw)
@@ -135,7 +147,7 @@ def test_parameter_dtypes_change_between_calls(op, shape, kw, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("op,shape,kw", [c for c in CASES if c[0] != "rms_norm"],
                          ids=[i for i, c in zip(IDS, CASES) if c[0] != "rms_norm"])
-def test_half_parameters_changed_in_place_between_stats_calls(op, shape, kw, dtype):
+def test_half_parameters_changed_in_place_between_stats_calls(op, shape, kw, dtype, route):
     """Half x, half parameters, the statistics asked for (torch's kernels then take float32
     copies of the parameters): parameters changed in place between calls without a version
     bump (``p.data.copy_``, a write through a NumPy view) or with one; every result follows
@@ -174,7 +186,7 @@ def test_half_parameters_changed_in_place_between_stats_calls(op, shape, kw, dty
                                           ("layer_norm", (4, 8), {}),
                                           ("layer_norm", (2, 3, 8), {})],
                          ids=["gn (N, groups)", "ln (rows, 1)", "ln 3-d"])
-def test_nan_slice_does_not_hide_a_far_slice_in_small_calls(op, shape, kw, nan_at):
+def test_nan_slice_does_not_hide_a_far_slice_in_small_calls(op, shape, kw, nan_at, route):
     """The Python-float checks: a NaN slice (first or in the middle) gives NaN, and the check
     still sees the last slice far from zero."""
     x = np.random.default_rng(5).standard_normal(shape)
@@ -220,9 +232,11 @@ def test_small_call_gradients_far_from_zero(op, shape, kw):
 def test_signature_that_meets_far_data_shifts_first_and_stays_exact(op, shape, kw, stats, grad,
                                                                      monkeypatch):
     """float32: after two reruns a signature shifts first (torch's kernel on x - shift, no
-    rerun for far data any more); far, per-slice, near and NaN data all stay exact."""
+    rerun for far data any more); far, per-slice, near and NaN data all stay exact (the
+    direct path off: it serves unrecorded small calls without a check)."""
     from anynorm import _torch
 
+    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_ELEMENTS", 0)
     reruns = []
     rerun = _torch._shift_and_rerun
     monkeypatch.setattr(_torch, "_shift_and_rerun", lambda *a: reruns.append(1) or rerun(*a))
@@ -262,9 +276,10 @@ def test_signature_that_meets_far_data_shifts_first_and_stays_exact(op, shape, k
 def test_float32_limit_serves_moderate_ratios_and_reruns_beyond(op, shape, kw, monkeypatch):
     """float32 slices with |mean| * rstd up to the row-kernel limit (8) take torch's kernel
     once, within 4 float32 eps of max|y| (the measurement where ``_LIMITS`` is defined); a
-    ratio of 12 reruns on the shifted data."""
+    ratio of 12 reruns on the shifted data (the direct path off)."""
     from anynorm import _torch
 
+    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_ELEMENTS", 0)
     assert _torch._LIMITS[torch.float32][0] == 8.0
     reruns = []
     real = _torch._shift_and_rerun

@@ -121,7 +121,7 @@ def forward(plan, x, weight=None, bias=None, residual=None, stats=True):
     return _cupy_exec.forward(plan, x, weight, bias, residual, stats)
 
 
-def forward_runner(plan, x, stats):
+def forward_runner(plan, x, weight, bias, stats):
     """``run(x, weight, bias, residual)``: :func:`forward` for the call signature of ``x``,
     which ``anynorm._calls`` keeps (its library is part of it, so the choice between torch
     and CuPy is made here once), with a ``site`` dict where the launch its first call binds

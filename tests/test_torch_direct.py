@@ -1,0 +1,268 @@
+"""Small torch CPU calls on anynorm's row kernel (``anynorm._torch_direct``, issue 16).
+
+Calls of up to DIRECT_MAX_ELEMENTS that autograd does not record run the packed row kernel
+on the tensors' memory: layer/RMS norm over trailing axes, group/instance norm of contiguous
+NCHW (NCDHW) tensors, float32/float64 and half x with float32 parameters or parameters of
+x's dtype.  These tests check that those calls reach the kernel, that they are exact far
+from zero where torch's kernel is not, and that every call it must not serve (autograd,
+torch.func, other layouts, subclasses, mixed or strided parameters) still gets its result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference
+
+torch = pytest.importorskip("torch")
+import anynorm  # noqa: E402
+from anynorm import _native, _torch_direct  # noqa: E402
+
+pytestmark = pytest.mark.skipif(_native.rows_packed_kernel(np.float32) is None,
+                                reason="anynorm's CPU kernels are not built here")
+
+F32_EPS = float(np.finfo(np.float32).eps)
+HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# (op, shape, keyword arguments, parameter shape)
+CASES = [
+    ("layer_norm", (4, 8), {}, (8,)),
+    ("layer_norm", (3, 37), {}, (37,)),
+    ("layer_norm", (2, 5, 6, 7), {"axis": (-2, -1)}, (6, 7)),
+    ("layer_norm", (1, 16384), {}, (16384,)),
+    ("rms_norm", (4, 8), {}, (8,)),
+    ("rms_norm", (6, 100), {}, (100,)),
+    ("group_norm", (3, 30, 7, 9), {"num_groups": 5}, (30,)),
+    ("group_norm", (2, 8, 3, 4, 5), {"num_groups": 2}, (8,)),
+    ("instance_norm", (2, 3, 5), {}, (3,)),
+    ("instance_norm", (4, 6, 7, 7), {}, (6,)),
+]
+IDS = [f"{op} {'x'.join(map(str, shape))}" for op, shape, _, _ in CASES]
+
+
+def _call(op, x, w=None, b=None, **kw):
+    kw = dict(kw)
+    if op == "group_norm":
+        return anynorm.group_norm(x, kw.pop("num_groups"), w, b, **kw)
+    if op == "rms_norm":
+        return anynorm.rms_norm(x, w, **kw)
+    return getattr(anynorm, op)(x, w, b, **kw)
+
+
+def _eps(op, dtype):
+    return float(torch.finfo(dtype).eps) if op == "rms_norm" else 1e-5
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """A list that grows by one for every call of a packed row kernel made from now on."""
+    calls = []
+    real = _native.rows_packed_kernel
+
+    def counted(dtype, half_params=False):
+        kernel = real(dtype, half_params)
+        if kernel is None:
+            return None
+
+        def call(*args):
+            calls.append(half_params)
+            return kernel(*args)
+        return call
+
+    monkeypatch.setattr(_native, "rows_packed_kernel", counted)
+    anynorm._calls.clear()
+    yield calls
+    anynorm._calls.clear()
+
+
+def _inputs(shape, pshape, dtype, pdtype, offset, seed=0):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal(shape) + offset).to(dtype)
+    w = torch.from_numpy(rng.random(pshape) + 0.5).to(pdtype)
+    b = torch.from_numpy(rng.random(pshape) - 0.5).to(pdtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["y", "stats"])
+@pytest.mark.parametrize("dtype,pdtype", [(torch.float32, torch.float32), (torch.float64, torch.float64),
+                                          (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                          (torch.float16, torch.float16), (torch.float16, torch.float32)],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("op,shape,kw,pshape", CASES, ids=IDS)
+def test_small_calls_reach_the_kernel_and_match_the_reference(op, shape, kw, pshape, dtype, pdtype, stats,
+                                                              kernel_calls):
+    """Each small call runs the kernel once (the half-parameter kernel for half parameters),
+    with weight and bias, one of them or none, and matches the float64 reference of its
+    rounded inputs: y to float32 rounding (half: one ulp of x's dtype), the statistics too."""
+    if dtype is torch.float16 and _native.rows_packed_kernel(np.float16) is None:
+        pytest.skip("no float16 kernel on this CPU")
+    x, w, b = _inputs(shape, pshape, dtype, pdtype, 3.0)
+    half = dtype in HALF_ULP
+    for params in ((w, b), (w, None), (None, b), (None, None)):
+        if op == "rms_norm" and params[1] is not None:
+            continue
+        wp, bp = params
+        args = (wp,) if op == "rms_norm" else params
+        before = len(kernel_calls)
+        with torch.no_grad():
+            out = _call(op, x, *args, return_stats=stats, **kw)
+            out_again = _call(op, x, *args, return_stats=stats, **kw)  # the cached runner
+        assert len(kernel_calls) == before + 2, "the direct path was not taken"
+        want_half_params = half and (wp if wp is not None else bp) is not None and pdtype is dtype
+        assert kernel_calls[-1] == want_half_params
+        y_ref, mean_ref, rstd_ref = reference.forward(
+            op, x.double().numpy(), *(None if p is None else p.double().numpy() for p in args),
+            eps=_eps(op, dtype), **kw)
+        for got in (out, out_again):
+            y = got[0] if stats else got
+            assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+            scale = np.max(np.abs(y_ref))
+            bound = HALF_ULP[dtype] * scale if half else (4e-15 if dtype is torch.float64 else 8 * F32_EPS) * scale
+            assert np.max(np.abs(y.double().numpy() - y_ref)) <= bound
+            if stats:
+                acc = torch.float32 if half else dtype
+                tol = 4e-15 if dtype is torch.float64 else 8 * F32_EPS
+                rstd = got[-1]
+                assert rstd.dtype == acc and tuple(rstd.shape) == rstd_ref.shape
+                np.testing.assert_allclose(rstd.double().numpy(), rstd_ref, rtol=tol)
+                if mean_ref is not None:
+                    mean = got[1]
+                    assert mean.dtype == acc and tuple(mean.shape) == mean_ref.shape
+                    np.testing.assert_allclose(mean.double().numpy(), mean_ref, rtol=tol, atol=tol)
+                else:
+                    assert len(got) == 2
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e6])
+@pytest.mark.parametrize("op,shape,kw,pshape", [c for c in CASES if c[0] != "rms_norm"],
+                         ids=[i for i, c in zip(IDS, CASES) if c[0] != "rms_norm"])
+def test_small_float32_calls_far_from_zero_beat_torch(op, shape, kw, pshape, offset, kernel_calls):
+    """float32 data offset by 1e4 and 1e6: the direct path's error is float32 rounding of y,
+    at most half torch's own error on the same data (torch.nn.functional's one-pass kernels)."""
+    import torch.nn.functional as F
+
+    x, w, b = _inputs(shape, pshape, torch.float32, torch.float32, offset, seed=4)
+    with torch.no_grad():
+        y = _call(op, x, w, b, **kw)
+        if op == "layer_norm":
+            y_torch = F.layer_norm(x, pshape, w, b, 1e-5)
+        elif op == "group_norm":
+            y_torch = F.group_norm(x, kw["num_groups"], w, b, 1e-5)
+        else:
+            y_torch = F.instance_norm(x, weight=w, bias=b, eps=1e-5)
+    assert kernel_calls
+    y_ref = reference.forward(op, x.double().numpy(), w.double().numpy(), b.double().numpy(), eps=1e-5, **kw)[0]
+    scale = np.max(np.abs(y_ref))
+    err = np.max(np.abs(y.double().numpy() - y_ref))
+    err_torch = np.max(np.abs(y_torch.double().numpy() - y_ref))
+    assert err <= 8 * F32_EPS * scale
+    assert err <= 0.5 * err_torch, (err, err_torch)
+
+
+@pytest.mark.parametrize("op,shape,kw,pshape", [c for c in CASES if c[1][0] > 1],
+                         ids=[i for i, c in zip(IDS, CASES) if c[1][0] > 1])
+def test_nan_stays_in_its_slice(op, shape, kw, pshape, kernel_calls):
+    """A NaN in one slice of a direct call: that slice's y is NaN, no other's."""
+    x, w, b = _inputs(shape, pshape, torch.float32, torch.float32, 0.0, seed=6)
+    x.view(-1)[x.numel() // 2] = float("nan")
+    args = (w,) if op == "rms_norm" else (w, b)
+    with torch.no_grad():
+        y = _call(op, x, *args, **kw)
+    assert kernel_calls
+    y_ref = reference.forward(op, x.double().numpy(), *(p.double().numpy() for p in args), eps=_eps(op, x.dtype),
+                              **kw)[0]
+    assert np.array_equal(np.isnan(y.numpy()), np.isnan(y_ref))
+    assert np.isnan(y_ref).any() and not np.isnan(y_ref).all()
+
+
+def test_half_parameters_give_the_float32_parameters_bits(kernel_calls):
+    """bfloat16/float16 x: parameters of x's dtype (the half-parameter kernel) and the same
+    values as float32 (the other) give the same bits: both widen exactly."""
+    for dtype in (torch.bfloat16, torch.float16):
+        if dtype is torch.float16 and _native.rows_packed_kernel(np.float16) is None:
+            continue
+        for op, shape, kw, pshape in CASES:
+            x, w, b = _inputs(shape, pshape, dtype, dtype, 1.0, seed=8)
+            args = (w,) if op == "rms_norm" else (w, b)
+            with torch.no_grad():
+                y_half = _call(op, x, *args, **kw)
+                y_float = _call(op, x, *(p.float() for p in args), **kw)
+            assert torch.equal(y_half, y_float), (dtype, op, shape)
+    assert True in kernel_calls and False in kernel_calls
+
+
+def test_calls_it_must_not_serve_still_get_their_results(kernel_calls):
+    """Autograd recording, torch.func.vmap, a tensor subclass, strided or mixed-dtype
+    parameters, a moved axis, channels-last memory and a residual take the other paths: no
+    kernel call from here, and the results agree with the reference (gradients with
+    torch.nn.functional's)."""
+    import torch.nn.functional as F
+
+    x, w, b = _inputs((4, 8), (8,), torch.float32, torch.float32, 0.0, seed=9)
+    y_ref = torch.from_numpy(reference.forward("layer_norm", x.double().numpy(), w.double().numpy(),
+                                               b.double().numpy(), eps=1e-5)[0]).float()
+
+    def close(y):
+        return torch.allclose(y, y_ref, atol=1e-5)
+
+    xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
+    y = anynorm.layer_norm(xg, wg, bg)
+    assert y.grad_fn is not None and close(y.detach())
+    y.backward(torch.ones_like(y) * torch.arange(8.0))
+    xf, wf, bf = (t.clone().requires_grad_(True) for t in (x, w, b))
+    F.layer_norm(xf, (8,), wf, bf, 1e-5).backward(torch.ones(4, 8) * torch.arange(8.0))
+    for got, want in ((xg.grad, xf.grad), (wg.grad, wf.grad), (bg.grad, bf.grad)):
+        assert torch.allclose(got, want, atol=1e-5)
+    with torch.no_grad():  # requires_grad without grad mode: the kernel serves it
+        before = len(kernel_calls)
+        assert close(anynorm.layer_norm(xg, wg, bg)) and len(kernel_calls) == before + 1
+    with torch.no_grad():
+        anynorm.layer_norm(x[:2], w, b)  # the (2, 8) signature's runner, direct, cached
+    count = len(kernel_calls)
+    batched = torch.func.vmap(lambda t: anynorm.layer_norm(t, w, b))(x.reshape(2, 2, 8))
+    assert close(batched.reshape(4, 8))
+
+    class Tagged(torch.Tensor):
+        pass
+
+    assert close(torch.Tensor(anynorm.layer_norm(x.as_subclass(Tagged), w, b)))
+    wide = torch.stack([w, w], 1)[:, 0]  # stride 2
+    assert not wide.is_contiguous() and close(anynorm.layer_norm(x, wide, b))
+    assert close(anynorm.layer_norm(x, w.double(), b.double()))
+    assert close(anynorm.layer_norm(x, w, b.double()))
+    assert close(anynorm.layer_norm(x.t().contiguous().t(), w, b))
+    assert kernel_calls[count:] == []
+    xs = torch.from_numpy(np.random.default_rng(2).standard_normal((2, 6, 3, 3))).float()
+    xs_last = xs.contiguous(memory_format=torch.channels_last)
+    gn_ref = anynorm.group_norm(xs, 2)
+    count = len(kernel_calls)
+    assert torch.allclose(anynorm.group_norm(xs_last, 2), gn_ref, atol=1e-5)
+    y, h = anynorm.layer_norm(x, w, b, residual=torch.zeros_like(x))
+    assert close(y) and torch.equal(h, x)
+    assert kernel_calls[count:] == []
+
+
+def test_inputs_unchanged_and_outputs_new(kernel_calls):
+    """The call writes only its fresh outputs; inference-mode tensors take the path too."""
+    x, w, b = _inputs((3, 30, 7, 9), (30,), torch.float32, torch.float32, 2.0, seed=10)
+    saved = [t.clone() for t in (x, w, b)]
+    with torch.no_grad():
+        y, mean, rstd = anynorm.group_norm(x, 5, w, b, return_stats=True)
+    with torch.inference_mode():
+        y_inf = anynorm.group_norm(x, 5, w, b)
+    assert len(kernel_calls) == 2
+    assert torch.equal(y, y_inf)
+    for t, s in zip((x, w, b), saved):
+        assert torch.equal(t, s)
+    pointers = {t.data_ptr() for t in (x, w, b)}
+    assert not pointers & {y.data_ptr(), mean.data_ptr(), rstd.data_ptr()}
+    assert mean.shape == rstd.shape == (3, 5)
+
+
+def test_larger_calls_take_torchs_kernel(kernel_calls):
+    """Past DIRECT_MAX_ELEMENTS the direct path stands aside (torch's kernel on all its
+    threads is the faster there)."""
+    x = torch.randn(2, _torch_direct.DIRECT_MAX_ELEMENTS // 2 + 1)
+    with torch.no_grad():
+        anynorm.layer_norm(x)
+    assert kernel_calls == []
