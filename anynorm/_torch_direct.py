@@ -5,9 +5,11 @@ on a (4, 8) float32 tensor takes 2.7 us, nearly all dispatch and three allocatio
 conditioning check its one-pass statistics need (:mod:`anynorm._torch`) 0.8 more; the row
 kernel called through ctypes on the tensors' memory takes 2.0 in all (one ``empty_like``,
 one foreign call) and is exact on any data, so no check follows it.  Past
-``DIRECT_MAX_ELEMENTS`` torch's kernel, on all of torch's threads, is the faster (measured
-here, 2 threads, float32, direct / torch's kernel and the check: (4, 8) 0.58, (16, 64) 0.66,
-(64, 256) 0.92, (64, 768) 1.09, (1000, 37) 1.50).
+``DIRECT_MAX_ELEMENTS`` (half that in bfloat16) torch's kernel, on all of torch's threads, is
+the faster.  Measured here (2 threads), anynorm's call direct / through torch's kernel:
+float32 rows (16, 256) 0.69, (64, 256) 0.84, (64, 768) 0.99, (256, 256) 1.16, (1000, 37)
+1.62, group norm (4, 64, 8, 8) 0.92, (8, 64, 16, 16) 1.25; float16 0.68-0.76 up to 16384
+elements; bfloat16 (16, 768) 0.89, (4, 64, 8, 8) 1.07, (64, 768) 1.25.
 
 It serves layer/RMS norm over trailing axes and group/instance norm of contiguous NCHW
 (NCDHW) tensors (rows of a group's channels, each channel's weight on a run of its spatial
@@ -83,7 +85,8 @@ def runner(plan, lay, x, weight, bias, stats, fallback):
     from ._torch import _diverted
 
     if (x.device.type != "cpu" or type(x) not in _PLAIN or not x.is_contiguous()
-            or plan.has_residual or math.prod(plan.shape) > DIRECT_MAX_ELEMENTS):
+            or plan.has_residual
+            or math.prod(plan.shape) > DIRECT_MAX_ELEMENTS // (2 if plan.dtype is torch.bfloat16 else 1)):
         return None
     geometry = _row_geometry(plan, lay)
     kernel = _kernel(plan.dtype, weight, bias) if geometry is not None else None
