@@ -113,6 +113,7 @@ struct bf16 {
 typedef uint16_t vu16 __attribute__((vector_size(16)));
 typedef uint32_t vu32 __attribute__((vector_size(32)));
 typedef int32_t vi32 __attribute__((vector_size(32)));
+const vi32 LANE = {0, 1, 2, 3, 4, 5, 6, 7};
 template <> inline vf narrow<bf16>(const bf16 *p) {
 #if defined(__AVX2__)
     const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
@@ -189,10 +190,12 @@ inline double total(vd a) {
     for (int k = 0; k < 8; k++) s += a[k];
     return s;
 }
-inline double total(vf a) {
-    double s = 0;
-    for (int k = 0; k < 8; k++) s += (double)a[k];
-    return s;
+typedef float vf4 __attribute__((vector_size(16)));
+typedef double vd4 __attribute__((vector_size(32)));
+inline double total(vf a) {  // pairwise: 3 dependent adds where a chain took 8 (short rows)
+    const vf4 lo = {a[0], a[1], a[2], a[3]}, hi = {a[4], a[5], a[6], a[7]};
+    const vd4 s = __builtin_convertvector(lo, vd4) + __builtin_convertvector(hi, vd4);
+    return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
 // Statistics of one row: m1 (the first mean, 0 for RMS norm), c = mean(x - m1) and
@@ -273,6 +276,14 @@ template <typename T> inline double sum_f32(const T *x, long long n, float m, do
             vf d0 = narrow(x + i) - m;
             u0 += d0;
             if (squares) q0 += d0 * d0;
+        }
+        if (i < c1 && c1 - c0 >= 8) {  // the last < 8 elements: the chunk's last 8, lanes done zeroed
+            const vi32 fresh = LANE >= (int)(8 - (c1 - i));
+            vf d1 = narrow(x + c1 - 8) - m;
+            d1 = fresh ? d1 : (vf){0};
+            u1 += d1;
+            if (squares) q1 += d1 * d1;
+            i = c1;
         }
         su += total(u0 + u1);
         if (squares) sq += total(q0 + q1);
@@ -356,7 +367,7 @@ template <> struct Acc<double> { typedef double type; };
 
 // `nt`: y by non-temporal stores where its part [i0, i1) starts 16-byte aligned (float32)
 template <typename T, typename P>
-inline void affine(const T *x, T *y, long long i0, long long i1, double m1, double c, double r,
+__attribute__((always_inline)) inline void affine(const T *x, T *y, long long i0, long long i1, double m1, double c, double r,
                    const P *wp, const P *bp, int scalar_params, bool nt) {
     const double mean = m1 + c;
     const float hi = (float)mean, lo = (float)(mean - (double)hi);
