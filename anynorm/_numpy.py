@@ -50,7 +50,7 @@ import os
 
 import numpy as np
 
-from . import _outputs
+from . import _numpy_direct, _outputs
 from ._numpy_columns import ColumnsForward, NativeColumns
 from ._numpy_half import half_to_float
 from ._numpy_rows import RowsForward, bufsize, col_sums, reduce_sums, row_dots, row_sums
@@ -58,7 +58,7 @@ from ._numpy_columns_backward import ColumnsBackward
 from ._numpy_rows_backward import RowsBackward
 from ._plan import plan_for
 
-__all__ = ["forward", "backward", "BLOCK_BYTES", "NUM_THREADS"]
+__all__ = ["forward", "forward_runner", "backward", "BLOCK_BYTES", "NUM_THREADS"]
 
 BLOCK_BYTES = 2 << 20  # accumulation-dtype bytes per box (measured best: 2 threads, L2 + L3)
 LARGE_BOX_BYTES = 8 << 20  # a whole sample rather than strided slivers, up to this size
@@ -66,6 +66,8 @@ LARGE_BOX_BYTES = 8 << 20  # a whole sample rather than strided slivers, up to t
 NUM_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                   else os.cpu_count() or 1)
 PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, handing boxes to threads costs more than it saves
+# below this (one thread), a signature the row kernel takes runs it straight (_numpy_direct)
+DIRECT_MAX_ELEMENTS = PARALLEL_MIN_ELEMENTS
 # below this, the blocking's bookkeeping costs more than the array-API core's extra passes
 SMALL_ELEMENTS = 4096
 # below this, a backward the kernels do not take costs more in the blocking's bookkeeping than
@@ -674,6 +676,19 @@ def _forward_in_memory_order(plan, order, x, weight, bias, residual, threads):
     outs = forward(plan_t, x.transpose(order), _transposed(weight, weight_axes),
                    _transposed(bias, weight_axes), _transposed(residual, order), threads=threads)
     return tuple(_transposed(a, inverse) for a in outs)
+
+
+def forward_runner(plan, x, weight, bias, stats):
+    """``run(x, weight, bias, residual) -> (y, h, mean, rstd)`` for one call signature (kept by
+    ``anynorm._calls``): the row kernel straight (:mod:`anynorm._numpy_direct`) where it takes
+    the signature and the call runs on one thread, else :func:`forward`."""
+    direct = _numpy_direct.runner(plan, x, weight, bias, stats, DIRECT_MAX_ELEMENTS)
+    if direct is not None:
+        return direct
+
+    def run(x, weight, bias, residual):
+        return forward(plan, x, weight, bias, residual)
+    return run
 
 
 def forward(plan, x, weight=None, bias=None, residual=None, *, threads=None):

@@ -697,7 +697,7 @@ def forward_runner(plan, x, weight, bias, stats):
         return general
     lay = _layout(plan, x)
     if lay.kind not in ("rows", "groups"):
-        return _torch_direct.runner(plan, lay, x, weight, bias, stats, general) or general
+        return _torch_direct.runner(plan, x, weight, bias, stats, general) or general
     dtype = plan.dtype
     half = dtype in _HALF
     center = plan.center
@@ -838,7 +838,7 @@ def forward_runner(plan, x, weight, bias, stats):
                 return _torch_cpu_grad.forward(plan, x, weight, bias)
             return untracked(x, weight, bias, residual)
     # small calls, nothing recorded: anynorm's row kernel, exact, in less time than torch's
-    return _torch_direct.runner(plan, lay, x, weight, bias, stats, run) or run
+    return _torch_direct.runner(plan, x, weight, bias, stats, run) or run
 
 
 def _checker(plan, lay, limit):

@@ -26,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-from . import _native
+from . import _direct, _native
 
 __all__ = ["runner", "DIRECT_MAX_ELEMENTS"]
 
@@ -64,20 +64,7 @@ def _kernel(dtype, weight, bias):
     return _native.rows_packed_kernel(kernel_dtype)
 
 
-def _row_geometry(plan, lay):
-    """``(rows, n, w_run, w_count)`` of the row kernel for this plan and layout, or None."""
-    size = math.prod(plan.shape)
-    if lay.kind == "rows":
-        if lay.order is not None:
-            return None
-        return size // plan.count, plan.count, 0, 0
-    if lay.order is not None or lay.channels_last or lay.copy:
-        return None
-    # group/instance norm of (N, C, spatial) memory: a row is a (sample, group), a run a channel
-    return lay.n * lay.groups, size // (lay.n * lay.groups), lay.spatial, lay.c
-
-
-def runner(plan, lay, x, weight, bias, stats, fallback):
+def runner(plan, x, weight, bias, stats, fallback):
     """``run(x, weight, bias, residual) -> (y, None, mean, rstd)`` by the row kernel for this
     call signature (x's and the parameters' types, shapes, strides, dtypes and devices, which
     the call cache keys), ``fallback`` taking the calls it does not serve (autograd records
@@ -85,15 +72,13 @@ def runner(plan, lay, x, weight, bias, stats, fallback):
     from ._torch import _diverted
 
     if (x.device.type != "cpu" or type(x) not in _PLAIN or not x.is_contiguous()
-            or plan.has_residual
             or math.prod(plan.shape) > DIRECT_MAX_ELEMENTS // (2 if plan.dtype is torch.bfloat16 else 1)):
         return None
-    geometry = _row_geometry(plan, lay)
+    geometry = _direct.geometry(plan)
     kernel = _kernel(plan.dtype, weight, bias) if geometry is not None else None
     if kernel is None:
         return None
-    rows, n, w_run, w_count = geometry
-    sizes = _native.RowsCall(rows, n, w_run, w_count, int(plan.center), plan.eps)
+    sizes = _direct.sizes(plan, geometry)
     at_sizes = ctypes.addressof(sizes)
     center = plan.center
     acc = torch.float32 if plan.dtype in (torch.float16, torch.bfloat16) else plan.dtype

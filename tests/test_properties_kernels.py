@@ -21,6 +21,7 @@ from support import assert_close, call, call_backward, default_eps, get_backend,
 from test_properties import check_against_reference, problems
 
 from anynorm import _native, _numpy, _torch_cpu_grad
+from anynorm._calls import clear
 
 pytestmark = pytest.mark.skipif(_native._compiler() is None, reason="no C++ compiler on this host")
 
@@ -35,15 +36,21 @@ def _every_size(mp):
     mp.setattr(_torch_cpu_grad, "TRAINING_CHANNELS_LAST_MIN_ELEMENTS", 0)
 
 
-@given(problem=problems(dtypes=DTYPES, max_size=9))
-def test_sweep_numpy_through_the_kernels(problem):
+@given(problem=problems(dtypes=DTYPES, max_size=9), direct=st.booleans())
+def test_sweep_numpy_through_the_kernels(problem, direct):
+    """NumPy calls on the kernels: straight (``anynorm._numpy_direct``, a signature's runner)
+    or through the executor's blocking (``direct`` False: that path off)."""
     b = get_backend("numpy")
     c, dtype, affine, seed = problem
     if dtype not in b.dtypes:
         dtype = "float32"
     with pytest.MonkeyPatch.context() as mp:
         _every_size(mp)
+        if not direct:
+            mp.setattr(_numpy, "DIRECT_MAX_ELEMENTS", 0)
+        clear()
         check_against_reference(b, c, dtype, affine, seed)
+    clear()
 
 
 @given(problem=problems(dtypes=("float32", "float64"), max_size=9), offset=st.sampled_from([0.0, 1e4]))
@@ -114,8 +121,8 @@ def test_the_sweep_reaches_the_kernels(op, shape, kw, kind, monkeypatch):
     called = []
     lookup = _native._kernel
 
-    def counting(kernel_kind, dtype):
-        fn = lookup(kernel_kind, dtype)
+    def counting(kernel_kind, dtype, *prefix):
+        fn = lookup(kernel_kind, dtype, *prefix)
         if fn is None:
             return None
 
@@ -130,7 +137,7 @@ def test_the_sweep_reaches_the_kernels(op, shape, kw, kind, monkeypatch):
     w = np.ones(param_shape(op, shape, **kw), np.float32)
     call(op, x, w, w, **kw)
     call_backward(op, x, x, w, **kw)
-    assert kind in called and f"{kind}_bwd" in called, called
+    assert {kind, f"{kind}_packed"} & set(called) and f"{kind}_bwd" in called, called
 
 
 @given(problem=problems(dtypes=DTYPES, max_size=9), far=st.booleans())

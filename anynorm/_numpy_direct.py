@@ -1,0 +1,77 @@
+"""NumPy calls straight onto anynorm's row kernel, for the layouts it takes.
+
+The executor's general entry (:func:`anynorm._numpy.forward`) works out per call what the
+plan already fixes: the layout, the path, the blocks, the threads, the parameter vectors.
+For arrays it would run on one thread anyway (below ``PARALLEL_MIN_ELEMENTS``), in the
+layouts of :func:`anynorm._direct.geometry`, a signature's runner instead holds the packed
+kernel and its sizes, and a call costs its outputs and one foreign call (measured here,
+float32, anynorm's call direct / through the executor: (4, 8) 0.3, (64, 768) 0.5, (1000,
+37) 0.8, group norm (3, 30, 7, 9) 0.3; see asv_bench/README.md).  The results are the
+kernel's, as the executor's row path gives them (which took the plain NumPy passes below
+SMALL_ELEMENTS: the same float64-reference accuracy).
+
+Taken: exact ``numpy.ndarray`` x, C-contiguous, of float32, float64, float16 (where the kernel
+is built) or ml_dtypes' bfloat16; parameters exact ndarrays, C-contiguous, of the
+accumulation dtype (float32 for half x; float64 for float64) or of x's half dtype (both of
+one dtype).  Anything else, or without the kernels, the executor's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import _direct, _native, _outputs
+
+__all__ = ["runner"]
+
+_HALF_KINDS = ("f16", "bf16")
+
+
+def _kernel(plan, weight, bias):
+    """The packed kernel for this plan's dtype and these parameters, or None."""
+    params = [p for p in (weight, bias) if p is not None]
+    for p in params:
+        if type(p) is not np.ndarray or not p.flags.c_contiguous or p.dtype != params[0].dtype:
+            return None
+    dtype, acc = np.dtype(plan.dtype), np.dtype(plan.acc_dtype)
+    if params and params[0].dtype != acc:
+        if params[0].dtype != dtype or dtype == acc:
+            return None
+        return _native.rows_packed_kernel(dtype, half_params=True)
+    return _native.rows_packed_kernel(dtype)
+
+
+def runner(plan, x, weight, bias, stats, max_elements):
+    """``run(x, weight, bias, residual) -> (y, None, mean, rstd)`` by the row kernel for this
+    call signature (the arrays' types, shapes, strides and dtypes, which the call cache keys;
+    read-only arrays are fine), or None where it does not take the signature: x of
+    ``max_elements`` or more, another layout or dtype, no kernel built."""
+    if (type(x) is not np.ndarray or not x.flags.c_contiguous or x.size == 0
+            or x.size >= max_elements):
+        return None
+    geometry = _direct.geometry(plan)
+    kernel = _kernel(plan, weight, bias) if geometry is not None else None
+    if kernel is None or (geometry[2] and geometry[2] < 8 and x.size >= 4096):
+        return None  # (runs of parameters under a vector: the executor's blocking is the faster)
+    sizes = _direct.sizes(plan, geometry)
+    at_sizes = ctypes.addressof(sizes)
+    shape, dtype, center = plan.shape, np.dtype(plan.dtype), plan.center
+    stats_shape, acc = plan.stats_shape, np.dtype(plan.acc_dtype)
+    nbytes = x.size * dtype.itemsize
+    empty = _outputs.empty if nbytes >= _outputs.MIN_BYTES else np.empty
+    address = _native.address
+
+    def run(x, weight, bias, residual, _sizes=sizes):  # _sizes: kept alive with run
+        y = empty(shape, dtype)
+        mean = rstd = None
+        if stats:
+            rstd = np.empty(stats_shape, acc)
+            if center:
+                mean = np.empty(stats_shape, acc)
+        kernel(address(x), address(y), None if weight is None else address(weight),
+               None if bias is None else address(bias), None if mean is None else address(mean),
+               None if rstd is None else address(rstd), at_sizes)
+        return y, None, mean, rstd
+    return run
