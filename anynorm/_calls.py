@@ -17,6 +17,8 @@ import sys
 import threading
 import warnings
 
+from numpy import ndarray as _ndarray
+
 from . import _backend
 from ._plan import NestedInput, UnknownSizes, array_kind, make_plan, remember_type
 
@@ -195,6 +197,20 @@ def _torch_forward_key(op, x, weight, bias, residual, stats, axis, channel_axis,
                                            residual.dtype, residual.device))
 
 
+def _numpy_forward_key(op, x, weight, bias, residual, stats, axis, channel_axis, num_groups, eps):
+    """:func:`_torch_forward_key` for a NumPy ``x`` whose parameters (and residual) are NumPy
+    arrays too (None otherwise, or where the arguments are not :func:`_keyable`)."""
+    if not (_keyable(axis, channel_axis, num_groups, eps)
+            and (weight is None or type(weight) is _ndarray) and (bias is None or type(bias) is _ndarray)
+            and (residual is None or type(residual) is _ndarray)):
+        return None
+    return ("numpy forward", op, _backend.get_backend(), axis, channel_axis, num_groups, eps, stats,
+            x.shape, x.strides, x.dtype,
+            None if weight is None else (weight.shape, weight.strides, weight.dtype),
+            None if bias is None else (bias.shape, bias.strides, bias.dtype),
+            None if residual is None else (residual.shape, residual.strides, residual.dtype))
+
+
 def _unknown_sizes(x, error):
     """:mod:`anynorm._dask_unknown` for a Dask ``x`` whose chunk sizes are unknown; for any
     other array ``error`` (:class:`anynorm._plan.UnknownSizes`) raised again."""
@@ -212,10 +228,13 @@ def forward_call(op, x, weight, bias, residual, stats, axis, channel_axis, num_g
     if type(x) in _TORCH_TYPES:  # the hot case: a flat key, the tensors' attributes inline
         key = _torch_forward_key(op, x, weight, bias, residual, stats, axis, channel_axis,
                                  num_groups, eps)
-        if key is not None:
-            call = _CALLS.get(key)
-            if call is not None:
-                return call
+    elif type(x) is _ndarray:  # likewise for NumPy arrays
+        key = _numpy_forward_key(op, x, weight, bias, residual, stats, axis, channel_axis,
+                                 num_groups, eps)
+    if key is not None:
+        call = _CALLS.get(key)
+        if call is not None:
+            return call
     # torch.jit.trace: a miss stays a miss (nothing signed or kept), so that the trace and
     # the re-trace that checks it record the same ops (a cached runner diverts a traced call)
     traced = _jit_tracing()

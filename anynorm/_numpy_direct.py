@@ -26,6 +26,8 @@ from . import _direct, _native, _outputs
 
 __all__ = ["runner"]
 
+from_buffer, addressof = ctypes.c_char.from_buffer, ctypes.addressof
+
 _HALF_KINDS = ("f16", "bf16")
 
 
@@ -61,7 +63,9 @@ def runner(plan, x, weight, bias, stats, max_elements):
     stats_shape, acc = plan.stats_shape, np.dtype(plan.acc_dtype)
     nbytes = x.size * dtype.itemsize
     empty = _outputs.empty if nbytes >= _outputs.MIN_BYTES else np.empty
-    address = _native.address
+    # addresses through ctypes' view of a buffer (0.2 us; _native.address checks first, 0.4),
+    # where every array is of a NumPy float (ml_dtypes' bfloat16 exports no buffer)
+    viewed = dtype.kind == "f" and all(p is None or p.dtype.kind == "f" for p in (weight, bias))
 
     def run(x, weight, bias, residual, _sizes=sizes):  # _sizes: kept alive with run
         y = empty(shape, dtype)
@@ -70,8 +74,21 @@ def runner(plan, x, weight, bias, stats, max_elements):
             rstd = np.empty(stats_shape, acc)
             if center:
                 mean = np.empty(stats_shape, acc)
-        kernel(address(x), address(y), None if weight is None else address(weight),
-               None if bias is None else address(bias), None if mean is None else address(mean),
-               None if rstd is None else address(rstd), at_sizes)
+        if viewed:
+            try:
+                px = addressof(from_buffer(x))
+                pw = None if weight is None else addressof(from_buffer(weight))
+                pb = None if bias is None else addressof(from_buffer(bias))
+            except TypeError:  # a read-only array: no writable buffer to view
+                px, pw, pb = _at(x), _at(weight), _at(bias)
+            py = addressof(from_buffer(y))
+        else:
+            px, pw, pb, py = _at(x), _at(weight), _at(bias), _at(y)
+        kernel(px, py, pw, pb, None if mean is None else addressof(from_buffer(mean)),
+               None if rstd is None else addressof(from_buffer(rstd)), at_sizes)
         return y, None, mean, rstd
     return run
+
+
+def _at(a, _address=_native.address):
+    return None if a is None else _address(a)
