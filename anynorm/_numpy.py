@@ -1,6 +1,9 @@
 """The NumPy executor: the reference arithmetic, blocked so that memory is touched once.
 
-Forward calls on C-contiguous arrays go to one of two specialised paths first:
+A signature the row kernel takes, below the threading size, runs it straight from the call
+cache (:func:`forward_runner`, :mod:`anynorm._numpy_direct`: a (4, 8) call 2.5 us, 13.9
+through the executor).  Other forward calls on C-contiguous arrays go to one of two
+specialised paths first:
 :mod:`anynorm._numpy_rows` (statistics over trailing axes: layer/RMS norm rows; NCHW
 instance/group norm in float16, or in every dtype with the CPU kernels) and
 :mod:`anynorm._numpy_columns` (statistics over a middle axis: channels-first layer norm;
