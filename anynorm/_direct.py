@@ -1,17 +1,22 @@
-"""What a call straight onto anynorm's packed row kernel needs from its plan (shared by
+"""What a call straight onto anynorm's packed CPU kernels needs from its plan (shared by
 :mod:`anynorm._torch_direct` and :mod:`anynorm._numpy_direct`).
 
-For a C-contiguous x the row kernel takes (``kernels/cpu.cpp``, ``anynorm_rows_packed_*``):
+For a C-contiguous x, :func:`packed` finds the kernel's view of the call (``kernels/cpu.cpp``,
+``anynorm_rows_packed_*`` / ``anynorm_cols_packed_*``):
 
-- layer/RMS norm over x's trailing axes: ``rows = size / n`` rows of ``n = count`` elements,
-  the parameters by position in the row;
-- group/instance norm with channels on axis 1 (NCHW, NCDHW, (N, C)): a row per (sample,
-  group) of ``n = C / G * S`` elements (S: the spatial extent), the parameters constant on
-  runs of S elements, ``w[(row * n + i) / S mod C]``.
+- rows: layer/RMS norm over x's trailing axes (``rows`` rows of ``n = count`` elements, the
+  parameters by position in the row); group/instance norm with channels on axis 1 (NCHW,
+  NCDHW, (N, C): a row per (sample, group), the parameters constant on runs of the spatial
+  extent S, ``w[(row * n + i) / S mod C]``);
+- columns: layer norm over adjacent axes before the last (ConvNeXt's channels-first layer
+  norm: samples of (C, HW), a statistic per column, the parameters by row) and group/instance
+  norm with channels last (NHWC, NDHWC: samples of (HW, C), a statistic per group of
+  adjacent columns, the parameters by column), as the NumPy executor's column path
+  (:class:`anynorm._numpy_columns.NativeColumns`) lays them out.
 
-For small arrays a call's cost is its Python steps, not its arithmetic: this path takes the
-fewest (a cached runner, one output allocation per result, one foreign call of seven
-arguments), and the kernel is exact on any data.
+For small arrays a call's cost is its Python steps, not its arithmetic: these paths take the
+fewest (a cached runner, one allocation per result, one foreign call of seven arguments),
+and the kernels are exact on any data.
 """
 
 from __future__ import annotations
@@ -20,29 +25,57 @@ import math
 
 from . import _native
 
-__all__ = ["geometry", "sizes"]
+__all__ = ["packed"]
 
 
-def geometry(plan):
-    """``(rows, n, w_run, w_count)`` of the row kernel for the plan on C-contiguous memory,
-    or None where the kernel does not take its layout (or a residual)."""
-    if plan.has_residual:
-        return None
+def _rows(plan):
+    """``RowsCall`` of the row kernel for the plan, or None where it does not take it."""
     size = math.prod(plan.shape)
     ndim = len(plan.shape)
     if plan.op in ("layer_norm", "rms_norm"):
         k = len(plan.reduce_axes)
         if plan.reduce_axes != tuple(range(ndim - k, ndim)):
             return None
-        return size // plan.count, plan.count, 0, 0
-    if plan.channel_axis != 1:
+        rows, n, w_run, w_count = size // plan.count, plan.count, 0, 0
+    elif plan.channel_axis == 1:
+        n_samples, c = plan.shape[0], plan.shape[1]
+        groups = c if plan.op == "instance_norm" else plan.num_groups
+        rows, n, w_run, w_count = n_samples * groups, plan.count, size // (n_samples * c), c
+    else:
         return None
-    n, c = plan.shape[0], plan.shape[1]
-    groups = c if plan.op == "instance_norm" else plan.num_groups
-    return n * groups, plan.count, size // (n * c), c
-
-
-def sizes(plan, found):
-    """The :class:`anynorm._native.RowsCall` of a plan's ``geometry``."""
-    rows, n, w_run, w_count = found
     return _native.RowsCall(rows, n, w_run, w_count, int(plan.center), plan.eps)
+
+
+def _cols(plan, x):
+    """``(ColsCall, parameter size)`` of the column kernel, or None (the plan NumPy's, x a
+    C-contiguous NumPy array or view of the call's memory)."""
+    from . import _numpy, _numpy_columns  # (they import this module's users)
+
+    if not plan.center:
+        return None
+    layout = _numpy._layout(plan, [x])
+    found = _numpy_columns._pattern(layout)
+    if found is None:
+        return None
+    samples, p, q, group, param_rows = _numpy_columns.native_geometry(layout, found)
+    strip = _numpy_columns.native_strip(p, q, group, x.itemsize, param_rows)
+    return _native.ColsCall(samples, p, q, group, strip, int(param_rows), plan.eps), (p if param_rows else q)
+
+
+def packed(plan, x, kernel_dtype, half_params):
+    """``(kernel, sizes, parameter size)`` for a call of the plan (NumPy's) on C-contiguous
+    NumPy ``x`` (a view of the call's memory), parameters of x's half dtype where
+    ``half_params``; None where neither packed kernel takes it (a residual, another layout,
+    no kernel built).  ``parameter size``: the elements a weight or bias must hold to be
+    read as it is (None: any the plan accepted)."""
+    if plan.has_residual:
+        return None
+    sizes = _rows(plan)
+    if sizes is not None:
+        kernel = _native.rows_packed_kernel(kernel_dtype, half_params)
+        return None if kernel is None else (kernel, sizes, None)
+    found = _cols(plan, x)
+    if found is None:
+        return None
+    kernel = _native.cols_packed_kernel(kernel_dtype, half_params)
+    return None if kernel is None else (kernel, found[0], found[1])

@@ -34,7 +34,7 @@ import numpy as np
 from ._cuda._sources import kernel_dir
 
 __all__ = ["address", "cols_backward_kernel", "cols_kernel", "far_kernel", "rows_backward_kernel", "rows_kernel",
-           "rows_packed_kernel", "RowsCall", "status", "SOURCE"]
+           "rows_packed_kernel", "cols_packed_kernel", "RowsCall", "ColsCall", "status", "SOURCE"]
 
 SOURCE = "cpu.cpp"
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the first is refused
@@ -53,6 +53,7 @@ _ARGS = {
     "cols_bwd": [ctypes.c_void_p] * 8 + [ctypes.c_longlong] * 5 + [ctypes.c_int, ctypes.c_double],
     "far": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double],
     "rows_packed": [ctypes.c_void_p] * 7,
+    "cols_packed": [ctypes.c_void_p] * 7,
 }
 _SUFFIX = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _SUFFIXES = (*_SUFFIX.values(), "bf16")  # every entry point, bfloat16 (ml_dtypes) included
@@ -205,6 +206,25 @@ def rows_packed_kernel(dtype, half_params=False):
     if half_params and _suffix(dtype) not in ("f16", "bf16"):
         return None
     return _kernel("rows_packed", dtype, "hp_" if half_params else "")
+
+
+class ColsCall(ctypes.Structure):
+    """The sizes of a :func:`cols_packed_kernel` call (``kernels/cpu.cpp``'s ``ColsCall``)."""
+
+    _fields_ = [("samples", ctypes.c_longlong), ("P", ctypes.c_longlong), ("Q", ctypes.c_longlong),
+                ("group", ctypes.c_longlong), ("strip", ctypes.c_longlong),
+                ("param_rows", ctypes.c_longlong), ("eps", ctypes.c_double)]
+
+
+def cols_packed_kernel(dtype, half_params=False):
+    """:func:`cols_kernel` with a call's sizes packed (as :func:`rows_packed_kernel`), or None.
+
+    ``fn(x, y, w, b, mean, rstd, sizes)``: buffer addresses (0 for absent w, b) and the
+    address of a :class:`ColsCall` ``(samples, P, Q, group, strip, param_rows, eps)``.
+    """
+    if half_params and _suffix(dtype) not in ("f16", "bf16"):
+        return None
+    return _kernel("cols_packed", dtype, "hp_" if half_params else "")
 
 
 def rows_backward_kernel(dtype):

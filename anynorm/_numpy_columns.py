@@ -362,6 +362,17 @@ def native_params(arr, layout, lead, P, Q, param_rows, acc):
     return np.ascontiguousarray(np.broadcast_to(p, (1,) + layout.shape[lead + 1:])).reshape(Q)
 
 
+def native_geometry(layout, found):
+    """``(samples, P, Q, group, param_rows)`` of the column kernel for a layout of the
+    ``found = (kind, lead)`` :func:`_pattern` gives: samples of (P, Q), a statistic per
+    ``group`` adjacent columns, parameters by row (channels first) or by column."""
+    kind, lead = found
+    shape = layout.shape
+    P, Q = shape[lead], math.prod(shape[lead + 1:])
+    groups = shape[lead + 1] if len(shape) - lead == 3 else Q
+    return (shape[0] if lead else 1), P, Q, (1 if kind == "cf" else Q // groups), kind == "cf"
+
+
 def native_strip(P, Q, group, size, param_rows, arrays=1):
     """Columns a strip of a (P, Q) sample of ``size``-byte elements, for the column kernels:
     ``arrays`` (x; x and dy for the backward) of P x strip within the L2 budget, or a whole
@@ -390,14 +401,9 @@ class NativeColumns:
         return None if kernel is None else cls(plan, layout, found, x, weight, bias, kernel)
 
     def __init__(self, plan, layout, found, x, weight, bias, kernel):
-        self.plan, self.kernel, (kind, lead) = plan, kernel, found
+        self.plan, self.kernel, lead = plan, kernel, found[1]
         self.acc = acc = np.dtype(plan.acc_dtype)
-        shape = layout.shape
-        self.B = shape[0] if lead else 1
-        self.P, self.Q = shape[lead], math.prod(shape[lead + 1:])
-        groups = shape[lead + 1] if len(shape) - lead == 3 else self.Q
-        self.param_rows = kind == "cf"
-        self.group = 1 if kind == "cf" else self.Q // groups
+        self.B, self.P, self.Q, self.group, self.param_rows = native_geometry(layout, found)
         self.x3 = x.reshape(self.B, self.P, self.Q)
         self.y = _outputs.empty(plan.shape, plan.dtype)
         stats = self.B * (self.Q // self.group)

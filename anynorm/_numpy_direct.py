@@ -1,19 +1,21 @@
-"""NumPy calls straight onto anynorm's row kernel, for the layouts it takes.
+"""NumPy calls straight onto anynorm's packed CPU kernels, for the layouts they take.
 
 The executor's general entry (:func:`anynorm._numpy.forward`) works out per call what the
 plan already fixes: the layout, the path, the blocks, the threads, the parameter vectors.
 For arrays it would run on one thread anyway (below ``PARALLEL_MIN_ELEMENTS``), in the
-layouts of :func:`anynorm._direct.geometry`, a signature's runner instead holds the packed
-kernel and its sizes, and a call costs its outputs and one foreign call (measured here,
+layouts of :func:`anynorm._direct.packed` (rows, and the column kernel's channels-first
+layer norm and channels-last group/instance norm), a signature's runner instead holds the
+packed kernel and its sizes, and a call costs its outputs and one foreign call (measured here,
 float32, anynorm's call direct / through the executor: (4, 8) 0.3, (64, 768) 0.5, (1000,
-37) 0.8, group norm (3, 30, 7, 9) 0.3; see asv_bench/README.md).  The results are the
-kernel's, as the executor's row path gives them (which took the plain NumPy passes below
+37) 0.6, group norm (3, 30, 7, 9) 0.2; see asv_bench/README.md).  The results are the
+kernels', as the executor's kernel paths give them (which took the plain NumPy passes below
 SMALL_ELEMENTS: the same float64-reference accuracy).
 
 Taken: exact ``numpy.ndarray`` x, C-contiguous, of float32, float64, float16 (where the kernel
 is built) or ml_dtypes' bfloat16; parameters exact ndarrays, C-contiguous, of the
 accumulation dtype (float32 for half x; float64 for float64) or of x's half dtype (both of
-one dtype).  Anything else, or without the kernels, the executor's path.
+one dtype; for the column kernel, one value a channel).  Anything else, or without the
+kernels, the executor's path.
 """
 
 from __future__ import annotations
@@ -28,36 +30,38 @@ __all__ = ["runner"]
 
 from_buffer, addressof = ctypes.c_char.from_buffer, ctypes.addressof
 
-_HALF_KINDS = ("f16", "bf16")
 
-
-def _kernel(plan, weight, bias):
-    """The packed kernel for this plan's dtype and these parameters, or None."""
+def _half_params(plan, weight, bias):
+    """False for parameters the packed kernels read as they are in the accumulation dtype
+    (or none), True for parameters of x's half dtype, None for any others (a subclass,
+    strided memory, mixed or other dtypes)."""
     params = [p for p in (weight, bias) if p is not None]
     for p in params:
         if type(p) is not np.ndarray or not p.flags.c_contiguous or p.dtype != params[0].dtype:
             return None
     dtype, acc = np.dtype(plan.dtype), np.dtype(plan.acc_dtype)
-    if params and params[0].dtype != acc:
-        if params[0].dtype != dtype or dtype == acc:
-            return None
-        return _native.rows_packed_kernel(dtype, half_params=True)
-    return _native.rows_packed_kernel(dtype)
+    if not params or params[0].dtype == acc:
+        return False
+    return True if params[0].dtype == dtype else None
 
 
 def runner(plan, x, weight, bias, stats, max_elements):
-    """``run(x, weight, bias, residual) -> (y, None, mean, rstd)`` by the row kernel for this
-    call signature (the arrays' types, shapes, strides and dtypes, which the call cache keys;
-    read-only arrays are fine), or None where it does not take the signature: x of
+    """``run(x, weight, bias, residual) -> (y, None, mean, rstd)`` by a packed kernel for
+    this call signature (the arrays' types, shapes, strides and dtypes, which the call cache
+    keys; read-only arrays are fine), or None where none takes the signature: x of
     ``max_elements`` or more, another layout or dtype, no kernel built."""
     if (type(x) is not np.ndarray or not x.flags.c_contiguous or x.size == 0
             or x.size >= max_elements):
         return None
-    geometry = _direct.geometry(plan)
-    kernel = _kernel(plan, weight, bias) if geometry is not None else None
-    if kernel is None or (geometry[2] and geometry[2] < 8 and x.size >= 4096):
-        return None  # (runs of parameters under a vector: the executor's blocking is the faster)
-    sizes = _direct.sizes(plan, geometry)
+    half_params = _half_params(plan, weight, bias)
+    found = None if half_params is None else _direct.packed(plan, x, np.dtype(plan.dtype), half_params)
+    if found is None:
+        return None
+    kernel, sizes, param_size = found
+    if param_size is not None and any(p is not None and p.size != param_size for p in (weight, bias)):
+        return None
+    if isinstance(sizes, _native.RowsCall) and 0 < sizes.w_run < 8 and x.size >= 4096:
+        return None  # runs of parameters under a vector: the executor's blocking is the faster
     at_sizes = ctypes.addressof(sizes)
     shape, dtype, center = plan.shape, np.dtype(plan.dtype), plan.center
     stats_shape, acc = plan.stats_shape, np.dtype(plan.acc_dtype)

@@ -1,4 +1,4 @@
-"""Small torch CPU calls straight onto anynorm's row kernel (``kernels/cpu.cpp``).
+"""Small torch CPU calls straight onto anynorm's packed CPU kernels (``kernels/cpu.cpp``).
 
 For a small tensor the work is the call, not the arithmetic: torch's ``native_layer_norm``
 on a (4, 8) float32 tensor takes 2.7 us, nearly all dispatch and three allocations, and the
@@ -9,13 +9,21 @@ one foreign call) and is exact on any data, so no check follows it.  Past
 the faster.  Measured here (2 threads), anynorm's call direct / through torch's kernel:
 float32 rows (16, 256) 0.69, (64, 256) 0.84, (64, 768) 0.99, (256, 256) 1.16, (1000, 37)
 1.62, group norm (4, 64, 8, 8) 0.92, (8, 64, 16, 16) 1.25; float16 0.68-0.76 up to 16384
-elements; bfloat16 (16, 768) 0.89, (4, 64, 8, 8) 1.07, (64, 768) 1.25.
+elements; bfloat16 (16, 768) 0.89, (4, 64, 8, 8) 1.07, (64, 768) 1.25.  The column kernel's
+calls, up to ``DIRECT_MAX_COLUMN_ELEMENTS``, against torch's permuted or channels-last
+kernels (from 65536 elements channels-first layer norm took the same kernel through the
+NumPy executor): float32 / bfloat16 channels-first (1, 96, 14, 14) 0.40 / 0.43, (2, 96, 28,
+28) 0.99 / 0.99; NHWC group norm (1, 14, 14, 96) 0.61 / 0.22, (2, 28, 28, 96) 0.82 / 0.16;
+NHWC instance norm (2, 14, 14, 64) 0.18 / 0.03; past it torch's can be the faster (NHWC
+instance norm (4, 56, 56, 64) 1.23 / 1.81).
 
-It serves layer/RMS norm over trailing axes and group/instance norm of contiguous NCHW
-(NCDHW) tensors (rows of a group's channels, each channel's weight on a run of its spatial
-extent), no residual, in float32, float64, and bfloat16/float16 with parameters of x's
-dtype or float32, on plain tensors (or parameters) with nothing for autograd to record and
-no torch.func transform or trace open.  Any other call takes the caller's path.
+It serves the layouts of :func:`anynorm._direct.packed` on contiguous tensors: layer/RMS
+norm over trailing axes and group/instance norm of NCHW (NCDHW) tensors by the row kernel,
+channels-first layer norm and group/instance norm with ``channel_axis=-1`` of a contiguous
+(N, ..., C) tensor by the column kernel; no residual, in float32, float64, and
+bfloat16/float16 with parameters of x's dtype or float32, on plain tensors (or parameters)
+with nothing for autograd to record and no torch.func transform or trace open.  Any other
+call takes the caller's path.
 """
 
 from __future__ import annotations
@@ -23,62 +31,57 @@ from __future__ import annotations
 import ctypes
 import math
 
-import numpy as np
 import torch
 
 from . import _direct, _native
 
-__all__ = ["runner", "DIRECT_MAX_ELEMENTS"]
+__all__ = ["runner", "DIRECT_MAX_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS"]
 
-DIRECT_MAX_ELEMENTS = 1 << 14
+DIRECT_MAX_ELEMENTS = 1 << 14  # the row kernel's calls (half that in bfloat16)
+DIRECT_MAX_COLUMN_ELEMENTS = 1 << 17  # the column kernel's
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # no subclass that overrides torch functions
-_KERNEL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
 
-def _kernel_dtype(dtype):
-    if dtype is torch.bfloat16:
-        try:
-            import ml_dtypes
-        except ImportError:
-            return None
-        return ml_dtypes.bfloat16
-    return _KERNEL_DTYPES.get(dtype)
-
-
-def _kernel(dtype, weight, bias):
-    """The packed row kernel for x of ``dtype`` and these parameters, or None (the kernels
-    not built; parameters of another dtype or layout, or of a torch subclass)."""
+def _half_params(dtype, weight, bias):
+    """False for parameters the packed kernels read as they are in the accumulation dtype
+    (or none), True for parameters of x's half dtype, None for any others (a subclass,
+    strided memory, mixed or other dtypes)."""
     params = [p for p in (weight, bias) if p is not None]
     for p in params:
         if type(p) not in _PLAIN or not p.is_contiguous() or p.dtype is not params[0].dtype:
             return None
-    kernel_dtype = _kernel_dtype(dtype)
-    if kernel_dtype is None:
-        return None
     half = dtype in (torch.float16, torch.bfloat16)
-    if params and params[0].dtype is not (torch.float32 if half else dtype):
-        if not (half and params[0].dtype is dtype):
-            return None
-        return _native.rows_packed_kernel(kernel_dtype, half_params=True)
-    return _native.rows_packed_kernel(kernel_dtype)
+    if not params or params[0].dtype is (torch.float32 if half else dtype):
+        return False
+    return True if half and params[0].dtype is dtype else None
 
 
 def runner(plan, x, weight, bias, stats, fallback):
-    """``run(x, weight, bias, residual) -> (y, None, mean, rstd)`` by the row kernel for this
+    """``run(x, weight, bias, residual) -> (y, None, mean, rstd)`` by a packed kernel for this
     call signature (x's and the parameters' types, shapes, strides, dtypes and devices, which
     the call cache keys), ``fallback`` taking the calls it does not serve (autograd records
     them, a torch.func transform or trace is open); None where the signature never fits."""
-    from ._torch import _diverted
+    from ._torch import _as_numpy, _diverted, _numpy_dtype, _numpy_plan
 
+    size = math.prod(plan.shape)
     if (x.device.type != "cpu" or type(x) not in _PLAIN or not x.is_contiguous()
-            or math.prod(plan.shape) > DIRECT_MAX_ELEMENTS // (2 if plan.dtype is torch.bfloat16 else 1)):
+            or size > max(DIRECT_MAX_ELEMENTS, DIRECT_MAX_COLUMN_ELEMENTS)):
         return None
-    geometry = _direct.geometry(plan)
-    kernel = _kernel(plan.dtype, weight, bias) if geometry is not None else None
-    if kernel is None:
+    kernel_dtype = _numpy_dtype(plan.dtype)
+    half_params = _half_params(plan.dtype, weight, bias)
+    if kernel_dtype is None or half_params is None:
         return None
-    sizes = _direct.sizes(plan, geometry)
+    found = _direct.packed(_numpy_plan(plan), _as_numpy(x), kernel_dtype, half_params)
+    if found is None:
+        return None
+    kernel, sizes, param_size = found
+    if param_size is not None and any(p is not None and p.numel() != param_size for p in (weight, bias)):
+        return None
+    rows = isinstance(sizes, _native.RowsCall)
+    if size > (DIRECT_MAX_ELEMENTS // (2 if plan.dtype is torch.bfloat16 else 1) if rows
+               else DIRECT_MAX_COLUMN_ELEMENTS):
+        return None
     at_sizes = ctypes.addressof(sizes)
     center = plan.center
     acc = torch.float32 if plan.dtype in (torch.float16, torch.bfloat16) else plan.dtype

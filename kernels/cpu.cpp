@@ -27,6 +27,7 @@
 //     anynorm_rows_<f16|bf16|f32|f64>(x, res, h, y, w, b, w_run, mean, rstd, rows, n, center, eps)
 //     anynorm_rows_packed_<f16|bf16|f32|f64|hp_f16|hp_bf16>(x, y, w, b, mean, rstd, &{rows, n, w_run, w_count, center, eps})
 //     anynorm_cols_<f16|bf16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
+//     anynorm_cols_packed_<f16|bf16|f32|f64|hp_f16|hp_bf16>(x, y, w, b, mean, rstd, &{samples, P, Q, group, strip, param_rows, eps})
 //     anynorm_rows_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, w_run, mean, rstd, dw, db, rows, n, center, eps)
 //     anynorm_cols_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, mean, rstd, dw, db, samples, P, Q, group, strip, param_rows, eps)
 //     anynorm_far_<f16|bf16|f32|f64>(mean, rstd, n, limit)   (1 where some |mean * rstd| > limit, else 0)
@@ -1016,10 +1017,9 @@ inline void strip_stats(const double *cpiv, const double *cmean, const double *c
     }
 }
 
-template <typename T>
-int cols(const T *x, T *y, const typename Acc<T>::type *w, const typename Acc<T>::type *b,
-         typename Acc<T>::type *mean, typename Acc<T>::type *rstd, long long nb, long long P,
-         long long Q, long long group, long long strip, int param_rows, double eps) {
+template <typename T, typename Par>  // Par: the parameters' type (as `rows`' P)
+int cols(const T *x, T *y, const Par *w, const Par *b, typename Acc<T>::type *mean, typename Acc<T>::type *rstd,
+         long long nb, long long P, long long Q, long long group, long long strip, int param_rows, double eps) {
     typedef typename Acc<T>::type A;
     typedef typename Work<T>::type F;
     typedef typename Work<T>::vec V;
@@ -1361,7 +1361,20 @@ struct RowsCall {
                                          Acc<T>::type *mean, Acc<T>::type *rstd, long long nb,       \
                                          long long P, long long Q, long long group, long long strip, \
                                          int param_rows, double eps) {                               \
-        return cols<T>(x, y, w, b, mean, rstd, nb, P, Q, group, strip, param_rows, eps);          \
+        return cols<T, Acc<T>::type>(x, y, w, b, mean, rstd, nb, P, Q, group, strip, param_rows, eps);          \
+    }
+
+// The same columns with a call's sizes in one struct (as RowsCall), parameters of type Par
+struct ColsCall {
+    long long samples, P, Q, group, strip, param_rows;
+    double eps;
+};
+#define ANYNORM_COLS_PACKED(SUFFIX, T, Par)                                                         \
+    extern "C" int anynorm_cols_packed_##SUFFIX(const T *x, T *y, const Par *w, const Par *b,      \
+                                                Acc<T>::type *mean, Acc<T>::type *rstd,             \
+                                                const ColsCall *c) {                               \
+        return cols<T, Par>(x, y, w, b, mean, rstd, c->samples, c->P, c->Q, c->group, c->strip,      \
+                          (int)c->param_rows, c->eps);                                             \
     }
 
 #define ANYNORM_ROWS_BWD(SUFFIX, T)                                                                  \
@@ -1424,6 +1437,10 @@ ANYNORM_ROWS_PACKED(hp_bf16, bf16, bf16)
 ANYNORM_COLS(f32, float)
 ANYNORM_COLS(f64, double)
 ANYNORM_COLS(bf16, bf16)
+ANYNORM_COLS_PACKED(f32, float, float)
+ANYNORM_COLS_PACKED(f64, double, double)
+ANYNORM_COLS_PACKED(bf16, bf16, float)
+ANYNORM_COLS_PACKED(hp_bf16, bf16, bf16)
 ANYNORM_ROWS_BWD(f32, float)
 ANYNORM_ROWS_BWD(f64, double)
 ANYNORM_ROWS_BWD(bf16, bf16)
@@ -1436,6 +1453,8 @@ ANYNORM_ROWS(f16, _Float16)
 ANYNORM_ROWS_PACKED(f16, _Float16, float)
 ANYNORM_ROWS_PACKED(hp_f16, _Float16, _Float16)
 ANYNORM_COLS(f16, _Float16)
+ANYNORM_COLS_PACKED(f16, _Float16, float)
+ANYNORM_COLS_PACKED(hp_f16, _Float16, _Float16)
 ANYNORM_ROWS_BWD(f16, _Float16)
 ANYNORM_COLS_BWD(f16, _Float16)
 #endif

@@ -30,6 +30,11 @@ CASES = [
     ("group_norm", (3, 30, 7, 9), {"num_groups": 5}, (30,)),
     ("group_norm", (2, 8, 3, 4, 5), {"num_groups": 2}, (8,)),
     ("instance_norm", (4, 6, 7, 7), {}, (6,)),
+    ("layer_norm", (2, 96, 5, 5), {"axis": 1}, (96,)),
+    ("layer_norm", (3, 4, 6, 9), {"axis": (1, 2)}, (4, 6)),
+    ("group_norm", (2, 5, 5, 8), {"num_groups": 4, "channel_axis": -1}, (8,)),
+    ("group_norm", (2, 9, 12), {"num_groups": 3, "channel_axis": -1}, (12,)),
+    ("instance_norm", (2, 5, 6, 8), {"channel_axis": -1}, (8,)),
 ]
 IDS = [f"{op} {'x'.join(map(str, shape))}" for op, shape, _, _ in CASES]
 
@@ -51,19 +56,21 @@ def _eps(op, dtype):
 def kernel_calls(monkeypatch):
     """A list that grows by one for every packed-kernel call made from now on."""
     calls = []
-    real = _native.rows_packed_kernel
 
-    def counted(dtype, half_params=False):
-        kernel = real(dtype, half_params)
-        if kernel is None:
-            return None
+    def counting(real):
+        def counted(dtype, half_params=False):
+            kernel = real(dtype, half_params)
+            if kernel is None:
+                return None
 
-        def call(*args):
-            calls.append(half_params)
-            return kernel(*args)
-        return call
+            def call(*args):
+                calls.append(half_params)
+                return kernel(*args)
+            return call
+        return counted
 
-    monkeypatch.setattr(_native, "rows_packed_kernel", counted)
+    for name in ("rows_packed_kernel", "cols_packed_kernel"):
+        monkeypatch.setattr(_native, name, counting(getattr(_native, name)))
     anynorm._calls.clear()
     yield calls
     anynorm._calls.clear()
@@ -148,8 +155,8 @@ def test_nan_stays_in_its_slice_and_inputs_are_kept(op, shape, kw, pshape, kerne
 
 def test_signatures_it_declines_still_get_their_results(kernel_calls):
     """F-ordered x, strided or mixed-dtype parameters, float64 parameters with float32 x, a
-    subclass (np.memmap), channels-last group norm, a residual: the executor's paths serve
-    them, no packed-kernel call, results as the reference's."""
+    residual, channels-last group norm on a transposed view: the executor's paths serve them,
+    no packed-kernel call, results as the reference's."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((64, 48)).astype(np.float32)
     w = (rng.random(48) + 0.5).astype(np.float32)
@@ -166,7 +173,7 @@ def test_signatures_it_declines_still_get_their_results(kernel_calls):
     check(anynorm.layer_norm(x, w.astype(np.float64), b.astype(np.float64)))
     y, h = anynorm.layer_norm(x, w, b, residual=np.zeros_like(x))
     check(y)
-    xs = rng.standard_normal((2, 3, 3, 8)).astype(np.float32)
+    xs = rng.standard_normal((2, 8, 3, 3)).astype(np.float32).transpose(0, 2, 3, 1)  # NHWC view of NCHW
     np.testing.assert_allclose(anynorm.group_norm(xs, 4, channel_axis=-1),
                                reference.forward("group_norm", xs.astype(np.float64), num_groups=4,
                                                  channel_axis=-1, eps=1e-5)[0], atol=1e-5)

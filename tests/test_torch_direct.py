@@ -1,9 +1,9 @@
-"""Small torch CPU calls on anynorm's row kernel (``anynorm._torch_direct``, issue 16).
+"""Small torch CPU calls on anynorm's packed kernels (``anynorm._torch_direct``, issue 16).
 
-Calls of up to DIRECT_MAX_ELEMENTS that autograd does not record run the packed row kernel
-on the tensors' memory: layer/RMS norm over trailing axes, group/instance norm of contiguous
-NCHW (NCDHW) tensors, float32/float64 and half x with float32 parameters or parameters of
-x's dtype.  These tests check that those calls reach the kernel, that they are exact far
+Small calls that autograd does not record run the packed row or column kernel on the
+tensors' memory: layer/RMS norm over trailing axes, group/instance norm of contiguous NCHW
+(NCDHW) tensors, channels-first layer norm, group/instance norm with channels last;
+float32/float64 and half x with float32 parameters or parameters of x's dtype.  These tests check that those calls reach the kernel, that they are exact far
 from zero where torch's kernel is not, and that every call it must not serve (autograd,
 torch.func, other layouts, subclasses, mixed or strided parameters) still gets its result.
 """
@@ -36,6 +36,12 @@ CASES = [
     ("group_norm", (2, 8, 3, 4, 5), {"num_groups": 2}, (8,)),
     ("instance_norm", (2, 3, 5), {}, (3,)),
     ("instance_norm", (4, 6, 7, 7), {}, (6,)),
+    # the column kernel's: channels-first layer norm, channels last
+    ("layer_norm", (2, 96, 5, 5), {"axis": 1}, (96,)),
+    ("layer_norm", (3, 4, 6, 9), {"axis": (1, 2)}, (4, 6)),
+    ("group_norm", (2, 5, 5, 8), {"num_groups": 4, "channel_axis": -1}, (8,)),
+    ("group_norm", (2, 9, 12), {"num_groups": 3, "channel_axis": -1}, (12,)),
+    ("instance_norm", (2, 5, 6, 8), {"channel_axis": -1}, (8,)),
 ]
 IDS = [f"{op} {'x'.join(map(str, shape))}" for op, shape, _, _ in CASES]
 
@@ -57,19 +63,21 @@ def _eps(op, dtype):
 def kernel_calls(monkeypatch):
     """A list that grows by one for every call of a packed row kernel made from now on."""
     calls = []
-    real = _native.rows_packed_kernel
 
-    def counted(dtype, half_params=False):
-        kernel = real(dtype, half_params)
-        if kernel is None:
-            return None
+    def counting(real):
+        def counted(dtype, half_params=False):
+            kernel = real(dtype, half_params)
+            if kernel is None:
+                return None
 
-        def call(*args):
-            calls.append(half_params)
-            return kernel(*args)
-        return call
+            def call(*args):
+                calls.append(half_params)
+                return kernel(*args)
+            return call
+        return counted
 
-    monkeypatch.setattr(_native, "rows_packed_kernel", counted)
+    for name in ("rows_packed_kernel", "cols_packed_kernel"):
+        monkeypatch.setattr(_native, name, counting(getattr(_native, name)))
     anynorm._calls.clear()
     yield calls
     anynorm._calls.clear()
@@ -133,23 +141,36 @@ def test_small_calls_reach_the_kernel_and_match_the_reference(op, shape, kw, psh
                     assert len(got) == 2
 
 
+def _torch_functional(op, x, w, b, kw):
+    """The call by torch.nn.functional, its axes moved where F needs them (as users write it)."""
+    import torch.nn.functional as F
+
+    ndim = x.dim()
+    if op == "layer_norm":
+        axis = kw.get("axis", -1)
+        axes = sorted(a % ndim for a in (axis if isinstance(axis, tuple) else (axis,)))
+        order = [a for a in range(ndim) if a not in axes] + axes
+        inverse = sorted(range(ndim), key=order.__getitem__)
+        return F.layer_norm(x.permute(order), [x.shape[a] for a in axes], w, b, 1e-5).permute(inverse)
+    c = kw.get("channel_axis", 1) % ndim
+    order = [0, c] + [a for a in range(1, ndim) if a != c]
+    inverse = sorted(range(ndim), key=order.__getitem__)
+    xt = x.permute(order)
+    if op == "group_norm":
+        return F.group_norm(xt, kw["num_groups"], w, b, 1e-5).permute(inverse)
+    return F.instance_norm(xt, weight=w, bias=b, eps=1e-5).permute(inverse)
+
+
 @pytest.mark.parametrize("offset", [1e4, 1e6])
 @pytest.mark.parametrize("op,shape,kw,pshape", [c for c in CASES if c[0] != "rms_norm"],
                          ids=[i for i, c in zip(IDS, CASES) if c[0] != "rms_norm"])
 def test_small_float32_calls_far_from_zero_beat_torch(op, shape, kw, pshape, offset, kernel_calls):
     """float32 data offset by 1e4 and 1e6: the direct path's error is float32 rounding of y,
     at most half torch's own error on the same data (torch.nn.functional's one-pass kernels)."""
-    import torch.nn.functional as F
-
     x, w, b = _inputs(shape, pshape, torch.float32, torch.float32, offset, seed=4)
     with torch.no_grad():
         y = _call(op, x, w, b, **kw)
-        if op == "layer_norm":
-            y_torch = F.layer_norm(x, pshape, w, b, 1e-5)
-        elif op == "group_norm":
-            y_torch = F.group_norm(x, kw["num_groups"], w, b, 1e-5)
-        else:
-            y_torch = F.instance_norm(x, weight=w, bias=b, eps=1e-5)
+        y_torch = _torch_functional(op, x, w, b, kw)
     assert kernel_calls
     y_ref = reference.forward(op, x.double().numpy(), w.double().numpy(), b.double().numpy(), eps=1e-5, **kw)[0]
     scale = np.max(np.abs(y_ref))

@@ -1,8 +1,8 @@
 """Tiny torch CPU calls (issue 16): the per-signature runner stays exact.
 
-A repeat call of a signature goes straight to anynorm's row kernel (:mod:`anynorm._torch_direct`,
-calls of up to DIRECT_MAX_ELEMENTS with nothing for autograd to record) or to torch's kernel
-and a conditioning check chosen once per signature (``route="torch"``: the direct path off,
+A repeat call of a signature goes straight to anynorm's packed kernels (:mod:`anynorm._torch_direct`,
+small calls with nothing for autograd to record) or to torch's kernel and a conditioning
+check chosen once per signature (``route="torch"``: the direct path off,
 as for larger calls and recorded ones).  These tests change the data, the parameters' dtypes
 and NaN placement between calls of one signature, so that a check or a dtype decision taken
 once for the signature rather than per call would fail them.
@@ -77,6 +77,7 @@ def route(request, monkeypatch):
     """The small-call route: anynorm's row kernel, or (its limit at 0) torch's kernel and the check."""
     if request.param == "torch":
         monkeypatch.setattr(_torch_direct, "DIRECT_MAX_ELEMENTS", 0)
+        monkeypatch.setattr(_torch_direct, "DIRECT_MAX_COLUMN_ELEMENTS", 0)
     anynorm._calls.clear()
     yield request.param
     anynorm._calls.clear()
@@ -237,6 +238,7 @@ def test_signature_that_meets_far_data_shifts_first_and_stays_exact(op, shape, k
     from anynorm import _torch
 
     monkeypatch.setattr(_torch_direct, "DIRECT_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_COLUMN_ELEMENTS", 0)
     reruns = []
     rerun = _torch._shift_and_rerun
     monkeypatch.setattr(_torch, "_shift_and_rerun", lambda *a: reruns.append(1) or rerun(*a))
@@ -280,6 +282,7 @@ def test_float32_limit_serves_moderate_ratios_and_reruns_beyond(op, shape, kw, m
     from anynorm import _torch
 
     monkeypatch.setattr(_torch_direct, "DIRECT_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_COLUMN_ELEMENTS", 0)
     assert _torch._LIMITS[torch.float32][0] == 8.0
     reruns = []
     real = _torch._shift_and_rerun
