@@ -696,8 +696,10 @@ def forward_runner(plan, x, weight, bias, stats):
     # transforms and torch.jit.trace do reach a cached runner, which then hands the call to
     # the traced path
     if (_tracing() or x.device.type != "cpu" or _dataless(x) or plan.dtype not in _LIMITS
-            or x.numel() == 0 or plan.has_residual or not _prefers_native(plan, x)):
+            or x.numel() == 0 or plan.has_residual):
         return general
+    if not _prefers_native(plan, x):  # the executor's kernels: straight where a packed one takes it
+        return _torch_direct.runner(plan, x, weight, bias, stats, general, kernels_first=True) or general
     lay = _layout(plan, x)
     if lay.kind not in ("rows", "groups"):
         return _torch_direct.runner(plan, x, weight, bias, stats, general) or general

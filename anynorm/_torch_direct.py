@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from . import _direct, _native
+from . import _direct, _native, _outputs
 
 __all__ = ["runner", "DIRECT_MAX_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS"]
 
@@ -57,16 +57,21 @@ def _half_params(dtype, weight, bias):
     return True if half and params[0].dtype is dtype else None
 
 
-def runner(plan, x, weight, bias, stats, fallback):
+def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
     """``run(x, weight, bias, residual) -> (y, None, mean, rstd)`` by a packed kernel for this
     call signature (x's and the parameters' types, shapes, strides, dtypes and devices, which
     the call cache keys), ``fallback`` taking the calls it does not serve (autograd records
-    them, a torch.func transform or trace is open); None where the signature never fits."""
-    from ._torch import _as_numpy, _diverted, _numpy_dtype, _numpy_plan
+    them, a torch.func transform or trace is open); None where the signature never fits.
+    ``kernels_first``: the executor would run anynorm's kernels on this call anyway (not
+    torch's), on one thread below ``_numpy.DIRECT_MAX_ELEMENTS``: up to there, the same
+    kernel straight."""
+    from . import _numpy
+    from ._torch import _as_numpy, _as_torch, _diverted, _numpy_dtype, _numpy_plan
 
     size = math.prod(plan.shape)
+    limit = _numpy.DIRECT_MAX_ELEMENTS if kernels_first else None
     if (x.device.type != "cpu" or type(x) not in _PLAIN or not x.is_contiguous()
-            or size > max(DIRECT_MAX_ELEMENTS, DIRECT_MAX_COLUMN_ELEMENTS)):
+            or size > (limit or max(DIRECT_MAX_ELEMENTS, DIRECT_MAX_COLUMN_ELEMENTS))):
         return None
     kernel_dtype = _numpy_dtype(plan.dtype)
     half_params = _half_params(plan.dtype, weight, bias)
@@ -79,15 +84,22 @@ def runner(plan, x, weight, bias, stats, fallback):
     if param_size is not None and any(p is not None and p.numel() != param_size for p in (weight, bias)):
         return None
     rows = isinstance(sizes, _native.RowsCall)
-    if size > (DIRECT_MAX_ELEMENTS // (2 if plan.dtype is torch.bfloat16 else 1) if rows
-               else DIRECT_MAX_COLUMN_ELEMENTS):
+    if limit is None and size > (DIRECT_MAX_ELEMENTS // (2 if plan.dtype is torch.bfloat16 else 1)
+                                 if rows else DIRECT_MAX_COLUMN_ELEMENTS):
         return None
     at_sizes = ctypes.addressof(sizes)
     center = plan.center
     acc = torch.float32 if plan.dtype in (torch.float16, torch.bfloat16) else plan.dtype
     # the statistics' shape and dtype: empty_like of this takes 0.7 us, torch.empty(shape) 1.0
     like_stats = torch.empty(plan.stats_shape, dtype=acc) if stats else None
-    empty_like, grad_enabled = torch.empty_like, torch.is_grad_enabled
+    grad_enabled = torch.is_grad_enabled
+    if size * x.element_size() >= _outputs.MIN_BYTES:  # reused blocks, as the executor's outputs
+        shape, dtype, as_torch = plan.shape, _as_numpy(x).dtype, _as_torch
+
+        def empty_like(x):
+            return as_torch(_outputs.empty(shape, dtype))
+    else:
+        empty_like = torch.empty_like
 
     def run(x, weight, bias, residual, _sizes=sizes):  # _sizes: kept alive with run
         if (grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)

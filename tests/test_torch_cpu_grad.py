@@ -192,10 +192,18 @@ def test_bfloat16_explicit_backward_takes_the_kernel():
 
 def test_module_parameters_reach_the_kernels_without_autograd(kernel_route, monkeypatch):
     """``anynorm.nn`` modules hand ``nn.Parameter``s: under ``no_grad`` they take the kernels
-    as plain tensors do (the NumPy executor's bits)."""
+    as plain tensors do (the NumPy executor's bits), through the executor or straight
+    (``_torch_direct``, the packed row kernel)."""
     calls = []
     run = _torch._numpy_forward
     monkeypatch.setattr(_torch, "_numpy_forward", lambda *a: calls.append(1) or run(*a))
+    packed = _native.rows_packed_kernel
+
+    def counted(*args):
+        kernel = packed(*args)
+        return None if kernel is None else (lambda *a: calls.append(1) or kernel(*a))
+
+    monkeypatch.setattr(_native, "rows_packed_kernel", counted)
     m = anynorm.nn.LayerNorm(300)
     with torch.no_grad():
         m.weight.uniform_(0.5, 1.5)
