@@ -381,3 +381,40 @@ def build_wheel(repo, out_dir):
     with open(lock, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+# (op, shape, keyword arguments, parameter shape) of small calls the packed column kernel
+# takes: channels-first layer norm (one axis, two), group/instance norm with channels last
+PACKED_COLUMN_CASES = [
+    ("layer_norm", (2, 96, 5, 5), {"axis": 1}, (96,)),
+    ("layer_norm", (3, 4, 6, 9), {"axis": (1, 2)}, (4, 6)),
+    ("group_norm", (2, 5, 5, 8), {"num_groups": 4, "channel_axis": -1}, (8,)),
+    ("group_norm", (2, 9, 12), {"num_groups": 3, "channel_axis": -1}, (12,)),
+    ("instance_norm", (2, 5, 6, 8), {"channel_axis": -1}, (8,)),
+]
+
+
+def count_packed_kernel_calls(monkeypatch):
+    """A list that grows by one (the call's ``half_params`` flag) for every call of a packed
+    CPU kernel (``anynorm._native.rows_packed_kernel``/``cols_packed_kernel``) looked up from
+    now on; the call cache is cleared so that runners look their kernels up again."""
+    from anynorm import _calls, _native
+
+    calls = []
+
+    def counting(real):
+        def counted(dtype, half_params=False):
+            kernel = real(dtype, half_params)
+            if kernel is None:
+                return None
+
+            def call(*args):
+                calls.append(half_params)
+                return kernel(*args)
+            return call
+        return counted
+
+    for name in ("rows_packed_kernel", "cols_packed_kernel"):
+        monkeypatch.setattr(_native, name, counting(getattr(_native, name)))
+    _calls.clear()
+    return calls

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import reference
+from support import PACKED_COLUMN_CASES, call, count_packed_kernel_calls
 
 import anynorm
 from anynorm import _native, _numpy
@@ -30,49 +31,22 @@ CASES = [
     ("group_norm", (3, 30, 7, 9), {"num_groups": 5}, (30,)),
     ("group_norm", (2, 8, 3, 4, 5), {"num_groups": 2}, (8,)),
     ("instance_norm", (4, 6, 7, 7), {}, (6,)),
-    ("layer_norm", (2, 96, 5, 5), {"axis": 1}, (96,)),
-    ("layer_norm", (3, 4, 6, 9), {"axis": (1, 2)}, (4, 6)),
-    ("group_norm", (2, 5, 5, 8), {"num_groups": 4, "channel_axis": -1}, (8,)),
-    ("group_norm", (2, 9, 12), {"num_groups": 3, "channel_axis": -1}, (12,)),
-    ("instance_norm", (2, 5, 6, 8), {"channel_axis": -1}, (8,)),
-]
+] + PACKED_COLUMN_CASES
 IDS = [f"{op} {'x'.join(map(str, shape))}" for op, shape, _, _ in CASES]
 
 
-def _call(op, x, w=None, b=None, **kw):
-    kw = dict(kw)
-    if op == "group_norm":
-        return anynorm.group_norm(x, kw.pop("num_groups"), w, b, **kw)
-    if op == "rms_norm":
-        return anynorm.rms_norm(x, w, eps=1e-5, **kw)
-    return getattr(anynorm, op)(x, w, b, **kw)
-
-
 def _eps(op, dtype):
-    return 1e-5  # rms_norm too (_call passes it: its default is x's dtype's epsilon)
+    return 1e-5  # rms_norm too (_with_eps passes it: its default is x's dtype's epsilon)
+
+
+def _with_eps(op, kw):
+    return {**kw, "eps": 1e-5} if op == "rms_norm" else kw
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """A list that grows by one for every packed-kernel call made from now on."""
-    calls = []
-
-    def counting(real):
-        def counted(dtype, half_params=False):
-            kernel = real(dtype, half_params)
-            if kernel is None:
-                return None
-
-            def call(*args):
-                calls.append(half_params)
-                return kernel(*args)
-            return call
-        return counted
-
-    for name in ("rows_packed_kernel", "cols_packed_kernel"):
-        monkeypatch.setattr(_native, name, counting(getattr(_native, name)))
-    anynorm._calls.clear()
-    yield calls
+    yield count_packed_kernel_calls(monkeypatch)
     anynorm._calls.clear()
 
 
@@ -109,7 +83,7 @@ def test_calls_reach_the_kernel_and_match_the_reference(op, shape, kw, pshape, d
             continue
         args = params[:1] if op == "rms_norm" else params
         before = len(kernel_calls)
-        outs = [_call(op, x, *args, return_stats=stats, **kw) for _ in range(2)]
+        outs = [call(op, x, *args, return_stats=stats, **_with_eps(op, kw)) for _ in range(2)]
         assert len(kernel_calls) == before + 2, "the direct path was not taken"
         y_ref, mean_ref, rstd_ref = reference.forward(
             op, x.astype(np.float64), *(None if p is None else p.astype(np.float64) for p in args),
@@ -143,7 +117,7 @@ def test_nan_stays_in_its_slice_and_inputs_are_kept(op, shape, kw, pshape, kerne
     for a in (x, *args):
         a.flags.writeable = False
     saved = [a.copy() for a in (x, *args)]
-    y = _call(op, x, *args, **kw)
+    y = call(op, x, *args, **_with_eps(op, kw))
     assert kernel_calls
     y_ref = reference.forward(op, x.astype(np.float64), *(a.astype(np.float64) for a in args),
                               eps=_eps(op, np.float32), **kw)[0]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import reference
+from support import PACKED_COLUMN_CASES, call, count_packed_kernel_calls
 
 torch = pytest.importorskip("torch")
 import anynorm  # noqa: E402
@@ -36,23 +37,8 @@ CASES = [
     ("group_norm", (2, 8, 3, 4, 5), {"num_groups": 2}, (8,)),
     ("instance_norm", (2, 3, 5), {}, (3,)),
     ("instance_norm", (4, 6, 7, 7), {}, (6,)),
-    # the column kernel's: channels-first layer norm, channels last
-    ("layer_norm", (2, 96, 5, 5), {"axis": 1}, (96,)),
-    ("layer_norm", (3, 4, 6, 9), {"axis": (1, 2)}, (4, 6)),
-    ("group_norm", (2, 5, 5, 8), {"num_groups": 4, "channel_axis": -1}, (8,)),
-    ("group_norm", (2, 9, 12), {"num_groups": 3, "channel_axis": -1}, (12,)),
-    ("instance_norm", (2, 5, 6, 8), {"channel_axis": -1}, (8,)),
-]
+] + PACKED_COLUMN_CASES
 IDS = [f"{op} {'x'.join(map(str, shape))}" for op, shape, _, _ in CASES]
-
-
-def _call(op, x, w=None, b=None, **kw):
-    kw = dict(kw)
-    if op == "group_norm":
-        return anynorm.group_norm(x, kw.pop("num_groups"), w, b, **kw)
-    if op == "rms_norm":
-        return anynorm.rms_norm(x, w, **kw)
-    return getattr(anynorm, op)(x, w, b, **kw)
 
 
 def _eps(op, dtype):
@@ -61,25 +47,8 @@ def _eps(op, dtype):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """A list that grows by one for every call of a packed row kernel made from now on."""
-    calls = []
-
-    def counting(real):
-        def counted(dtype, half_params=False):
-            kernel = real(dtype, half_params)
-            if kernel is None:
-                return None
-
-            def call(*args):
-                calls.append(half_params)
-                return kernel(*args)
-            return call
-        return counted
-
-    for name in ("rows_packed_kernel", "cols_packed_kernel"):
-        monkeypatch.setattr(_native, name, counting(getattr(_native, name)))
-    anynorm._calls.clear()
-    yield calls
+    """A list that grows by one for every packed-kernel call made from now on."""
+    yield count_packed_kernel_calls(monkeypatch)
     anynorm._calls.clear()
 
 
@@ -113,8 +82,8 @@ def test_small_calls_reach_the_kernel_and_match_the_reference(op, shape, kw, psh
         args = (wp,) if op == "rms_norm" else params
         before = len(kernel_calls)
         with torch.no_grad():
-            out = _call(op, x, *args, return_stats=stats, **kw)
-            out_again = _call(op, x, *args, return_stats=stats, **kw)  # the cached runner
+            out = call(op, x, *args, return_stats=stats, **kw)
+            out_again = call(op, x, *args, return_stats=stats, **kw)  # the cached runner
         assert len(kernel_calls) == before + 2, "the direct path was not taken"
         want_half_params = half and (wp if wp is not None else bp) is not None and pdtype is dtype
         assert kernel_calls[-1] == want_half_params
@@ -169,7 +138,7 @@ def test_small_float32_calls_far_from_zero_beat_torch(op, shape, kw, pshape, off
     at most half torch's own error on the same data (torch.nn.functional's one-pass kernels)."""
     x, w, b = _inputs(shape, pshape, torch.float32, torch.float32, offset, seed=4)
     with torch.no_grad():
-        y = _call(op, x, w, b, **kw)
+        y = call(op, x, w, b, **kw)
         y_torch = _torch_functional(op, x, w, b, kw)
     assert kernel_calls
     y_ref = reference.forward(op, x.double().numpy(), w.double().numpy(), b.double().numpy(), eps=1e-5, **kw)[0]
@@ -188,7 +157,7 @@ def test_nan_stays_in_its_slice(op, shape, kw, pshape, kernel_calls):
     x.view(-1)[x.numel() // 2] = float("nan")
     args = (w,) if op == "rms_norm" else (w, b)
     with torch.no_grad():
-        y = _call(op, x, *args, **kw)
+        y = call(op, x, *args, **kw)
     assert kernel_calls
     y_ref = reference.forward(op, x.double().numpy(), *(p.double().numpy() for p in args), eps=_eps(op, x.dtype),
                               **kw)[0]
@@ -206,8 +175,8 @@ def test_half_parameters_give_the_float32_parameters_bits(kernel_calls):
             x, w, b = _inputs(shape, pshape, dtype, dtype, 1.0, seed=8)
             args = (w,) if op == "rms_norm" else (w, b)
             with torch.no_grad():
-                y_half = _call(op, x, *args, **kw)
-                y_float = _call(op, x, *(p.float() for p in args), **kw)
+                y_half = call(op, x, *args, **kw)
+                y_float = call(op, x, *(p.float() for p in args), **kw)
             assert torch.equal(y_half, y_float), (dtype, op, shape)
     assert True in kernel_calls and False in kernel_calls
 
