@@ -1,8 +1,9 @@
 """The NumPy executor: the reference arithmetic, blocked so that memory is touched once.
 
-A signature the row kernel takes, below the threading size, runs it straight from the call
-cache (:func:`forward_runner`, :mod:`anynorm._numpy_direct`: a (4, 8) call 2.5 us, 13.9
-through the executor).  Other forward calls on C-contiguous arrays go to one of two
+A signature the packed CPU kernels take (rows, channels-first layer norm, channels-last
+group/instance norm), below the threading size, runs them straight from the call cache
+(:func:`forward_runner`, :mod:`anynorm._numpy_direct`: a (4, 8) call 2.5 us, 13.9 through
+the executor).  Other forward calls on C-contiguous arrays go to one of two
 specialised paths first:
 :mod:`anynorm._numpy_rows` (statistics over trailing axes: layer/RMS norm rows; NCHW
 instance/group norm in float16, or in every dtype with the CPU kernels) and
@@ -69,7 +70,7 @@ LARGE_BOX_BYTES = 8 << 20  # a whole sample rather than strided slivers, up to t
 NUM_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                   else os.cpu_count() or 1)
 PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, handing boxes to threads costs more than it saves
-# below this (one thread), a signature the row kernel takes runs it straight (_numpy_direct)
+# below this (one thread), a signature a packed kernel takes runs it straight (_numpy_direct)
 DIRECT_MAX_ELEMENTS = PARALLEL_MIN_ELEMENTS
 # below this, the blocking's bookkeeping costs more than the array-API core's extra passes
 SMALL_ELEMENTS = 4096
@@ -683,8 +684,8 @@ def _forward_in_memory_order(plan, order, x, weight, bias, residual, threads):
 
 def forward_runner(plan, x, weight, bias, stats):
     """``run(x, weight, bias, residual) -> (y, h, mean, rstd)`` for one call signature (kept by
-    ``anynorm._calls``): the row kernel straight (:mod:`anynorm._numpy_direct`) where it takes
-    the signature and the call runs on one thread, else :func:`forward`."""
+    ``anynorm._calls``): a packed kernel straight (:mod:`anynorm._numpy_direct`) where one
+    takes the signature and the call runs on one thread, else :func:`forward`."""
     direct = _numpy_direct.runner(plan, x, weight, bias, stats, DIRECT_MAX_ELEMENTS)
     if direct is not None:
         return direct

@@ -6,8 +6,9 @@ For arrays it would run on one thread anyway (below ``PARALLEL_MIN_ELEMENTS``), 
 layouts of :func:`anynorm._direct.packed` (rows, and the column kernel's channels-first
 layer norm and channels-last group/instance norm), a signature's runner instead holds the
 packed kernel and its sizes, and a call costs its outputs and one foreign call (measured here,
-float32, anynorm's call direct / through the executor: (4, 8) 0.3, (64, 768) 0.5, (1000,
-37) 0.6, group norm (3, 30, 7, 9) 0.2; see asv_bench/README.md).  The results are the
+float32, anynorm's call direct / through the executor: (4, 8) 0.18, (64, 768) 0.42, (1000,
+37) 0.63, group norm (3, 30, 7, 9) 0.20, channels-first (1, 96, 14, 14) 0.46; see
+asv_bench/README.md).  The results are the
 kernels', as the executor's kernel paths give them (which took the plain NumPy passes below
 SMALL_ELEMENTS: the same float64-reference accuracy).
 

@@ -18,9 +18,10 @@ one): there autograd records :mod:`anynorm._torch_channels_last`'s blocked backw
 :func:`forward_runner` works out, once per call signature, what a call needs (layout,
 routine, arguments, limit): a plain call costs torch's kernel, the check and a few Python
 steps (the call layer in ``_calls``/``_functional`` adds about as much again).  Small calls
-with nothing for autograd to record (up to ``_torch_direct.DIRECT_MAX_ELEMENTS``, in the row
-kernel's layouts) skip torch's kernel: :mod:`anynorm._torch_direct` runs anynorm's row kernel
-on their memory, which is exact, so no check follows (a (4, 8) call 0.6x the time).
+with nothing for autograd to record (up to ``_torch_direct.DIRECT_MAX_ELEMENTS``, in the
+packed kernels' layouts) skip torch's kernel: :mod:`anynorm._torch_direct` runs anynorm's
+kernels on their memory, which are exact, so no check follows (a (4, 8) call 0.5x the time);
+so do calls the executor would hand to those kernels anyway, below its threading size.
 
 Accuracy: these kernels are exact only on well-conditioned slices.  The row kernels scale
 as ``x * rstd - mean * rstd``, which loses ``|mean| * rstd`` ulps, and the channels-last

@@ -92,20 +92,19 @@ def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
     acc = torch.float32 if plan.dtype in (torch.float16, torch.bfloat16) else plan.dtype
     # the statistics' shape and dtype: empty_like of this takes 0.7 us, torch.empty(shape) 1.0
     like_stats = torch.empty(plan.stats_shape, dtype=acc) if stats else None
-    grad_enabled = torch.is_grad_enabled
+    empty_like, grad_enabled = torch.empty_like, torch.is_grad_enabled
+    new_y = empty_like
     if size * x.element_size() >= _outputs.MIN_BYTES:  # reused blocks, as the executor's outputs
         shape, dtype, as_torch = plan.shape, _as_numpy(x).dtype, _as_torch
 
-        def empty_like(x):
+        def new_y(x):
             return as_torch(_outputs.empty(shape, dtype))
-    else:
-        empty_like = torch.empty_like
 
     def run(x, weight, bias, residual, _sizes=sizes):  # _sizes: kept alive with run
         if (grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
                                 or (bias is not None and bias.requires_grad))) or _diverted():
             return fallback(x, weight, bias, residual)
-        y = empty_like(x)
+        y = new_y(x)
         mean = rstd = None
         if stats:
             rstd = empty_like(like_stats)

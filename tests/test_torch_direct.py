@@ -259,3 +259,31 @@ def test_larger_calls_take_torchs_kernel(kernel_calls):
             before = len(kernel_calls)
             anynorm.layer_norm(torch.randn(2, elements // 2, dtype=dtype))
             assert (len(kernel_calls) > before) == served, (dtype, elements)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op,shape,kw,pshape", [
+    ("layer_norm", (2, 96, 40, 40), {"axis": 1}, (96,)),  # channels-first: the executor's kernel
+    ("rms_norm", (640, 1024), {}, (1024,)),  # RMS rows of 512K and up: likewise
+], ids=["channels-first 2x96x40x40", "rms 640x1024"])
+def test_calls_the_executor_would_run_on_the_kernels_go_straight(op, shape, kw, pshape, dtype, kernel_calls):
+    """Calls torch's route hands to anynorm's kernels anyway, below the executor's threading
+    size, take the packed kernel straight: outputs of 1 MiB and up from the executor's reused
+    blocks, statistics as their own tensors, as the reference's."""
+    x, w, b = _inputs(shape, pshape, dtype, dtype, 5.0, seed=12)
+    args = (w,) if op == "rms_norm" else (w, b)
+    with torch.no_grad():
+        outs = [call(op, x, *args, return_stats=True, eps=1e-5, **kw) for _ in range(3)]
+    assert len(kernel_calls) == 3
+    ref = reference.forward(op, x.double().numpy(), *(p.double().numpy() for p in args), eps=1e-5, **kw)
+    half = dtype in HALF_ULP
+    for out in outs:
+        assert out[0].shape == x.shape and out[-1].shape == ref[2].shape and out[-1].dtype == torch.float32
+        scale = np.max(np.abs(ref[0]))
+        bound = HALF_ULP[dtype] if half else 8 * F32_EPS
+        assert np.max(np.abs(out[0].double().numpy() - ref[0])) <= bound * scale
+        np.testing.assert_allclose(out[-1].double().numpy(), ref[2], rtol=8 * F32_EPS)
+        if op == "layer_norm":
+            np.testing.assert_allclose(out[1].double().numpy(), ref[1], rtol=8 * F32_EPS)
+    assert outs[0][0].data_ptr() != outs[1][0].data_ptr()  # each call's y its own while alive
+
