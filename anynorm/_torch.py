@@ -113,6 +113,13 @@ RMS_KERNEL_MIN_ELEMENTS = 1 << 19
 # float16 group norm with channels first through the kernels from here (4x64x32x32 0.76
 # against 1.01, 32x64x56x56 0.51 against 0.93; 8x64x16x16 1.06 against 1.10)
 HALF_GROUPS_MIN_ELEMENTS = 1 << 18
+# torch's channels-last group norm splits a call over (sample, group) pairs, each read strided
+# across the image, below this spatial extent (its ``feature_map_threshold``; over pixels
+# above): there anynorm's column kernel runs channels-last group/instance norm instead.
+# Measured, 2 threads, anynorm's kernel / torch's, float32 / bfloat16: group norm (8
+# channels a group) (4, 28, 28, 64) 0.81 / 0.17, (4, 28, 28, 128) 0.88 / 0.17, instance norm
+# (4, 28, 28, 64) 0.11 / 0.02; at 56 x 56, past it: (2, 56, 56, 64) 0.73 / 1.72 and 1.40 / 1.70.
+TORCH_CHANNELS_LAST_SPLIT_MIN = 1024
 # Largest max |mean| * rstd (the ratio r) at which a kernel's output stays at float32 rounding
 # (~1e-6 of max|y|): (row kernels, channels-last group-norm kernel).  Row kernels
 # (native_layer_norm; native_group_norm on contiguous NCHW gives the same figures), measured
@@ -565,7 +572,9 @@ def _native_first(plan, contiguous=True):
     again each call (:func:`_large_outputs_cheaper`), RMS norm rows of
     RMS_KERNEL_MIN_ELEMENTS and up (torch's CPU RMS norm is composite), float16
     channels-first group norm of HALF_GROUPS_MIN_ELEMENTS and up (torch's float16 group-norm
-    kernel is slow), channels-first layer norm the column kernel takes (CF_KERNEL_MIN_RUN,
+    kernel is slow), group/instance norm with channels last on images of fewer than
+    TORCH_CHANNELS_LAST_SPLIT_MIN pixels (torch's kernel reads them strided there),
+    channels-first layer norm the column kernel takes (CF_KERNEL_MIN_RUN,
     CF_KERNEL_MIN_ELEMENTS); otherwise group and instance
     norm take torch's, layer/RMS norm rows up to NATIVE_MAX_ROW long (beyond that torch's row
     kernel falls to a fraction of memory bandwidth) and, where the row kernel would take
@@ -597,6 +606,9 @@ def _native_first(plan, contiguous=True):
     if (kernels and plan.op == "group_norm" and plan.dtype == torch.float16 and plan.channel_axis == 1
             and size >= HALF_GROUPS_MIN_ELEMENTS):
         return False
+    if (kernels and plan.channel_axis == len(plan.shape) - 1 and len(plan.shape) in (4, 5)
+            and math.prod(plan.shape[1:-1]) < TORCH_CHANNELS_LAST_SPLIT_MIN):
+        return False  # channels last, a small image: torch reads each (sample, group) strided
     return True
 
 

@@ -45,14 +45,17 @@ TRAINING_CHANNELS_LAST_MIN_ELEMENTS = 1 << 15
 def takes(plan, x, weight, bias, residual):
     """True for a call this path serves: a gradient to record (else the NumPy executor runs
     it directly), plain CPU tensors of a kernel dtype, no residual, layer norm or
-    instance/group norm in a layout the CPU kernels take (rows, channels first or last),
-    C-contiguous x, the kernels built."""
+    instance/group norm in a layout the CPU kernels take (rows, channels first or last; with
+    channels last from TRAINING_CHANNELS_LAST_MIN_ELEMENTS), C-contiguous x, the kernels
+    built."""
     if residual is not None or (weight is None and bias is not None) or _executor._tracing():
         return False
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return False
     if plan.op == "rms_norm" or not _executor._kernel_layout(plan):  # RMS: _torch_rms records its own
         return False
+    if _channels_last(plan) and math.prod(plan.shape) < TRAINING_CHANNELS_LAST_MIN_ELEMENTS:
+        return False  # small: torch's autograd graph costs less than a Python Function's
     for t in (x, weight, bias):
         if t is not None and (type(t) not in _executor._PLAIN or t.device.type != "cpu"
                               or t.dtype not in _executor._KERNEL_DTYPES):
@@ -70,8 +73,12 @@ def prefers_kernels(plan):
     size = math.prod(plan.shape)
     if plan.op == "layer_norm":
         return _executor._trailing(plan) and size >= TRAINING_ROWS_MIN_ELEMENTS
-    return (plan.op in ("group_norm", "instance_norm") and plan.channel_axis == len(plan.shape) - 1
-            and size >= TRAINING_CHANNELS_LAST_MIN_ELEMENTS)
+    return _channels_last(plan) and size >= TRAINING_CHANNELS_LAST_MIN_ELEMENTS
+
+
+def _channels_last(plan):
+    """Instance/group norm with the channels on x's last axis."""
+    return plan.op in ("group_norm", "instance_norm") and plan.channel_axis == len(plan.shape) - 1
 
 
 def forward(plan, x, weight, bias):

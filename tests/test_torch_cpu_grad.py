@@ -131,9 +131,10 @@ def test_gradient_of_any_memory_layout_reaches_the_kernel(kernel_route):
 
 
 def test_route_takes_the_kernels_layouts_and_declines_the_rest():
-    """Rows, channels-first layer norm, NCHW and NHWC group norm with a gradient to record
-    are taken; channels-last memory (not C-contiguous), a residual, a bias without weight,
-    RMS norm (its own blocked autograd), strided x and no gradient are not."""
+    """Rows, channels-first layer norm, NCHW and NHWC group norm (from
+    TRAINING_CHANNELS_LAST_MIN_ELEMENTS) with a gradient to record are taken; smaller NHWC
+    calls, channels-last memory (not C-contiguous), a residual, a bias without weight, RMS
+    norm (its own blocked autograd), strided x and no gradient are not."""
     from anynorm._plan import make_plan
 
     if _native.rows_backward_kernel(np.float32) is None:
@@ -147,7 +148,10 @@ def test_route_takes_the_kernels_layouts_and_declines_the_rest():
     assert takes("group_norm", x, w, b, num_groups=2)
     assert takes("layer_norm", x, w, b, axis=1)
     nhwc = x.detach().permute(0, 2, 3, 1).contiguous().requires_grad_(True)
-    assert takes("group_norm", nhwc, w, b, num_groups=2, channel_axis=-1)
+    assert not takes("group_norm", nhwc, w, b, num_groups=2, channel_axis=-1)  # small: torch's graph
+    c = _torch_cpu_grad.TRAINING_CHANNELS_LAST_MIN_ELEMENTS // (2 * 16 * 16)
+    nhwc = torch.randn(2, 16, 16, c, requires_grad=True)
+    assert takes("group_norm", nhwc, torch.ones(c), torch.zeros(c), num_groups=2, channel_axis=-1)
     assert not takes("group_norm", x.detach(), w, b, num_groups=2)
     channels_last = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
     assert not takes("group_norm", channels_last, w, b, num_groups=2)

@@ -287,3 +287,29 @@ def test_calls_the_executor_would_run_on_the_kernels_go_straight(op, shape, kw, 
             np.testing.assert_allclose(out[1].double().numpy(), ref[1], rtol=8 * F32_EPS)
     assert outs[0][0].data_ptr() != outs[1][0].data_ptr()  # each call's y its own while alive
 
+
+
+def test_channels_last_images_under_torchs_split_take_the_kernels(kernel_calls):
+    """Group/instance norm with channels last on images of fewer than
+    TORCH_CHANNELS_LAST_SPLIT_MIN pixels (torch's kernel reads each (sample, group) strided
+    there, up to 65x the time in bfloat16) take anynorm's kernels when nothing is recorded, from
+    that size on torch's; recorded small calls keep torch's autograd graph."""
+    from anynorm import _torch
+    from anynorm._plan import make_plan
+
+    limit = _torch.TORCH_CHANNELS_LAST_SPLIT_MIN
+    side = int(limit ** 0.5)
+    assert side * side == limit
+    for shape, kernels in (((2, side - 1, side, 64), True), ((2, side, side, 64), False)):
+        plan = make_plan("group_norm", torch.empty(shape), num_groups=8, channel_axis=-1)
+        assert _torch._native_first(plan) is not kernels
+    x, w, b = _inputs((4, 28, 28, 64), (64,), torch.bfloat16, torch.bfloat16, 1e3, seed=13)
+    with torch.no_grad():
+        y = anynorm.instance_norm(x, w, b, channel_axis=-1)
+    assert len(kernel_calls) == 1
+    ref = reference.forward("instance_norm", x.double().numpy(), w.double().numpy(), b.double().numpy(),
+                            channel_axis=-1, eps=1e-5)[0]
+    assert np.max(np.abs(y.double().numpy() - ref)) <= HALF_ULP[torch.bfloat16] * np.max(np.abs(ref))
+    xg = x[:1, :8, :8].contiguous().requires_grad_(True)
+    y = anynorm.instance_norm(xg, w, b, channel_axis=-1)
+    assert "_KernelNorm" not in type(y.grad_fn).__name__
