@@ -7,7 +7,9 @@ For a C-contiguous x, :func:`packed` finds the kernel's view of the call (``kern
 - rows: layer/RMS norm over x's trailing axes (``rows`` rows of ``n = count`` elements, the
   parameters by position in the row); group/instance norm with channels on axis 1 (NCHW,
   NCDHW, (N, C): a row per (sample, group), the parameters constant on runs of the spatial
-  extent S, ``w[(row * n + i) / S mod C]``);
+  extent S, ``w[(row * n + i) / S mod C]``); layer/RMS norm over leading and trailing axes,
+  keeping those between (x as (A, R, B) over A and B: R rows of A runs of B elements, the
+  row kernel's segmented rows, runs of 8 and more);
 - columns: layer norm over adjacent axes before the last (ConvNeXt's channels-first layer
   norm: samples of (C, HW), a statistic per column, the parameters by row) and group/instance
   norm with channels last (NHWC, NDHWC: samples of (HW, C), a statistic per group of
@@ -35,7 +37,7 @@ def _rows(plan):
     if plan.op in ("layer_norm", "rms_norm"):
         k = len(plan.reduce_axes)
         if plan.reduce_axes != tuple(range(ndim - k, ndim)):
-            return None
+            return _segmented(plan)
         rows, n, w_run, w_count = size // plan.count, plan.count, 0, 0
     elif plan.channel_axis == 1:
         n_samples, c = plan.shape[0], plan.shape[1]
@@ -44,6 +46,20 @@ def _rows(plan):
     else:
         return None
     return _native.RowsCall(rows, n, w_run, w_count, int(plan.center), plan.eps)
+
+
+def _segmented(plan):
+    """``RowsCall`` of the row kernel's segmented rows for layer/RMS norm over leading and
+    trailing axes, keeping those between (x as (A, R, B): R rows of A runs of B), or None."""
+    axes, ndim = plan.reduce_axes, len(plan.shape)
+    lead = next(i for i in range(ndim + 1) if i == ndim or i not in axes)
+    kept = ndim - (len(axes) - lead)  # the trailing reduce axes start here
+    if lead == 0 or kept == ndim or axes != (*range(lead), *range(kept, ndim)):
+        return None
+    a, r, b = (math.prod(plan.shape[i:j]) for i, j in ((0, lead), (lead, kept), (kept, ndim)))
+    if b < 8:  # runs too short for the kernel's vectors: the executor's passes
+        return None
+    return _native.RowsCall(r, a * b, 0, 0, int(plan.center), plan.eps, a, r * b)
 
 
 def _cols(plan, x):

@@ -190,16 +190,22 @@ class RowsCall(ctypes.Structure):
     """The sizes of a :func:`rows_packed_kernel` call (``kernels/cpu.cpp``'s ``RowsCall``)."""
 
     _fields_ = [("rows", ctypes.c_longlong), ("n", ctypes.c_longlong), ("w_run", ctypes.c_longlong),
-                ("w_count", ctypes.c_longlong), ("center", ctypes.c_longlong), ("eps", ctypes.c_double)]
+                ("w_count", ctypes.c_longlong), ("center", ctypes.c_longlong), ("eps", ctypes.c_double),
+                ("segments", ctypes.c_longlong), ("seg_stride", ctypes.c_longlong)]
+
+    def __init__(self, rows, n, w_run, w_count, center, eps, segments=1, seg_stride=0):
+        super().__init__(rows, n, w_run, w_count, center, eps, segments, seg_stride)
 
 
 def rows_packed_kernel(dtype, half_params=False):
     """:func:`rows_kernel` with a call's sizes packed, for calls whose sizes repeat, or None.
 
     ``fn(x, y, w, b, mean, rstd, sizes)``: buffer addresses (0 for absent w, b, mean, rstd)
-    and the address of a :class:`RowsCall` ``(rows, n, w_run, w_count, center, eps)``, where
-    ``w_count > 0`` takes run-indexed parameters modulo ``w_count`` (one sample's channels
-    serve every sample); no residual.  w and b are float32 for float16/bfloat16 x, or, with
+    and the address of a :class:`RowsCall` ``(rows, n, w_run, w_count, center, eps,
+    segments, seg_stride)``, where ``w_count > 0`` takes run-indexed parameters modulo
+    ``w_count`` (one sample's channels serve every sample) and ``segments > 1`` reads each
+    row as that many runs of ``n / segments`` elements, ``seg_stride`` apart, the row r's
+    first at ``r * n / segments`` (x as (A, R, B) normalized over A and B); no residual.  w and b are float32 for float16/bfloat16 x, or, with
     ``half_params`` (float16 and bfloat16 only), of x's own dtype.  A ctypes call costs
     ~70 ns an argument: seven here, fourteen in :func:`rows_kernel`.
     """

@@ -15,10 +15,16 @@ kernels (from 65536 elements channels-first layer norm took the same kernel thro
 NumPy executor): float32 / bfloat16 channels-first (1, 96, 14, 14) 0.40 / 0.43, (2, 96, 28,
 28) 0.99 / 0.99; NHWC group norm (1, 14, 14, 96) 0.61 / 0.22, (2, 28, 28, 96) 0.82 / 0.16;
 NHWC instance norm (2, 14, 14, 64) 0.18 / 0.03; past it torch's can be the faster (NHWC
-instance norm (4, 56, 56, 64) 1.23 / 1.81).
+instance norm (4, 56, 56, 64) 1.23 / 1.81).  Segmented rows (layer norm over leading and
+trailing axes, which torch's route permutes into a copy first), up to
+``DIRECT_MAX_SEGMENTED_ELEMENTS`` (half that in bfloat16), against that route, float32 /
+bfloat16: (7, 130, 33) over (0, 2) 0.68 / 0.85, (4, 64, 16) 0.54 / 0.61, (8, 96, 8, 8) over
+(0, 2, 3) 0.76 / 0.95; past it the route's two threads win ((7, 520, 33) 0.93 / 1.23, (16,
+256, 64) 1.31 / 1.38).
 
 It serves the layouts of :func:`anynorm._direct.packed` on contiguous tensors: layer/RMS
-norm over trailing axes and group/instance norm of NCHW (NCDHW) tensors by the row kernel,
+norm over trailing axes (or leading and trailing ones) and group/instance norm of NCHW
+(NCDHW) tensors by the row kernel,
 channels-first layer norm and group/instance norm with ``channel_axis=-1`` of a contiguous
 (N, ..., C) tensor by the column kernel; no residual, in float32, float64, and
 bfloat16/float16 with parameters of x's dtype or float32, on plain tensors (or parameters)
@@ -35,10 +41,13 @@ import torch
 
 from . import _direct, _native, _outputs
 
-__all__ = ["runner", "DIRECT_MAX_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS"]
+__all__ = ["runner", "DIRECT_MAX_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS", "DIRECT_MAX_SEGMENTED_ELEMENTS"]
 
 DIRECT_MAX_ELEMENTS = 1 << 14  # the row kernel's calls (half that in bfloat16)
 DIRECT_MAX_COLUMN_ELEMENTS = 1 << 17  # the column kernel's
+# the row kernel's segmented rows (layer norm over outer and inner axes), half that in
+# bfloat16: torch's route permutes x into a copy first
+DIRECT_MAX_SEGMENTED_ELEMENTS = 1 << 16
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # no subclass that overrides torch functions
 
@@ -71,7 +80,7 @@ def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
     size = math.prod(plan.shape)
     limit = _numpy.DIRECT_MAX_ELEMENTS if kernels_first else None
     if (x.device.type != "cpu" or type(x) not in _PLAIN or not x.is_contiguous()
-            or size > (limit or max(DIRECT_MAX_ELEMENTS, DIRECT_MAX_COLUMN_ELEMENTS))):
+            or size > (limit or max(DIRECT_MAX_ELEMENTS, DIRECT_MAX_COLUMN_ELEMENTS, DIRECT_MAX_SEGMENTED_ELEMENTS))):
         return None
     kernel_dtype = _numpy_dtype(plan.dtype)
     half_params = _half_params(plan.dtype, weight, bias)
@@ -84,8 +93,9 @@ def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
     if param_size is not None and any(p is not None and p.numel() != param_size for p in (weight, bias)):
         return None
     rows = isinstance(sizes, _native.RowsCall)
-    if limit is None and size > (DIRECT_MAX_ELEMENTS // (2 if plan.dtype is torch.bfloat16 else 1)
-                                 if rows else DIRECT_MAX_COLUMN_ELEMENTS):
+    most = (DIRECT_MAX_COLUMN_ELEMENTS if not rows
+            else DIRECT_MAX_SEGMENTED_ELEMENTS if sizes.segments > 1 else DIRECT_MAX_ELEMENTS)
+    if limit is None and size > (most // 2 if rows and plan.dtype is torch.bfloat16 else most):
         return None
     at_sizes = ctypes.addressof(sizes)
     center = plan.center

@@ -413,6 +413,196 @@ inline RowStats<T> row_stats(const T *x, const T *res, T *h, long long r, long l
     return RowStats<T>{xr, m1, c, rs};
 }
 
+// ---- short rows (8 <= n <= 8 * SHORT_VECTORS), held in registers (with AVX) ---------------
+//
+// A row of K vectors is loaded once (the last one as the row's last 8 elements where n is
+// not a multiple of 8, its lanes already loaded zeroed for the sums) and its statistics
+// and y made from the registers.  Short rows are bound by the totals of their sums (a
+// vector's lanes added, converted, added again: three a row), so with AVX the rows go four
+// at a time, their 12 totals taken together by horizontal adds and their rstd by one
+// vector square root.  The arithmetic is the general path's with float32 totals (at most
+// 64 terms, added pairwise): m1 the row's mean in float32, c and q about it (again about
+// m1 + c where c^2 > q / 16), y by `affine_f32`'s formula with w = 1 and b = 0 where a
+// parameter is absent.  y is stored after the row is read (x and y may be one array), the
+// overlapping last vector with the values the vector before it stored.  Without AVX the
+// general path takes them (these vectors of 8 are two registers there, and measured slower).
+#if defined(__AVX__)
+const int SHORT_VECTORS = 8;
+
+// a[0] + ... + a[K-1] as a balanced tree (a chain of K - 1 dependent adds was the bound)
+template <int K> struct Tree {
+    static inline vf sum(const vf *a) { return Tree<K / 2>::sum(a) + Tree<K - K / 2>::sum(a + K / 2); }
+};
+template <> struct Tree<1> {
+    static inline vf sum(const vf *a) { return a[0]; }
+};
+
+inline float total_f32(vf a) {
+    const vf4 lo = {a[0], a[1], a[2], a[3]}, hi = {a[4], a[5], a[6], a[7]};
+    const vf4 s = lo + hi;
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// the row's K vectors (the last one's stale lanes zeroed by `fresh`) about m: sum(d), sum(d^2)
+template <int K> inline void short_sums(const vf *v, vf fresh, float m, vf *su, vf *sq) {
+    vf d[K], dd[K];
+    for (int k = 0; k < K; k++) {
+        d[k] = k == K - 1 ? (v[k] - m) * fresh : v[k] - m;
+        dd[k] = d[k] * d[k];
+    }
+    *su = Tree<K>::sum(d);
+    *sq = Tree<K>::sum(dd);
+}
+
+// one row's m1, c, q (as row_moments)
+template <int K> inline void short_moments(const vf *v, vf fresh, int center, double inv_n, double *m1, double *c,
+                                           double *q) {
+    float m = 0.0f;
+    if (center) {
+        vf t[K];
+        for (int k = 0; k < K; k++) t[k] = k == K - 1 ? v[k] * fresh : v[k];
+        m = (float)((double)total_f32(Tree<K>::sum(t)) * inv_n);
+    }
+    vf u, uu;
+    short_sums<K>(v, fresh, m, &u, &uu);
+    double su = total_f32(u), sq = total_f32(uu);
+    if (center && su * su > sq * ((double)1 / inv_n) / 16.0) {  // c^2 > q / 16: again about the mean
+        m = (float)((double)m + su * inv_n);
+        short_sums<K>(v, fresh, m, &u, &uu);
+        su = total_f32(u);
+        sq = total_f32(uu);
+    }
+    *m1 = (double)m;
+    *c = center ? su * inv_n : 0.0;
+    *q = sq * inv_n;
+}
+
+// y of one row from its registers and statistics
+template <int K, typename T>
+__attribute__((always_inline)) inline void short_y(const vf *v, T *yr, long long last, double m1, double c,
+                                                   double rs, const vf *wv, const vf *bv, const float *w1,
+                                                   const float *b1) {
+    const double mu = m1 + c;
+    const float hi = (float)mu, lo = (float)(mu - (double)hi), rf = (float)rs;
+    vf out[K];
+    if (w1) {  // one weight and bias for the row: affine_f32's scalar form
+        const float s = rf * *w1, los = lo * s;
+        for (int j = 0; j < K; j++) out[j] = ((v[j] - hi) * s - los) + *b1;
+    } else {
+        const float lor = lo * rf;
+        for (int j = 0; j < K; j++) out[j] = ((v[j] - hi) * rf - lor) * wv[j] + bv[j];
+    }
+    for (int j = 0; j < K; j++) put(yr + (j == K - 1 ? last : 8 * j), out[j]);
+}
+
+template <int K, typename T, typename P>
+int short_rows(const T *x, T *y, const P *w, const P *b, long long w_count, typename Acc<T>::type *mean,
+               typename Acc<T>::type *rstd, long long nrows, long long n, int center, double eps, bool per_row) {
+    typedef typename Acc<T>::type A;
+    const long long last = n - 8;  // the last vector's offset
+    const vf fresh = LANE >= (int)(8 * K - n) ? (vf){1, 1, 1, 1, 1, 1, 1, 1} : (vf){0};
+    const double inv_n = 1.0 / (double)n;
+    vf wv[K], bv[K];
+    for (int k = 0; k < K; k++) {
+        const long long o = k == K - 1 ? last : 8 * k;
+        wv[k] = w && !per_row ? narrow(w + o) : (vf){1, 1, 1, 1, 1, 1, 1, 1};
+        bv[k] = b && !per_row ? narrow(b + o) : (vf){0};
+    }
+    float w1[4] = {1, 1, 1, 1}, b1[4] = {0, 0, 0, 0};
+    long long r = 0;
+    const float inv_n_f = (float)inv_n;
+    for (; r + 4 <= nrows; r += 4) {
+        vf v[4][K];
+        for (int i = 0; i < 4; i++)
+            for (int k = 0; k < K; k++) v[i][k] = narrow(x + (r + i) * n + (k == K - 1 ? last : 8 * k));
+        vf4 m = {0, 0, 0, 0};
+        if (center) {
+            vf s[4];
+            for (int i = 0; i < 4; i++) {
+                vf t[K];
+                for (int k = 0; k < K; k++) t[k] = k == K - 1 ? v[i][k] * fresh : v[i][k];
+                s[i] = Tree<K>::sum(t);
+            }
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)s[0], (__m256)s[1]),
+                                            _mm256_hadd_ps((__m256)s[2], (__m256)s[3]));
+            m = ((vf4)_mm256_castps256_ps128(h) + (vf4)_mm256_extractf128_ps(h, 1)) * inv_n_f;
+        }
+        vf u[8];
+        for (int i = 0; i < 4; i++) short_sums<K>(v[i], fresh, m[i], &u[i], &u[4 + i]);
+        const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)u[0], (__m256)u[1]),
+                                         _mm256_hadd_ps((__m256)u[2], (__m256)u[3]));
+        const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)u[4], (__m256)u[5]),
+                                         _mm256_hadd_ps((__m256)u[6], (__m256)u[7]));
+        const vf tot = (vf)(_mm256_permute2f128_ps(t0, t1, 0x20) + _mm256_permute2f128_ps(t0, t1, 0x31));
+        const vd4 su = __builtin_convertvector(((vf4){tot[0], tot[1], tot[2], tot[3]}), vd4);
+        const vd4 sq = __builtin_convertvector(((vf4){tot[4], tot[5], tot[6], tot[7]}), vd4);
+        vd4 m1 = __builtin_convertvector(m, vd4), c = center ? su * inv_n : (vd4){0}, q = sq * inv_n;
+        if (center) {
+            const auto far = su * su > sq * (double)n / 16.0;  // c^2 > q / 16
+            if (far[0] | far[1] | far[2] | far[3])
+                for (int i = 0; i < 4; i++)
+                    if (far[i]) {
+                        double m1_i, c_i, q_i;
+                        short_moments<K>(v[i], fresh, center, inv_n, &m1_i, &c_i, &q_i);
+                        m1[i] = m1_i;
+                        c[i] = c_i;
+                        q[i] = q_i;
+                    }
+        }
+        vd4 var = q - c * c;
+        var = var < 0.0 ? (vd4){0} : var;  // NaN stays NaN
+        const vd4 rs = 1.0 / (vd4)_mm256_sqrt_pd((__m256d)(var + eps));
+        for (int i = 0; i < 4; i++) {
+            if (mean) mean[r + i] = (A)(m1[i] + c[i]);
+            if (rstd) rstd[r + i] = (A)rs[i];
+            if (per_row) {
+                const long long k = w_count > 0 ? (r + i) % w_count : r + i;
+                w1[i] = w ? (float)w[k] : 1.0f;
+                b1[i] = b ? (float)b[k] : 0.0f;
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            short_y<K>(v[i], y + (r + i) * n, last, m1[i], c[i], rs[i], wv, bv, per_row ? w1 + i : 0, b1 + i);
+    }
+    for (; r < nrows; r++) {
+        vf v[K];
+        for (int k = 0; k < K; k++) v[k] = narrow(x + r * n + (k == K - 1 ? last : 8 * k));
+        double m1, c, q;
+        short_moments<K>(v, fresh, center, inv_n, &m1, &c, &q);
+        double var = q - c * c;
+        if (var < 0.0) var = 0.0;  // NaN stays NaN
+        const double rs = 1.0 / sqrt(var + eps);
+        if (mean) mean[r] = (A)(m1 + c);
+        if (rstd) rstd[r] = (A)rs;
+        if (per_row) {
+            const long long k = w_count > 0 ? r % w_count : r;
+            w1[0] = w ? (float)w[k] : 1.0f;
+            b1[0] = b ? (float)b[k] : 0.0f;
+        }
+        short_y<K>(v, y + r * n, last, m1, c, rs, wv, bv, per_row ? w1 : 0, b1);
+    }
+    return 0;
+}
+
+// short_rows for n's number of vectors; 1 where it does not take the row length
+template <typename T, typename P>
+int short_rows_for(const T *x, T *y, const P *w, const P *b, long long w_count, typename Acc<T>::type *mean,
+                   typename Acc<T>::type *rstd, long long nrows, long long n, int center, double eps, bool per_row) {
+    switch ((n + 7) / 8) {
+#define SHORT_CASE(K) \
+    case K: return short_rows<K>(x, y, w, b, w_count, mean, rstd, nrows, n, center, eps, per_row);
+        SHORT_CASE(1) SHORT_CASE(2) SHORT_CASE(3) SHORT_CASE(4) SHORT_CASE(5) SHORT_CASE(6) SHORT_CASE(7) SHORT_CASE(8)
+#undef SHORT_CASE
+    }
+    return 1;
+}
+// float64 rows keep the general path (the registers here hold float32)
+inline int short_rows_for(const double *, double *, const double *, const double *, long long, double *, double *,
+                          long long, long long, int, double, bool) {
+    return 1;
+}
+#endif
+
 // Rows whose weight and bias are too long to stay in L1 from one row's y pass to the next
 // (2 x n x 4 bytes past ROW_PARAMS_L1) go in groups of ROW_GROUP: the group's statistics, then
 // its y passes column chunk by column chunk, each chunk of w and b read from L2 once for the
@@ -451,6 +641,11 @@ int rows(const T *x, const T *res, T *h, T *y, const P *w, const P *b, long long
         if (nt) nt_fence();
         return 0;
     }
+#if defined(__AVX__)
+    if (!res && n >= 8 && n <= 8 * SHORT_VECTORS && (w_run <= 0 || w_run == n) &&
+        short_rows_for(x, y, w, b, w_count, mean, rstd, nrows, n, center, eps, w_run > 0) == 0)
+        return 0;
+#endif
     for (long long r = 0; r < nrows; r++) {
         const RowStats<T> st = row_stats(x, res, h, r, n, center, eps, mean, rstd);
         T *yr = y + r * n;
@@ -465,6 +660,171 @@ int rows(const T *x, const T *res, T *h, T *y, const P *w, const P *b, long long
         }
     }
     if (nt) nt_fence();
+    return 0;
+}
+
+// ---- segmented rows: layer/RMS norm over outer and inner axes, keeping those between ------------
+//
+// x viewed as (A, R, B) normalized over A and B for each of the R rows: row r is A segments
+// of B contiguous elements, segment j at x + j * seg_stride + r * B (seg_stride = R * B),
+// its parameters those of positions j * B ... (j + 1) * B - 1 of the (A, B) weight and bias;
+// y in x's layout.  The statistics as `row_moments`'s: the first mean m1 from the first
+// segment's head, then sum(x - m1) and sum((x - m1)^2) (again about the full mean where
+// c^2 > q / 16).  float32/float16/bfloat16 segments of 8 to SEG_VECTOR_MAX elements sum in
+// float32 vectors across the row's segments (a segment's last < 8 elements as its last 8
+// with the lanes already summed zeroed), added into float64 before a lane holds more than
+// SEG_LANE_TERMS terms, and form y by vectors (the last one overlapping, computed before
+// the segment's stores); longer ones, and float64, take `sum_f32`/`row_moments` and
+// `affine` a segment.
+const long long SEG_VECTOR_MAX = 1024, SEG_LANE_TERMS = 128;
+
+// sum(d) and sum(d^2), d = x - m over a segment of 8 <= len <= SEG_VECTOR_MAX, into the vectors
+template <typename T>
+inline void segment_sums(const T *p, long long len, float m, vi32 tail_fresh, vf *u, vf *uu) {
+    vf u0 = *u, q0 = *uu, u1 = {0}, q1 = {0};
+    long long i = 0;
+    for (; i + 16 <= len; i += 16) {
+        const vf d0 = narrow(p + i) - m, d1 = narrow(p + i + 8) - m;
+        u0 += d0;
+        q0 += d0 * d0;
+        u1 += d1;
+        q1 += d1 * d1;
+    }
+    if (i + 8 <= len) {
+        const vf d0 = narrow(p + i) - m;
+        u0 += d0;
+        q0 += d0 * d0;
+        i += 8;
+    }
+    if (i < len) {
+        vf d1 = narrow(p + len - 8) - m;
+        d1 = tail_fresh ? d1 : (vf){0};
+        u1 += d1;
+        q1 += d1 * d1;
+    }
+    *u = u0 + u1;
+    *uu = q0 + q1;
+}
+
+template <typename T>
+inline void segmented_moments(const T *xr, long long segments, long long len, long long stride, int center,
+                              double *m1, double *c, double *q) {
+    const double inv_n = 1.0 / (double)(segments * len);
+    const long long head = len < HEAD ? len : HEAD;
+    float m = center ? (float)(sum_f32(xr, head, 0.0f, nullptr) / (double)head) : 0.0f;
+    const bool vectors = len >= 8 && len <= SEG_VECTOR_MAX;
+    const vi32 tail_fresh = LANE >= (int)(8 - len % 8);
+    const long long lane_terms = (len + 7) / 8;  // a segment's terms in each lane
+    double su = 0.0, sq = 0.0;
+    for (int pass = 0; pass < 2; pass++) {
+        su = sq = 0.0;
+        vf u = {0}, uu = {0};
+        long long held = 0;
+        for (long long j = 0; j < segments; j++) {
+            if (vectors) {
+                if (held + lane_terms > SEG_LANE_TERMS) {
+                    su += total(u);
+                    sq += total(uu);
+                    u = uu = (vf){0};
+                    held = 0;
+                }
+                segment_sums(xr + j * stride, len, m, tail_fresh, &u, &uu);
+                held += lane_terms;
+            } else {
+                double squares;
+                su += sum_f32(xr + j * stride, len, m, &squares);
+                sq += squares;
+            }
+        }
+        su += total(u);
+        sq += total(uu);
+        if (!center || su * su <= sq * (double)(segments * len) / 16.0) break;  // c^2 <= q / 16
+        m = (float)((double)m + su * inv_n);
+    }
+    *m1 = (double)m;
+    *c = center ? su * inv_n : 0.0;
+    *q = sq * inv_n;
+}
+inline void segmented_moments(const double *xr, long long segments, long long len, long long stride, int center,
+                              double *m1, double *c, double *q) {
+    const double inv_n = 1.0 / (double)(segments * len);
+    double m = 0.0;
+    if (center) {
+        for (long long j = 0; j < segments; j++) m += sum_f64(xr + j * stride, len);
+        m *= inv_n;
+    }
+    double su = 0.0, sq = 0.0;
+    for (long long j = 0; j < segments; j++) {  // about m, as row_moments
+        const double *p = xr + j * stride;
+        vd u0 = {0}, q0 = {0};
+        long long i = 0;
+        for (; i + 8 <= len; i += 8) {
+            const vd d = load(p + i) - m;
+            u0 += d;
+            q0 += d * d;
+        }
+        su += total(u0);
+        sq += total(q0);
+        for (; i < len; i++) {
+            const double d = p[i] - m;
+            su += d;
+            sq += d * d;
+        }
+    }
+    *m1 = m;
+    *c = center ? su * inv_n : 0.0;
+    *q = sq * inv_n;
+}
+
+// y of one segment of 8 <= len elements: affine_f32's formula, by vectors, w = 1 and b = 0
+// where a parameter is absent
+template <typename T, typename P>
+inline void segment_y(const T *x, T *y, long long len, float hi, float lo, float r, const P *wp, const P *bp) {
+    const float lor = lo * r;
+    const vf one = {1, 1, 1, 1, 1, 1, 1, 1}, zero = {0};
+    const long long t = len - 8;
+    const vf last = ((narrow(x + t) - hi) * r - lor) * (wp ? narrow(wp + t) : one) + (bp ? narrow(bp + t) : zero);
+    for (long long i = 0; i + 8 <= len; i += 8)
+        put(y + i, ((narrow(x + i) - hi) * r - lor) * (wp ? narrow(wp + i) : one) + (bp ? narrow(bp + i) : zero));
+    put(y + t, last);
+}
+
+template <typename T, typename P>
+inline void segmented_y(const T *xr, T *yr, long long segments, long long len, long long stride, double m1, double c,
+                        double rs, const P *w, const P *b) {
+    const double mean = m1 + c;
+    const float hi = (float)mean, lo = (float)(mean - (double)hi);
+    for (long long j = 0; j < segments; j++) {
+        const P *wp = w ? w + j * len : 0, *bp = b ? b + j * len : 0;
+        if (len >= 8) segment_y(xr + j * stride, yr + j * stride, len, hi, lo, (float)rs, wp, bp);
+        else affine(xr + j * stride, yr + j * stride, 0, len, m1, c, rs, wp, bp, 0, false);
+    }
+}
+inline void segmented_y(const double *xr, double *yr, long long segments, long long len, long long stride, double m1,
+                        double c, double rs, const double *w, const double *b) {
+    for (long long j = 0; j < segments; j++)
+        affine(xr + j * stride, yr + j * stride, 0, len, m1, c, rs, w ? w + j * len : 0, b ? b + j * len : 0, 0,
+               false);
+}
+
+template <typename T, typename P>
+int segmented_rows(const T *x, T *y, const P *w, const P *b, typename Acc<T>::type *mean,
+                   typename Acc<T>::type *rstd, long long nrows, long long n, long long segments, long long stride,
+                   int center, double eps) {
+    typedef typename Acc<T>::type A;
+    if (n <= 0 || segments <= 0 || n % segments) return 1;
+    const long long len = n / segments;
+    for (long long r = 0; r < nrows; r++) {
+        const T *xr = x + r * len;
+        double m1, c, q;
+        segmented_moments(xr, segments, len, stride, center, &m1, &c, &q);
+        double var = q - c * c;
+        if (var < 0.0) var = 0.0;  // NaN stays NaN
+        const double rs = 1.0 / sqrt(var + eps);
+        if (mean) mean[r] = (A)(m1 + c);
+        if (rstd) rstd[r] = (A)rs;
+        segmented_y(xr, y + r * len, segments, len, stride, m1, c, rs, w, b);
+    }
     return 0;
 }
 
@@ -1347,11 +1707,15 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
 struct RowsCall {
     long long rows, n, w_run, w_count, center;
     double eps;
+    long long segments, seg_stride;  // segments > 1: segmented_rows (w_run 0)
 };
 #define ANYNORM_ROWS_PACKED(SUFFIX, T, P)                                                           \
     extern "C" int anynorm_rows_packed_##SUFFIX(const T *x, T *y, const P *w, const P *b,          \
                                                 Acc<T>::type *mean, Acc<T>::type *rstd,             \
                                                 const RowsCall *c) {                               \
+        if (c->segments > 1)                                                                        \
+            return segmented_rows<T, P>(x, y, w, b, mean, rstd, c->rows, c->n, c->segments,         \
+                                        c->seg_stride, (int)c->center, c->eps);                     \
         return rows<T, P>(x, nullptr, nullptr, y, w, b, c->w_run, c->w_count, mean, rstd, c->rows, \
                           c->n, (int)c->center, c->eps);                                           \
     }

@@ -385,6 +385,13 @@ def build_wheel(repo, out_dir):
 
 # (op, shape, keyword arguments, parameter shape) of small calls the packed column kernel
 # takes: channels-first layer norm (one axis, two), group/instance norm with channels last
+# layer/RMS norm over outer and inner axes: the row kernel's segmented rows (x as (A, R, B))
+PACKED_SEGMENTED_CASES = [
+    ("layer_norm", (7, 13, 33), {"axis": (0, 2)}, (7, 33)),
+    ("layer_norm", (3, 5, 8, 9), {"axis": (0, 2, 3)}, (3, 8, 9)),
+    ("layer_norm", (2, 3, 4, 1030), {"axis": (0, 1, 3)}, (2, 3, 1030)),  # past SEG_VECTOR_MAX
+    ("rms_norm", (300, 4, 16), {"axis": (0, 2)}, (300, 16)),  # float32 lanes added part-way
+]
 PACKED_COLUMN_CASES = [
     ("layer_norm", (2, 96, 5, 5), {"axis": 1}, (96,)),
     ("layer_norm", (3, 4, 6, 9), {"axis": (1, 2)}, (4, 6)),

@@ -19,6 +19,9 @@ import numpy as np
 import pytest
 
 import reference
+import support
+
+import anynorm
 from anynorm import _native, _numpy, _numpy_columns, _outputs
 from anynorm._numpy_columns import NativeColumns
 from anynorm._numpy_rows import RowsForward
@@ -118,6 +121,91 @@ def test_rows_match_float64_reference(op, params, n, dtype):
         np.testing.assert_allclose(mean.reshape(-1), exact[1].reshape(-1), rtol=stats_tol, atol=stats_tol)
     np.testing.assert_allclose(rstd.reshape(-1), exact[2].reshape(-1), rtol=stats_tol)
     assert rstd.dtype == acc
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+@pytest.mark.parametrize("rows", [1, 4, 6, 11])
+@pytest.mark.parametrize("n", [8, 13, 37, 64, 65])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_short_rows_four_at_a_time(op, n, rows, offset, dtype):
+    """Rows of 8 to 64 held in registers, four at a time with the rest one by one (65: the
+    general path): y, mean and rstd of every row against float64, each row its own."""
+    if dtype == np.float16 and _native.rows_kernel(dtype) is None:
+        pytest.skip("no float16 kernel on this CPU")
+    if dtype == np.float16 and offset:
+        pytest.skip("float16 holds no offset of 1e4 with a spread")
+    rng = np.random.default_rng(rows * 100 + n)
+    # each row its own scale and offset: a block mixing rows' sums would show
+    x = (offset + rng.standard_normal((rows, n)) * rng.uniform(0.5, 4, (rows, 1))
+         + rng.uniform(-3, 3, (rows, 1))).astype(dtype)
+    w, b = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+    bias = b if op == "layer_norm" else None
+    y, _, mean, rstd = _forward(op, x, w, bias)
+    y_ref, mean_ref, rstd_ref = reference.forward(op, x.astype(np.float64), w.astype(np.float64),
+                                                  None if bias is None else bias.astype(np.float64),
+                                                  eps=1e-5, axis=-1)
+    scale = np.max(np.abs(y_ref), axis=-1, keepdims=True)
+    assert np.all(np.abs(y.astype(np.float64) - y_ref) <= Y_TOL[dtype] * scale)
+    if op == "layer_norm":
+        assert np.all(np.abs(mean.reshape(-1) - mean_ref.reshape(-1)) <= 4 * EPS32 * (offset + 4))
+    np.testing.assert_allclose(rstd.reshape(-1), rstd_ref.reshape(-1), rtol=4 * EPS32)
+
+
+def test_short_rows_whose_float32_mean_misses():
+    """Rows of 64 at 1e6 with a spread of 0.3: the float32 mean of the row misses by more
+    than a quarter of the spread in some rows of a block of four, which are summed again
+    about the full mean (else the variance cancels: errors of 1e-5)."""
+    rng = np.random.default_rng(11)
+    x = (1e6 + 0.3 * rng.standard_normal((64, 64))).astype(np.float32)
+    y = _forward("layer_norm", x)[0]
+    y_ref = reference.forward("layer_norm", x.astype(np.float64), eps=1e-5, axis=-1)[0]
+    assert _max_err(y, y_ref) <= 8 * EPS32 * float(np.max(np.abs(y_ref)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(50, 2, 1000), (20, 2, 2500), (6, 10, 16), (40, 3, 8), (4000, 2, 16)])
+def test_segmented_rows_whose_head_is_unlike_the_rest(shape, dtype, monkeypatch):
+    """Layer norm over axes (0, 2) of rows 1e4 from zero whose head (the first mean's first
+    64 elements) sits 100 std above the rest: the first mean misses by nearly 100 std, so
+    q - c^2 would cancel all but a part in len / 64 of q; the row is summed again about the
+    full mean and y keeps float32 (float64) rounding.  (2500: runs past SEG_VECTOR_MAX;
+    4000 runs of 16: float32 lanes added into float64 part-way.)  A NaN makes its row NaN
+    and no other."""
+    rng = np.random.default_rng(2)
+    x = 1e4 + rng.standard_normal(shape)
+    x[0, :, :64] += 100.0
+    x = x.astype(dtype)
+    calls = support.count_packed_kernel_calls(monkeypatch)
+    y = anynorm.layer_norm(x, axis=(0, 2))
+    assert calls == [False]
+    y_ref = reference.forward("layer_norm", x.astype(np.float64), eps=1e-5, axis=(0, 2))[0]
+    tol = 1e-13 if dtype == np.float64 else 8 * EPS32
+    assert _max_err(y, y_ref) <= tol * float(np.max(np.abs(y_ref)))
+    x[-1, 1, -1] = np.nan
+    y_nan = anynorm.layer_norm(x, axis=(0, 2))
+    assert np.all(np.isnan(y_nan[:, 1])) and not np.any(np.isnan(np.delete(y_nan, 1, axis=1)))
+    np.testing.assert_array_equal(np.delete(y_nan, 1, axis=1), np.delete(y, 1, axis=1))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 4, 4), (2, 7, 3, 3), (1, 9, 8, 8)])
+@pytest.mark.parametrize("route", ["executor", "packed"])
+def test_short_channel_runs_take_their_channels_parameters(shape, route, monkeypatch):
+    """NCHW instance norm whose spatial run is a short row (8 to 64 pixels): the row's weight
+    and bias are its channel's, four rows at a time; through the executor (a weight a row)
+    and the packed entry point (the row index modulo the channels)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(shape) * 2 + 1).astype(np.float32)
+    w, b = rng.standard_normal(shape[1]).astype(np.float32), rng.standard_normal(shape[1]).astype(np.float32)
+    if route == "executor":
+        y = _forward("instance_norm", x, w, b, channel_axis=1)[0]
+    else:
+        calls = support.count_packed_kernel_calls(monkeypatch)
+        y = anynorm.instance_norm(x, weight=w, bias=b, channel_axis=1)
+        assert calls == [False]
+    y_ref = reference.forward("instance_norm", x.astype(np.float64), w.astype(np.float64),
+                              b.astype(np.float64), eps=1e-5, channel_axis=1)[0]
+    assert _max_err(y, y_ref) <= Y_TOL[np.float32] * float(np.max(np.abs(y_ref)))
 
 
 @pytest.mark.parametrize("offset", [1e4, 1e6, 1e7])

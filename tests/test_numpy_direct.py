@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import reference
-from support import PACKED_COLUMN_CASES, call, count_packed_kernel_calls
+from support import PACKED_COLUMN_CASES, PACKED_SEGMENTED_CASES, call, count_packed_kernel_calls
 
 import anynorm
 from anynorm import _native, _numpy
@@ -31,7 +31,7 @@ CASES = [
     ("group_norm", (3, 30, 7, 9), {"num_groups": 5}, (30,)),
     ("group_norm", (2, 8, 3, 4, 5), {"num_groups": 2}, (8,)),
     ("instance_norm", (4, 6, 7, 7), {}, (6,)),
-] + PACKED_COLUMN_CASES
+] + PACKED_SEGMENTED_CASES + PACKED_COLUMN_CASES
 IDS = [f"{op} {'x'.join(map(str, shape))}" for op, shape, _, _ in CASES]
 
 

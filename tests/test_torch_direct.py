@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import reference
-from support import PACKED_COLUMN_CASES, call, count_packed_kernel_calls
+from support import PACKED_COLUMN_CASES, PACKED_SEGMENTED_CASES, call, count_packed_kernel_calls
 
 torch = pytest.importorskip("torch")
 import anynorm  # noqa: E402
@@ -37,7 +37,7 @@ CASES = [
     ("group_norm", (2, 8, 3, 4, 5), {"num_groups": 2}, (8,)),
     ("instance_norm", (2, 3, 5), {}, (3,)),
     ("instance_norm", (4, 6, 7, 7), {}, (6,)),
-] + PACKED_COLUMN_CASES
+] + PACKED_SEGMENTED_CASES + PACKED_COLUMN_CASES
 IDS = [f"{op} {'x'.join(map(str, shape))}" for op, shape, _, _ in CASES]
 
 
