@@ -87,6 +87,14 @@ NATIVE_MAX_ROW = 2048
 # (2048x4096 1.27 against 0.94, 4096x3072 1.06 against 1.02).
 LONG_ROWS_KERNEL_MIN_BYTES = 24 << 20
 SHORT_RUN = 1024
+# Layer/RMS norm rows of SHORT_ROW_MIN to SHORT_ROW_MAX elements take anynorm's row kernel,
+# which holds them in registers four at a time: one thread does about three times torch's
+# per thread there (float32 rows of 37: 11.5 ns a row against 35; bfloat16 19 against 58).
+# So below the executor's threading size where torch has at most SHORT_ROWS_THREADS threads,
+# and from there on any number (the executor threads them too).  Measured, 2 threads, the
+# kernel straight / F: float32 rows of 8 0.57-0.69, of 37 0.65-0.72, of 64 0.94-0.96;
+# bfloat16 0.27-0.34, 0.56-0.61, 0.78-0.82 (1000 to 65536 rows).
+SHORT_ROW_MIN, SHORT_ROW_MAX, SHORT_ROWS_THREADS = 8, 64, 3
 # Channels-first layer norm of C-contiguous x through anynorm's column kernel (NumPy
 # executor): from runs of this many elements and arrays of this many.  Measured, float32,
 # 2 threads, ours / F on the permuted view: ConvNeXt 32x192x28x28 0.07 (torch's kernel: 0.99),
@@ -555,14 +563,14 @@ def _as_torch(a):
 
 def _prefers_native(plan, x):
     """Memoized :func:`_native_first` for ``x``'s memory (C-contiguous or not)."""
-    key = ("torch native first", x.is_contiguous())
+    key = ("torch native first", x.is_contiguous(), torch.get_num_threads())
     first = plan.memo.get(key)
     if first is None:
-        first = plan.memo[key] = _native_first(plan, key[1])
+        first = plan.memo[key] = _native_first(plan, key[1], key[2])
     return first
 
 
-def _native_first(plan, contiguous=True):
+def _native_first(plan, contiguous=True, threads=1):
     """Where torch's own routine beats the NumPy executor on the CPU (measured, see
     asv_bench/README.md): bfloat16 without ml_dtypes (NumPy has no bfloat16 of its own) or
     in a layout anynorm's CPU kernels do not take (NumPy passes on ml_dtypes' are slow),
@@ -570,7 +578,10 @@ def _native_first(plan, contiguous=True):
     for a C-contiguous ``x`` (``contiguous``) and no residual, the kernels take outputs of
     FAULTING_BYTES and up, which the executor reuses where torch's fault in their pages
     again each call (:func:`_large_outputs_cheaper`), RMS norm rows of
-    RMS_KERNEL_MIN_ELEMENTS and up (torch's CPU RMS norm is composite), float16
+    RMS_KERNEL_MIN_ELEMENTS and up (torch's CPU RMS norm is composite), layer/RMS norm rows
+    of SHORT_ROW_MIN to SHORT_ROW_MAX elements where torch has at most SHORT_ROWS_THREADS
+    ``threads`` or the call is the executor's to thread (the row kernel holds them in
+    registers, four at a time), float16
     channels-first group norm of HALF_GROUPS_MIN_ELEMENTS and up (torch's float16 group-norm
     kernel is slow), group/instance norm with channels last on images of fewer than
     TORCH_CHANNELS_LAST_SPLIT_MIN pixels (torch's kernel reads them strided there),
@@ -595,6 +606,9 @@ def _native_first(plan, contiguous=True):
     if plan.op in ("layer_norm", "rms_norm"):
         if _trailing(plan):
             if kernels and plan.op == "rms_norm" and size >= RMS_KERNEL_MIN_ELEMENTS:
+                return False
+            if (kernels and _short_rows(plan) and plan.dtype != torch.float64
+                    and (size >= _numpy.PARALLEL_MIN_ELEMENTS or threads <= SHORT_ROWS_THREADS)):
                 return False
             if kernels and (plan.dtype == torch.bfloat16 or nbytes < LONG_ROWS_KERNEL_MIN_BYTES):
                 return True
@@ -712,10 +726,34 @@ def forward_runner(plan, x, weight, bias, stats):
             or x.numel() == 0 or plan.has_residual):
         return general
     if not _prefers_native(plan, x):  # the executor's kernels: straight where a packed one takes it
-        return _torch_direct.runner(plan, x, weight, bias, stats, general, kernels_first=True) or general
+        fallback = general
+        if _short_rows(plan) and not _torch_cpu_grad.prefers_kernels(plan):
+            # what autograd records keeps torch's graph (_torch_cpu_grad.takes): its runner
+            fallback = _kernel_runner(plan, _layout(plan, x), stats, general)
+        return _torch_direct.runner(plan, x, weight, bias, stats, fallback, kernels_first=True) or general
     lay = _layout(plan, x)
     if lay.kind not in ("rows", "groups"):
         return _torch_direct.runner(plan, x, weight, bias, stats, general) or general
+    run = _kernel_runner(plan, lay, stats, general)
+    if _torch_cpu_grad.prefers_kernels(plan):  # what autograd records runs on anynorm's kernels
+        untracked = run
+
+        def run(x, weight, bias, residual):
+            if _torch_cpu_grad.takes(plan, x, weight, bias, residual):
+                return _torch_cpu_grad.forward(plan, x, weight, bias)
+            return untracked(x, weight, bias, residual)
+    # small calls, nothing recorded: anynorm's row kernel, exact, in less time than torch's
+    return _torch_direct.runner(plan, x, weight, bias, stats, run) or run
+
+
+def _short_rows(plan):
+    """Layer/RMS norm over trailing axes in rows of SHORT_ROW_MIN to SHORT_ROW_MAX."""
+    return plan.op in ("layer_norm", "rms_norm") and _trailing(plan) and SHORT_ROW_MIN <= plan.count <= SHORT_ROW_MAX
+
+
+def _kernel_runner(plan, lay, stats, general):
+    """:func:`forward_runner`'s run on torch's kernel for a rows or groups layout ``lay``,
+    checked after; ``general`` takes the calls it does not serve."""
     dtype = plan.dtype
     half = dtype in _HALF
     center = plan.center
@@ -847,16 +885,7 @@ def forward_runner(plan, x, weight, bias, stats):
                 if within_grad(mean, rstd):
                     return y, None, None, None
                 return run_float(x, weight, bias, residual)
-
-    if _torch_cpu_grad.prefers_kernels(plan):  # what autograd records runs on anynorm's kernels
-        untracked = run
-
-        def run(x, weight, bias, residual):
-            if _torch_cpu_grad.takes(plan, x, weight, bias, residual):
-                return _torch_cpu_grad.forward(plan, x, weight, bias)
-            return untracked(x, weight, bias, residual)
-    # small calls, nothing recorded: anynorm's row kernel, exact, in less time than torch's
-    return _torch_direct.runner(plan, x, weight, bias, stats, run) or run
+    return run
 
 
 def _checker(plan, lay, limit):

@@ -37,7 +37,9 @@ __all__ = ["takes", "forward", "prefers_kernels"]
 # 1.90/1.07; 1024 rows 0.46/0.79, 1.36/1.03; 4096 rows 0.55/1.01, 0.81/1.14.  NHWC group norm
 # (32 groups, 64 channels, 28x28): 1 sample 1.25/2.64, 0.26/0.97; 4 samples 0.67/1.50,
 # 0.11/0.73; 16 samples 0.42/1.35, 0.07/0.72.  NCHW group norm lost at every size under 32 MiB
-# (16x64x28x28: 1.77/1.00, 2.12/1.03): torch's kernel serves it.
+# (16x64x28x28: 1.77/1.00, 2.12/1.03): torch's kernel serves it.  Rows shorter than that
+# whose forward takes the kernels (_torch.SHORT_ROW_MAX) keep torch's graph below it too: rows
+# of 37, 1000 of them, 1.91/1.06 and 1.22/1.03; of 8, 4096, 1.60/1.03 and 0.41/1.12.
 TRAINING_ROWS_MIN_ELEMENTS = 1 << 21
 TRAINING_CHANNELS_LAST_MIN_ELEMENTS = 1 << 15
 
@@ -45,9 +47,9 @@ TRAINING_CHANNELS_LAST_MIN_ELEMENTS = 1 << 15
 def takes(plan, x, weight, bias, residual):
     """True for a call this path serves: a gradient to record (else the NumPy executor runs
     it directly), plain CPU tensors of a kernel dtype, no residual, layer norm or
-    instance/group norm in a layout the CPU kernels take (rows, channels first or last; with
-    channels last from TRAINING_CHANNELS_LAST_MIN_ELEMENTS), C-contiguous x, the kernels
-    built."""
+    instance/group norm in a layout the CPU kernels take (rows, short ones from
+    TRAINING_ROWS_MIN_ELEMENTS; channels first or last, channels last from
+    TRAINING_CHANNELS_LAST_MIN_ELEMENTS), C-contiguous x, the kernels built."""
     if residual is not None or (weight is None and bias is not None) or _executor._tracing():
         return False
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, weight, bias)):
@@ -56,6 +58,8 @@ def takes(plan, x, weight, bias, residual):
         return False
     if _channels_last(plan) and math.prod(plan.shape) < TRAINING_CHANNELS_LAST_MIN_ELEMENTS:
         return False  # small: torch's autograd graph costs less than a Python Function's
+    if _executor._short_rows(plan) and math.prod(plan.shape) < TRAINING_ROWS_MIN_ELEMENTS:
+        return False  # short rows, whose forward alone the kernels win: torch's graph
     for t in (x, weight, bias):
         if t is not None and (type(t) not in _executor._PLAIN or t.device.type != "cpu"
                               or t.dtype not in _executor._KERNEL_DTYPES):

@@ -636,6 +636,45 @@ def test_torch_channels_first_runs_the_column_kernel():
                              eps=1e-5, axis=1)
 
 
+def test_torch_short_rows_take_the_row_kernel_unless_recorded(monkeypatch):
+    """Layer/RMS norm rows of SHORT_ROW_MIN to SHORT_ROW_MAX take anynorm's row kernel where
+    torch has at most SHORT_ROWS_THREADS threads, or from the executor's threading size on
+    (float64, longer or shorter rows, strided x: torch's); a call autograd records keeps
+    torch's graph (below TRAINING_ROWS_MIN_ELEMENTS)."""
+    torch = pytest.importorskip("torch")
+    from anynorm import _numpy, _torch
+
+    if _native.rows_kernel(np.float32) is None:
+        pytest.skip("anynorm's CPU kernels are not built here")
+
+    def first(x, threads, op="layer_norm"):
+        return _torch._native_first(make_plan(op, x), x.is_contiguous(), threads)
+
+    rows = torch.randn(1000, 37)
+    assert not first(rows, 2) and not first(rows, 3) and not first(rows, 2, "rms_norm")
+    assert (not first(rows.to(torch.float16), 2)) == (_native.rows_kernel(np.float16) is not None)
+    assert first(rows, 4)  # many threads: torch's kernel runs them all
+    assert not first(torch.randn(_numpy.PARALLEL_MIN_ELEMENTS // 37 + 1, 37), 16)  # the executor threads it
+    assert first(rows.double(), 2)
+    assert first(torch.randn(1000, 65), 2) and first(torch.randn(1000, 7), 2)
+    assert first(torch.randn(37, 1000).t(), 2)
+    if _torch._numpy_dtype(torch.bfloat16) is not None:
+        assert not first(rows.to(torch.bfloat16), 2)
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    calls = support.count_packed_kernel_calls(monkeypatch)
+    w, b = torch.rand(37) + 0.5, torch.rand(37)
+    x = (1e4 + rows).requires_grad_(True)
+    y = anynorm.layer_norm(x.detach(), weight=w, bias=b)
+    assert calls == [False]
+    y_ref = reference.forward("layer_norm", x.detach().double().numpy(), w.double().numpy(), b.double().numpy(),
+                              eps=1e-5)[0]
+    assert _max_err(y, y_ref) <= 8 * EPS32 * float(np.max(np.abs(y_ref)))
+    y_grad = anynorm.layer_norm(x, weight=w, bias=b)
+    assert calls == [False] and type(y_grad.grad_fn).__name__ == "NativeLayerNormBackward0"
+    assert _max_err(y_grad.detach(), y_ref) <= 8 * EPS32 * float(np.max(np.abs(y_ref)))
+
+
 def test_torch_routes_to_the_kernels(monkeypatch):
     """Without autograd, C-contiguous torch CPU tensors take anynorm's CPU kernels where those
     measured faster than torch's (anynorm/_torch.py): RMS norm rows of RMS_KERNEL_MIN_ELEMENTS

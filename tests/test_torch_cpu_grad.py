@@ -31,6 +31,7 @@ def kernel_route(monkeypatch):
     if _native.rows_backward_kernel(np.float32) is None:
         pytest.skip("anynorm's CPU kernels are not built here")
     monkeypatch.setattr(_torch, "_prefers_native", lambda plan, x: False)
+    monkeypatch.setattr(_torch_cpu_grad, "TRAINING_ROWS_MIN_ELEMENTS", 0)  # short rows too
     anynorm._calls.clear()
     yield
     anynorm._calls.clear()
@@ -131,9 +132,9 @@ def test_gradient_of_any_memory_layout_reaches_the_kernel(kernel_route):
 
 
 def test_route_takes_the_kernels_layouts_and_declines_the_rest():
-    """Rows, channels-first layer norm, NCHW and NHWC group norm (from
-    TRAINING_CHANNELS_LAST_MIN_ELEMENTS) with a gradient to record are taken; smaller NHWC
-    calls, channels-last memory (not C-contiguous), a residual, a bias without weight, RMS
+    """Rows (short ones from TRAINING_ROWS_MIN_ELEMENTS), channels-first layer norm, NCHW and
+    NHWC group norm (from TRAINING_CHANNELS_LAST_MIN_ELEMENTS) with a gradient to record are
+    taken; smaller short-row and NHWC calls, channels-last memory (not C-contiguous), a residual, a bias without weight, RMS
     norm (its own blocked autograd), strided x and no gradient are not."""
     from anynorm._plan import make_plan
 
@@ -156,6 +157,8 @@ def test_route_takes_the_kernels_layouts_and_declines_the_rest():
     channels_last = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
     assert not takes("group_norm", channels_last, w, b, num_groups=2)
     rows = torch.randn(16, 8, requires_grad=True)
+    assert not takes("layer_norm", rows, w, b)  # short rows, small: torch's graph
+    rows = torch.randn(_torch_cpu_grad.TRAINING_ROWS_MIN_ELEMENTS // 8, 8, requires_grad=True)
     assert takes("layer_norm", rows, w, b)
     assert not takes("layer_norm", rows, w, b, residual=rows)
     assert not takes("layer_norm", rows, None, b)

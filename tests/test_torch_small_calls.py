@@ -72,15 +72,35 @@ def _offsets(shape, kind, seed):
     return x + (10.0 ** np.minimum(2 * np.arange(shape[0]), 6) - 1).reshape((-1,) + (1,) * (len(shape) - 1))
 
 
+def _torch_kernel_route(monkeypatch):
+    """Small calls on torch's kernel and the check: the direct path's limits at 0, short rows
+    not given to anynorm's kernels (the plans made again: they memoize the rule)."""
+    from anynorm import _plan, _torch
+
+    for name in ("DIRECT_MAX_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS", "DIRECT_MAX_SEGMENTED_ELEMENTS"):
+        monkeypatch.setattr(_torch_direct, name, 0)
+    monkeypatch.setattr(_torch, "SHORT_ROW_MAX", 0)
+    _plan.plan_for.cache_clear()
+    anynorm._calls.clear()
+
+
 @pytest.fixture(params=["direct", "torch"])
 def route(request, monkeypatch):
-    """The small-call route: anynorm's row kernel, or (its limit at 0) torch's kernel and the check."""
+    """The small-call route: anynorm's row kernel, or torch's kernel and the check."""
     if request.param == "torch":
-        monkeypatch.setattr(_torch_direct, "DIRECT_MAX_ELEMENTS", 0)
-        monkeypatch.setattr(_torch_direct, "DIRECT_MAX_COLUMN_ELEMENTS", 0)
+        _torch_kernel_route(monkeypatch)
     anynorm._calls.clear()
     yield request.param
     anynorm._calls.clear()
+
+
+@pytest.fixture(autouse=True)
+def _plans_made_again():
+    """No plan keeps a rule a test patched (plans memoize their routes)."""
+    yield
+    from anynorm import _plan
+
+    _plan.plan_for.cache_clear()
 
 
 @pytest.mark.parametrize("stats", [False, True], ids=["y", "stats"])
@@ -237,8 +257,7 @@ def test_signature_that_meets_far_data_shifts_first_and_stays_exact(op, shape, k
     direct path off: it serves unrecorded small calls without a check)."""
     from anynorm import _torch
 
-    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_ELEMENTS", 0)
-    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_COLUMN_ELEMENTS", 0)
+    _torch_kernel_route(monkeypatch)
     reruns = []
     rerun = _torch._shift_and_rerun
     monkeypatch.setattr(_torch, "_shift_and_rerun", lambda *a: reruns.append(1) or rerun(*a))
@@ -281,8 +300,7 @@ def test_float32_limit_serves_moderate_ratios_and_reruns_beyond(op, shape, kw, m
     ratio of 12 reruns on the shifted data (the direct path off)."""
     from anynorm import _torch
 
-    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_ELEMENTS", 0)
-    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_COLUMN_ELEMENTS", 0)
+    _torch_kernel_route(monkeypatch)
     assert _torch._LIMITS[torch.float32][0] == 8.0
     reruns = []
     real = _torch._shift_and_rerun
