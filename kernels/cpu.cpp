@@ -1045,6 +1045,105 @@ inline GradRow<F> grad_row(const T *x, const T *dy, long long r, long long n, co
 const int BWD_GROUP = 4;
 const long long BWD_FLUSH_ROWS = 64;  // a multiple of BWD_GROUP
 
+#if defined(__AVX__)
+// Short rows (8 <= n <= 8 * SHORT_VECTORS, weight by position, the statistics given), held in
+// registers as the forward's short rows: x and dy loaded once (the last vector overlapping,
+// its stale lanes zeroed by `fresh` in every sum), four rows at a time with their 12 totals
+// by horizontal adds (float32, at most 64 terms), dx from the registers (stored after the
+// row is read), the weight and bias gradients gathered in float32 vectors across rows and
+// added to dw, db every BWD_FLUSH_ROWS rows.  The arithmetic is `grad_row`'s and
+// `grad_x_rows`'s.
+template <int K> struct ShortGrad {
+    vf x[K], dy[K];
+};
+
+inline vf4 totals4(vf a, vf b, vf c, vf d) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a, (__m256)b), _mm256_hadd_ps((__m256)c, (__m256)d));
+    return (vf4)_mm256_castps256_ps128(h) + (vf4)_mm256_extractf128_ps(h, 1);
+}
+
+template <int K, typename T>
+int short_rows_bwd(const T *x, const T *dy, T *dx, const float *w, const float *mean, const float *rstd, double *dw,
+                   double *db, long long nrows, long long n, int center) {
+    const long long last = n - 8;
+    const vf fresh = LANE >= (int)(8 * K - n) ? (vf){1, 1, 1, 1, 1, 1, 1, 1} : (vf){0};
+    const float inv_n = (float)(1.0 / (double)n);
+    vf wv[K], aw[K], ab[K];
+    for (int k = 0; k < K; k++) {
+        wv[k] = w ? load(w + (k == K - 1 ? last : 8 * k)) : (vf){1, 1, 1, 1, 1, 1, 1, 1};
+        aw[k] = ab[k] = (vf){0};
+    }
+    for (long long r0 = 0; r0 < nrows; r0 += 4) {
+        const int g = r0 + 4 <= nrows ? 4 : (int)(nrows - r0);
+        ShortGrad<K> row[4];
+        vf sg[4], sgd[4], sx[4];
+        float hi[4], rs[4];
+        for (int i = 0; i < 4; i++) {
+            const long long rr = i < g ? r0 + i : r0;  // past the last row: the first again, unused
+            hi[i] = center ? mean[rr] : 0.0f;
+            rs[i] = rstd[rr];
+            vf tg[K], tgd[K], tx[K];
+            for (int k = 0; k < K; k++) {
+                const long long o = rr * n + (k == K - 1 ? last : 8 * k);
+                row[i].x[k] = narrow(x + o);
+                row[i].dy[k] = narrow(dy + o);
+                const vf keep = k == K - 1 ? fresh : (vf){1, 1, 1, 1, 1, 1, 1, 1};
+                const vf m = (row[i].x[k] - hi[i]) * keep, gk = row[i].dy[k] * wv[k] * keep;
+                tg[k] = gk;
+                tgd[k] = gk * m;
+                tx[k] = m;
+            }
+            sg[i] = Tree<K>::sum(tg);
+            sgd[i] = Tree<K>::sum(tgd);
+            sx[i] = Tree<K>::sum(tx);
+        }
+        const vf4 tot_g = totals4(sg[0], sg[1], sg[2], sg[3]), tot_gd = totals4(sgd[0], sgd[1], sgd[2], sgd[3]),
+                  tot_x = totals4(sx[0], sx[1], sx[2], sx[3]);
+        for (int i = 0; i < g; i++) {
+            const float lo = center ? tot_x[i] * inv_n : 0.0f, r = rs[i];
+            const float c1 = r * (tot_gd[i] - lo * tot_g[i]) * inv_n, c2 = center ? tot_g[i] * inv_n : 0.0f;
+            vf out[K];
+            for (int k = 0; k < K; k++) {
+                const vf xh = ((row[i].x[k] - hi[i]) - lo) * r, d = row[i].dy[k];
+                out[k] = ((d * wv[k] - c2) - xh * c1) * r;
+                const vf keep = k == K - 1 ? fresh : (vf){1, 1, 1, 1, 1, 1, 1, 1};
+                aw[k] += d * xh * keep;
+                ab[k] += d * keep;
+            }
+            T *dxr = dx + (r0 + i) * n;
+            for (int k = 0; k < K; k++) put(dxr + (k == K - 1 ? last : 8 * k), out[k]);
+        }
+        if (dw && ((r0 + g) % BWD_FLUSH_ROWS == 0 || r0 + g == nrows)) {
+            for (int k = 0; k < K; k++) {
+                const long long o = k == K - 1 ? last : 8 * k;
+                for (int l = 0; l < 8; l++) {
+                    dw[o + l] += (double)aw[k][l];
+                    db[o + l] += (double)ab[k][l];
+                }
+                aw[k] = ab[k] = (vf){0};
+            }
+        }
+    }
+    return 0;
+}
+
+template <typename T>
+int short_rows_bwd_for(const T *x, const T *dy, T *dx, const float *w, const float *mean, const float *rstd,
+                       double *dw, double *db, long long nrows, long long n, int center) {
+    switch ((n + 7) / 8) {
+#define SHORT_CASE(K) \
+    case K: return short_rows_bwd<K>(x, dy, dx, w, mean, rstd, dw, db, nrows, n, center);
+        SHORT_CASE(1) SHORT_CASE(2) SHORT_CASE(3) SHORT_CASE(4) SHORT_CASE(5) SHORT_CASE(6) SHORT_CASE(7) SHORT_CASE(8)
+#undef SHORT_CASE
+    }
+    return 1;
+}
+inline int short_rows_bwd_for(const double *, const double *, double *, const double *, const double *,
+                              const double *, double *, double *, long long, long long, int) {
+    return 1;  // float64 rows keep the general path
+}
+#endif
+
 // dx for `rows` rows of n; `mean`/`rstd` as the forward wrote them (mean null for RMS norm), or
 // rstd null: taken again from x (as `rows` takes them, eps then used).  `w` (nullable) by
 // position (w_run = 0, n values) or by run (w_run = S: w[(row*n + i)/S]).  `dw`/`db`
@@ -1077,6 +1176,11 @@ int rows_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, lon
         if (nt) nt_fence();
         return 0;
     }
+#if defined(__AVX__)
+    if (n >= 8 && n <= 8 * SHORT_VECTORS && rstd && (dw == nullptr) == (db == nullptr) &&
+        short_rows_bwd_for(x, dy, dx, w, mean, rstd, dw, db, nrows, n, center) == 0)
+        return 0;
+#endif
     const int group = w && 3 * n * (long long)sizeof(F) > ROW_PARAMS_L1 ? BWD_GROUP : 1;
     std::vector<F> acc;  // float32 weight and bias gradients by position, flushed to dw, db
     if (dw) acc.assign(2 * n, F(0));

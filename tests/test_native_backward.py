@@ -20,7 +20,7 @@ from anynorm._plan import make_plan
 
 EPS32 = float(np.finfo(np.float32).eps)
 DX_TOL = {np.float16: 4 * 2.0 ** -11, np.float32: 64 * EPS32, np.float64: 1e-12}
-ROW_LENGTHS = [1, 7, 8, 9, 16, 33, 770, 4099]  # 4099: rows in groups of 4 (weight past L1)
+ROW_LENGTHS = [1, 7, 8, 9, 16, 33, 37, 64, 65, 770, 4099]  # 8-64: short rows; 4099: groups of 4 (weight past L1)
 
 
 @pytest.fixture(autouse=True)
@@ -87,16 +87,33 @@ def test_rows_backward_matches_float64_reference(op, affine, n, dtype, stats):
     _check(op, got, dy, x, w, tol, eps=eps)
 
 
+@pytest.mark.parametrize("n", [8, 37])
+def test_weight_gradients_over_many_rows_keep_float32_rounding(n):
+    """200000 rows whose dy averages 1: float32 sums of the weight and bias gradients go to
+    float64 every BWD_FLUSH_ROWS rows (summed in float32 over all rows, dbias would be off
+    by a part in 1e3)."""
+    rng = np.random.default_rng(5)
+    rows = 200000
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    dy = (1 + rng.standard_normal((rows, n))).astype(np.float32)
+    w = (rng.standard_normal(n) + 1).astype(np.float32)
+    got = _backward("layer_norm", dy, x, w, _stats("layer_norm", x, eps=1e-5), eps=1e-5)
+    _check("layer_norm", got, dy, x, w, DX_TOL[np.float32], eps=1e-5)
+
+
+@pytest.mark.parametrize("stats", ["given", "recomputed"])
 @pytest.mark.parametrize("offset", [1e4, 1e6])
-@pytest.mark.parametrize("n", [9, 4096])
-def test_rows_backward_far_from_zero_keep_float32_rounding(n, offset):
-    """Statistics taken again as the forward takes them: the mean in two floats, so
+@pytest.mark.parametrize("n", [9, 37, 4096])
+def test_rows_backward_far_from_zero_keep_float32_rounding(n, offset, stats):
+    """Statistics taken again as the forward takes them (the mean in two floats), or given
+    (what the float32 mean's rounding left out taken back from the row's sums), so
     ``x - mean`` carries no rounding of the offset."""
     rng = np.random.default_rng(3)
     x = (offset + rng.standard_normal((40, n))).astype(np.float32)
     dy = rng.standard_normal((40, n)).astype(np.float32)
     w = rng.standard_normal(n).astype(np.float32)
-    _check("layer_norm", _backward("layer_norm", dy, x, w, eps=1e-5), dy, x, w, DX_TOL[np.float32], eps=1e-5)
+    given = _stats("layer_norm", x, eps=1e-5) if stats == "given" else None
+    _check("layer_norm", _backward("layer_norm", dy, x, w, given, eps=1e-5), dy, x, w, DX_TOL[np.float32], eps=1e-5)
 
 
 @pytest.mark.parametrize("stats", ["given", "recomputed"])
