@@ -205,9 +205,10 @@ def rows_packed_kernel(dtype, half_params=False):
     segments, seg_stride)``, where ``w_count > 0`` takes run-indexed parameters modulo
     ``w_count`` (one sample's channels serve every sample) and ``segments > 1`` reads each
     row as that many runs of ``n / segments`` elements, ``seg_stride`` apart, the row r's
-    first at ``r * n / segments`` (x as (A, R, B) normalized over A and B); no residual.  w and b are float32 for float16/bfloat16 x, or, with
-    ``half_params`` (float16 and bfloat16 only), of x's own dtype.  A ctypes call costs
-    ~70 ns an argument: seven here, fourteen in :func:`rows_kernel`.
+    first at ``r * n / segments`` (x as (A, R, B) normalized over A and B); no residual.  w
+    and b are float32 for float16/bfloat16 x, or, with ``half_params`` (float16 and
+    bfloat16 only), of x's own dtype.  A ctypes call costs ~70 ns an argument: seven here,
+    fourteen in :func:`rows_kernel`.
     """
     if half_params and _suffix(dtype) not in ("f16", "bf16"):
         return None
