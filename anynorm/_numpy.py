@@ -798,6 +798,10 @@ class _BackwardCall:
 def backward(plan, dy, x, weight=None, mean=None, rstd=None, *, threads=None):
     """Return ``(dx, dweight, dbias)``; stats in public shape, recomputed when None;
     ``threads``: at most this many threads, as :func:`forward`."""
+    if x.size and x.size < DIRECT_MAX_ELEMENTS:  # rows the backward kernel takes, straight
+        direct = _numpy_direct.backward(plan, dy, x, weight, mean, rstd, DIRECT_MAX_ELEMENTS)
+        if direct is not None:
+            return direct
     if x.size < SMALL_ELEMENTS:
         return _small_backward(plan, dy, x, weight, mean, rstd)
     if plan.op in ("layer_norm", "rms_norm"):

@@ -17,17 +17,22 @@ is built) or ml_dtypes' bfloat16; parameters exact ndarrays, C-contiguous, of th
 accumulation dtype (float32 for half x; float64 for float64) or of x's half dtype (both of
 one dtype; for the column kernel, one value a channel).  Anything else, or without the
 kernels, the executor's path.
+
+:func:`backward` does the same for the ``*_backward`` functions of layer/RMS norm over
+trailing axes: one call of the row backward kernel ((4, 8) float32 9 us with the statistics
+given, 17 through the executor; (1000, 37) 21 against 47).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 
 from . import _direct, _native, _outputs
 
-__all__ = ["runner"]
+__all__ = ["runner", "backward"]
 
 from_buffer, addressof = ctypes.c_char.from_buffer, ctypes.addressof
 
@@ -97,3 +102,56 @@ def runner(plan, x, weight, bias, stats, max_elements):
 
 def _at(a, _address=_native.address):
     return None if a is None else _address(a)
+
+
+def backward(plan, dy, x, weight, mean, rstd, max_elements):
+    """``(dx, dweight, dbias)`` of layer/RMS norm over trailing axes by the row backward
+    kernel in one foreign call, or None where this path does not take the call: x and dy
+    not exact C-contiguous ndarrays of one dtype, ``max_elements`` or more, another layout,
+    statistics or a weight not C-contiguous of the accumulation dtype (a weight of x's half
+    dtype is widened), no kernel built.  The plan's part of that is decided once
+    (``plan.memo``)."""
+    if (type(x) is not np.ndarray or type(dy) is not np.ndarray or x.dtype != dy.dtype
+            or not (x.flags.c_contiguous and dy.flags.c_contiguous) or x.size >= max_elements):
+        return None
+    found = plan.memo.get("numpy direct backward")
+    if found is None:
+        found = plan.memo["numpy direct backward"] = _backward_kernel(plan)
+    if not found:
+        return None
+    kernel, rows, n, acc = found
+    if weight is not None:
+        if type(weight) is not np.ndarray or not weight.flags.c_contiguous:
+            return None
+        w = weight if weight.dtype == acc else (weight.astype(acc) if weight.dtype == x.dtype else None)
+        if w is None:
+            return None
+    given = [s for s in (mean, rstd) if s is not None]
+    if any(type(s) is not np.ndarray or s.dtype != acc or not s.flags.c_contiguous for s in given):
+        return None
+    dx = (_outputs.empty if x.nbytes >= _outputs.MIN_BYTES else np.empty)(plan.shape, x.dtype)
+    grads = None if weight is None else np.zeros((2, n))
+    err = kernel(_at(x), _at(dy), _at(dx), None if weight is None else _at(w), 0,
+                 None if mean is None or rstd is None else _at(mean), _at(rstd),
+                 None if grads is None else _at(grads), None if grads is None else _at(grads) + 8 * n,
+                 rows, n, int(plan.center), plan.eps)
+    if err:
+        raise RuntimeError(f"anynorm's CPU backward kernel refused rows of {n}")
+    if grads is None:
+        return dx, None, None
+    shape = plan.param_shape
+    return dx, grads[0].reshape(shape).astype(weight.dtype, copy=False), grads[1].reshape(shape).astype(
+        weight.dtype, copy=False)
+
+
+def _backward_kernel(plan):
+    """``(kernel, rows, n, accumulation dtype)`` for the plan's backward over trailing axes,
+    or False."""
+    ndim, k = len(plan.shape), len(plan.reduce_axes)
+    if plan.op not in ("layer_norm", "rms_norm") or plan.reduce_axes != tuple(range(ndim - k, ndim)):
+        return False
+    kernel = _native.rows_backward_kernel(np.dtype(plan.dtype))
+    if kernel is None:
+        return False
+    n = plan.count
+    return kernel, math.prod(plan.shape) // n, n, np.dtype(plan.acc_dtype)

@@ -1046,8 +1046,9 @@ const int BWD_GROUP = 4;
 const long long BWD_FLUSH_ROWS = 64;  // a multiple of BWD_GROUP
 
 #if defined(__AVX__)
-// Short rows (8 <= n <= 8 * SHORT_VECTORS, weight by position, the statistics given), held in
-// registers as the forward's short rows: x and dy loaded once (the last vector overlapping,
+// Short rows (8 <= n <= 8 * SHORT_VECTORS, weight by position), held in registers as the
+// forward's short rows (the statistics given, or taken again from the registers as the
+// forward takes them): x and dy loaded once (the last vector overlapping,
 // its stale lanes zeroed by `fresh` in every sum), four rows at a time with their 12 totals
 // by horizontal adds (float32, at most 64 terms), dx from the registers (stored after the
 // row is read), the weight and bias gradients gathered in float32 vectors across rows and
@@ -1064,10 +1065,11 @@ inline vf4 totals4(vf a, vf b, vf c, vf d) {
 
 template <int K, typename T>
 int short_rows_bwd(const T *x, const T *dy, T *dx, const float *w, const float *mean, const float *rstd, double *dw,
-                   double *db, long long nrows, long long n, int center) {
+                   double *db, long long nrows, long long n, int center, double eps) {
     const long long last = n - 8;
     const vf fresh = LANE >= (int)(8 * K - n) ? (vf){1, 1, 1, 1, 1, 1, 1, 1} : (vf){0};
     const float inv_n = (float)(1.0 / (double)n);
+    const bool given = rstd != nullptr;  // else hi, lo and r as the forward takes them
     vf wv[K], aw[K], ab[K];
     for (int k = 0; k < K; k++) {
         wv[k] = w ? load(w + (k == K - 1 ? last : 8 * k)) : (vf){1, 1, 1, 1, 1, 1, 1, 1};
@@ -1077,16 +1079,29 @@ int short_rows_bwd(const T *x, const T *dy, T *dx, const float *w, const float *
         const int g = r0 + 4 <= nrows ? 4 : (int)(nrows - r0);
         ShortGrad<K> row[4];
         vf sg[4], sgd[4], sx[4];
-        float hi[4], rs[4];
+        float hi[4], lo_taken[4], rs[4];
         for (int i = 0; i < 4; i++) {
             const long long rr = i < g ? r0 + i : r0;  // past the last row: the first again, unused
-            hi[i] = center ? mean[rr] : 0.0f;
-            rs[i] = rstd[rr];
-            vf tg[K], tgd[K], tx[K];
             for (int k = 0; k < K; k++) {
                 const long long o = rr * n + (k == K - 1 ? last : 8 * k);
                 row[i].x[k] = narrow(x + o);
                 row[i].dy[k] = narrow(dy + o);
+            }
+            if (given) {
+                hi[i] = center ? mean[rr] : 0.0f;
+                rs[i] = rstd[rr];
+            } else {
+                double m1, c, q;
+                short_moments<K>(row[i].x, fresh, center, 1.0 / (double)n, &m1, &c, &q);
+                double var = q - c * c;
+                if (var < 0.0) var = 0.0;  // NaN stays NaN
+                const double mu = m1 + c;
+                hi[i] = (float)mu;
+                lo_taken[i] = (float)(mu - (double)hi[i]);
+                rs[i] = (float)(1.0 / sqrt(var + eps));
+            }
+            vf tg[K], tgd[K], tx[K];
+            for (int k = 0; k < K; k++) {
                 const vf keep = k == K - 1 ? fresh : (vf){1, 1, 1, 1, 1, 1, 1, 1};
                 const vf m = (row[i].x[k] - hi[i]) * keep, gk = row[i].dy[k] * wv[k] * keep;
                 tg[k] = gk;
@@ -1100,7 +1115,7 @@ int short_rows_bwd(const T *x, const T *dy, T *dx, const float *w, const float *
         const vf4 tot_g = totals4(sg[0], sg[1], sg[2], sg[3]), tot_gd = totals4(sgd[0], sgd[1], sgd[2], sgd[3]),
                   tot_x = totals4(sx[0], sx[1], sx[2], sx[3]);
         for (int i = 0; i < g; i++) {
-            const float lo = center ? tot_x[i] * inv_n : 0.0f, r = rs[i];
+            const float lo = !given ? lo_taken[i] : center ? tot_x[i] * inv_n : 0.0f, r = rs[i];
             const float c1 = r * (tot_gd[i] - lo * tot_g[i]) * inv_n, c2 = center ? tot_g[i] * inv_n : 0.0f;
             vf out[K];
             for (int k = 0; k < K; k++) {
@@ -1129,17 +1144,17 @@ int short_rows_bwd(const T *x, const T *dy, T *dx, const float *w, const float *
 
 template <typename T>
 int short_rows_bwd_for(const T *x, const T *dy, T *dx, const float *w, const float *mean, const float *rstd,
-                       double *dw, double *db, long long nrows, long long n, int center) {
+                       double *dw, double *db, long long nrows, long long n, int center, double eps) {
     switch ((n + 7) / 8) {
 #define SHORT_CASE(K) \
-    case K: return short_rows_bwd<K>(x, dy, dx, w, mean, rstd, dw, db, nrows, n, center);
+    case K: return short_rows_bwd<K>(x, dy, dx, w, mean, rstd, dw, db, nrows, n, center, eps);
         SHORT_CASE(1) SHORT_CASE(2) SHORT_CASE(3) SHORT_CASE(4) SHORT_CASE(5) SHORT_CASE(6) SHORT_CASE(7) SHORT_CASE(8)
 #undef SHORT_CASE
     }
     return 1;
 }
 inline int short_rows_bwd_for(const double *, const double *, double *, const double *, const double *,
-                              const double *, double *, double *, long long, long long, int) {
+                              const double *, double *, double *, long long, long long, int, double) {
     return 1;  // float64 rows keep the general path
 }
 #endif
@@ -1177,8 +1192,8 @@ int rows_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, lon
         return 0;
     }
 #if defined(__AVX__)
-    if (n >= 8 && n <= 8 * SHORT_VECTORS && rstd && (dw == nullptr) == (db == nullptr) &&
-        short_rows_bwd_for(x, dy, dx, w, mean, rstd, dw, db, nrows, n, center) == 0)
+    if (n >= 8 && n <= 8 * SHORT_VECTORS && (dw == nullptr) == (db == nullptr) &&
+        short_rows_bwd_for(x, dy, dx, w, mean, rstd, dw, db, nrows, n, center, eps) == 0)
         return 0;
 #endif
     const int group = w && 3 * n * (long long)sizeof(F) > ROW_PARAMS_L1 ? BWD_GROUP : 1;

@@ -168,3 +168,58 @@ def test_subclasses_and_large_calls_take_the_executor(kernel_calls, monkeypatch,
     anynorm._calls.clear()
     np.testing.assert_allclose(anynorm.layer_norm(x), direct, atol=tol)
     assert len(kernel_calls) == 1
+
+
+BACKWARD_CASES = [
+    ("layer_norm", (4, 8), {}),
+    ("layer_norm", (1000, 37), {}),  # short rows, four at a time
+    ("layer_norm", (3, 5, 70), {"axis": (-2, -1)}),
+    ("rms_norm", (6, 100), {}),
+    ("layer_norm", (2, 3), {}),  # rows under a vector: the general path
+]
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["stats", "recomputed"])
+@pytest.mark.parametrize("dtype,pdtype", _dtypes(), ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op,shape,kw", BACKWARD_CASES, ids=lambda v: str(v).replace(" ", ""))
+def test_backward_rows_straight_onto_the_kernel(op, shape, kw, dtype, pdtype, given, monkeypatch):
+    """``*_backward`` over trailing axes of C-contiguous arrays below the threading size: the
+    row backward kernel in one call (no executor), dx and the parameter gradients against
+    the float64 reference, with the statistics given or taken again, with and without a
+    weight, at offset 1e4 (float32/float64); inputs left as they were."""
+    from anynorm import _numpy_direct
+
+    taken = []
+    real = _numpy_direct.backward
+    monkeypatch.setattr(_numpy_direct, "backward", lambda *a: taken.append(1) or real(*a))
+    half = np.dtype(dtype).itemsize == 2
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(shape) + (0.0 if half else 1e4)).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    pshape = shape[len(shape) - len(kw.get("axis", (-1,))):]
+    w = (rng.random(pshape) + 0.5).astype(pdtype)
+    before = (x.copy(), dy.copy(), w.copy())
+    fwd = getattr(anynorm, op)
+    bwd = getattr(anynorm, op + "_backward")
+    kw = _with_eps(op, kw)
+    for weight in (w, None):
+        stats = fwd(x, weight, return_stats=True, **kw)[1:] if given else None
+        n_taken = len(taken)
+        dx, dw, *rest = bwd(dy, x, weight, stats=stats, **kw)
+        assert len(taken) == n_taken + 1
+        ref = reference.backward(op, dy.astype(np.float64), x.astype(np.float64),
+                                 None if weight is None else weight.astype(np.float64),
+                                 **{"eps": 1e-5, **kw})
+        assert dx.dtype == x.dtype and dx.shape == x.shape
+        tol = (2.0**-7 if np.dtype(dtype).name == "bfloat16" else 2.0**-10) if half else (
+            1e-12 if dtype == np.float64 else 64 * F32_EPS)
+        scale = lambda a: max(float(np.max(np.abs(a))), 1.0)  # noqa: E731
+        assert np.max(np.abs(dx.astype(np.float64) - ref[0])) <= tol * scale(ref[0])
+        if weight is None:
+            assert dw is None
+            continue
+        assert dw.dtype == w.dtype and dw.shape == w.shape
+        for got, want in zip((dw, *rest), ref[1:]):
+            assert np.max(np.abs(got.astype(np.float64) - want)) <= max(tol, 64 * F32_EPS) * scale(want)
+    for a, b in zip((x, dy, w), before):
+        np.testing.assert_array_equal(a, b)
