@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 // float16 rows where converting them is cheap: x86 with F16C, or a CPU whose compiler
@@ -584,17 +585,28 @@ int short_rows(const T *x, T *y, const P *w, const P *b, long long w_count, type
     return 0;
 }
 
+// f(std::integral_constant<int, K>()) for K = n's vectors of 8 (1 to SHORT_VECTORS); 1 past them
+template <typename F> inline int by_vectors(long long n, F f) {
+    switch ((n + 7) / 8) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 5: return f(std::integral_constant<int, 5>());
+    case 6: return f(std::integral_constant<int, 6>());
+    case 7: return f(std::integral_constant<int, 7>());
+    case 8: return f(std::integral_constant<int, 8>());
+    }
+    return 1;
+}
+
 // short_rows for n's number of vectors; 1 where it does not take the row length
 template <typename T, typename P>
 int short_rows_for(const T *x, T *y, const P *w, const P *b, long long w_count, typename Acc<T>::type *mean,
                    typename Acc<T>::type *rstd, long long nrows, long long n, int center, double eps, bool per_row) {
-    switch ((n + 7) / 8) {
-#define SHORT_CASE(K) \
-    case K: return short_rows<K>(x, y, w, b, w_count, mean, rstd, nrows, n, center, eps, per_row);
-        SHORT_CASE(1) SHORT_CASE(2) SHORT_CASE(3) SHORT_CASE(4) SHORT_CASE(5) SHORT_CASE(6) SHORT_CASE(7) SHORT_CASE(8)
-#undef SHORT_CASE
-    }
-    return 1;
+    return by_vectors(n, [&](auto k) {
+        return short_rows<decltype(k)::value>(x, y, w, b, w_count, mean, rstd, nrows, n, center, eps, per_row);
+    });
 }
 // float64 rows keep the general path (the registers here hold float32)
 inline int short_rows_for(const double *, double *, const double *, const double *, long long, double *, double *,
@@ -1145,13 +1157,9 @@ int short_rows_bwd(const T *x, const T *dy, T *dx, const float *w, const float *
 template <typename T>
 int short_rows_bwd_for(const T *x, const T *dy, T *dx, const float *w, const float *mean, const float *rstd,
                        double *dw, double *db, long long nrows, long long n, int center, double eps) {
-    switch ((n + 7) / 8) {
-#define SHORT_CASE(K) \
-    case K: return short_rows_bwd<K>(x, dy, dx, w, mean, rstd, dw, db, nrows, n, center, eps);
-        SHORT_CASE(1) SHORT_CASE(2) SHORT_CASE(3) SHORT_CASE(4) SHORT_CASE(5) SHORT_CASE(6) SHORT_CASE(7) SHORT_CASE(8)
-#undef SHORT_CASE
-    }
-    return 1;
+    return by_vectors(n, [&](auto k) {
+        return short_rows_bwd<decltype(k)::value>(x, dy, dx, w, mean, rstd, dw, db, nrows, n, center, eps);
+    });
 }
 inline int short_rows_bwd_for(const double *, const double *, double *, const double *, const double *,
                               const double *, double *, double *, long long, long long, int, double) {
