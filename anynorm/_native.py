@@ -51,6 +51,7 @@ _ARGS = {
     "rows_bwd": [ctypes.c_void_p] * 4 + [ctypes.c_longlong] + [ctypes.c_void_p] * 4
     + [ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_double],
     "cols_bwd": [ctypes.c_void_p] * 8 + [ctypes.c_longlong] * 5 + [ctypes.c_int, ctypes.c_double],
+    "segmented_bwd": [ctypes.c_void_p] * 8 + [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_double],
     "far": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_double],
     "rows_packed": [ctypes.c_void_p] * 7,
     "cols_packed": [ctypes.c_void_p] * 7,
@@ -242,6 +243,16 @@ def rows_backward_kernel(dtype):
     added to): see ``kernels/cpu.cpp``.  Returns non-zero on bad sizes.
     """
     return _kernel("rows_bwd", dtype)
+
+
+def segmented_backward_kernel(dtype):
+    """The ctypes function taking the gradients through segmented rows of ``dtype`` (x as
+    (A, R, B) normalized over A and B, as :class:`RowsCall` with ``segments``), or None.
+
+    ``fn(x, dy, dx, w, mean, rstd, dw, db, rows, n, segments, seg_stride, center, eps)`` with
+    buffer addresses as :func:`rows_backward_kernel`'s.
+    """
+    return _kernel("segmented_bwd", dtype)
 
 
 def cols_backward_kernel(dtype):

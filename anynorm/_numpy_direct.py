@@ -19,8 +19,9 @@ one dtype; for the column kernel, one value a channel).  Anything else, or witho
 kernels, the executor's path.
 
 :func:`backward` does the same for the ``*_backward`` functions of layer/RMS norm over
-trailing axes: one call of the row backward kernel ((4, 8) float32 9 us with the statistics
-given, 17 through the executor; (1000, 37) 21 against 47).
+trailing axes, or leading and trailing ones (segmented rows): one call of the row backward
+kernel ((4, 8) float32 9 us with the statistics given, 17 through the executor; (1000, 37)
+21 against 47).
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def _at(a, _address=_native.address):
 
 
 def backward(plan, dy, x, weight, mean, rstd, max_elements):
-    """``(dx, dweight, dbias)`` of layer/RMS norm over trailing axes by the row backward
-    kernel in one foreign call, or None where this path does not take the call: x and dy
+    """``(dx, dweight, dbias)`` of layer/RMS norm over trailing axes (or leading and
+    trailing ones: segmented rows) by the row backward kernel in one foreign call, or None
+    where this path does not take the call: x and dy
     not exact C-contiguous ndarrays of one dtype, ``max_elements`` or more, another layout,
     statistics or a weight not C-contiguous of the accumulation dtype (a weight of x's half
     dtype is widened), no kernel built.  The plan's part of that is decided once
@@ -119,7 +121,7 @@ def backward(plan, dy, x, weight, mean, rstd, max_elements):
         found = plan.memo["numpy direct backward"] = _backward_kernel(plan)
     if not found:
         return None
-    kernel, rows, n, acc = found
+    kernel, rows, n, acc, segments = found
     if weight is not None:
         if type(weight) is not np.ndarray or not weight.flags.c_contiguous:
             return None
@@ -131,10 +133,13 @@ def backward(plan, dy, x, weight, mean, rstd, max_elements):
         return None
     dx = (_outputs.empty if x.nbytes >= _outputs.MIN_BYTES else np.empty)(plan.shape, x.dtype)
     grads = None if weight is None else np.zeros((2, n))
-    err = kernel(_at(x), _at(dy), _at(dx), None if weight is None else _at(w), 0,
-                 None if mean is None or rstd is None else _at(mean), _at(rstd),
-                 None if grads is None else _at(grads), None if grads is None else _at(grads) + 8 * n,
-                 rows, n, int(plan.center), plan.eps)
+    args = [_at(x), _at(dy), _at(dx), None if weight is None else _at(w),
+            None if mean is None or rstd is None else _at(mean), _at(rstd),
+            None if grads is None else _at(grads), None if grads is None else _at(grads) + 8 * n,
+            rows, n, *segments, int(plan.center), plan.eps]
+    if not segments:
+        args.insert(4, 0)  # w_run: by position
+    err = kernel(*args)
     if err:
         raise RuntimeError(f"anynorm's CPU backward kernel refused rows of {n}")
     if grads is None:
@@ -145,13 +150,17 @@ def backward(plan, dy, x, weight, mean, rstd, max_elements):
 
 
 def _backward_kernel(plan):
-    """``(kernel, rows, n, accumulation dtype)`` for the plan's backward over trailing axes,
-    or False."""
-    ndim, k = len(plan.shape), len(plan.reduce_axes)
-    if plan.op not in ("layer_norm", "rms_norm") or plan.reduce_axes != tuple(range(ndim - k, ndim)):
+    """``(kernel, rows, n, accumulation dtype, (segments, seg_stride) or ())`` for the plan's
+    backward over trailing axes or segmented rows, or False."""
+    if plan.op not in ("layer_norm", "rms_norm"):
         return False
-    kernel = _native.rows_backward_kernel(np.dtype(plan.dtype))
+    ndim, k = len(plan.shape), len(plan.reduce_axes)
+    dtype, acc = np.dtype(plan.dtype), np.dtype(plan.acc_dtype)
+    if plan.reduce_axes == tuple(range(ndim - k, ndim)):
+        kernel = _native.rows_backward_kernel(dtype)
+        return False if kernel is None else (kernel, math.prod(plan.shape) // plan.count, plan.count, acc, ())
+    sizes = _direct._segmented(plan)
+    kernel = None if sizes is None else _native.segmented_backward_kernel(dtype)
     if kernel is None:
         return False
-    n = plan.count
-    return kernel, math.prod(plan.shape) // n, n, np.dtype(plan.acc_dtype)
+    return kernel, sizes.rows, sizes.n, acc, (sizes.segments, sizes.seg_stride)

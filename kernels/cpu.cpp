@@ -29,6 +29,7 @@
 //     anynorm_cols_<f16|bf16|f32|f64>(x, y, w, b, mean, rstd, samples, P, Q, group, strip, param_rows, eps)
 //     anynorm_cols_packed_<f16|bf16|f32|f64|hp_f16|hp_bf16>(x, y, w, b, mean, rstd, &{samples, P, Q, group, strip, param_rows, eps})
 //     anynorm_rows_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, w_run, mean, rstd, dw, db, rows, n, center, eps)
+//     anynorm_segmented_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, mean, rstd, dw, db, rows, n, segments, seg_stride, center, eps)
 //     anynorm_cols_bwd_<f16|bf16|f32|f64>(x, dy, dx, w, mean, rstd, dw, db, samples, P, Q, group, strip, param_rows, eps)
 //     anynorm_far_<f16|bf16|f32|f64>(mean, rstd, n, limit)   (1 where some |mean * rstd| > limit, else 0)
 
@@ -1233,6 +1234,73 @@ int rows_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, lon
 }
 
 
+// ---- segmented rows backward: x as (A, R, B), normalized over A and B ----------------------
+//
+// The gradients of `segmented_rows`: a row's statistics given (lo from its sums, as
+// `grad_row`) or taken again as the forward takes them, then sum(g) and sum(g * (x - hi))
+// over its A runs, then each run's dx and its share of the weight and bias gradients (by
+// position j * B + i), gathered in float32 vectors and added to dw, db every
+// BWD_FLUSH_ROWS rows.
+template <typename T>
+int segmented_rows_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w,
+                       const typename Acc<T>::type *mean, const typename Acc<T>::type *rstd, double *dw, double *db,
+                       long long nrows, long long n, long long segments, long long stride, int center, double eps) {
+    typedef typename Work<T>::type F;
+    typedef typename Work<T>::vec V;
+    if (n <= 0 || segments <= 0 || n % segments || (center && rstd && !mean)) return 1;
+    const long long len = n / segments;
+    const double inv_n = 1.0 / (double)n;
+    std::vector<F> acc;  // float32 (float64) weight and bias gradients by position, flushed to dw, db
+    if (dw) acc.assign(2 * n, F(0));
+    F *aw = acc.empty() ? nullptr : acc.data(), *ab = aw ? aw + n : nullptr;
+    for (long long r = 0; r < nrows; r++) {
+        const T *xr = x + r * len, *dyr = dy + r * len;
+        GradRow<F> c;
+        const bool off = rstd && center;  // lo from the row's sums
+        if (rstd) {
+            c.hi = center ? (F)mean[r] : F(0);
+            c.lo = 0;
+            c.r = (F)rstd[r];
+        } else {
+            double m1, cc, q;
+            segmented_moments(xr, segments, len, stride, center, &m1, &cc, &q);
+            double var = q - cc * cc;
+            if (var < 0.0) var = 0.0;  // NaN stays NaN
+            const double m = m1 + cc;  // float64: ((x - m1) - c), as its forward; else the mean in two floats
+            c.hi = sizeof(F) == 8 ? (F)m1 : (F)m;
+            c.lo = sizeof(F) == 8 ? (F)cc : (F)(m - (double)c.hi);
+            c.r = (F)(1.0 / sqrt(var + eps));
+        }
+        double sg = 0.0, sgd = 0.0, sx = 0.0;
+        for (long long j = 0; j < segments; j++) {
+            double g, gd, tx;
+            grad_sums<T, V, F>(xr + j * stride, dyr + j * stride, 0, len, c.hi, w ? w + j * len : nullptr, F(1), off,
+                               &g, &gd, &tx);
+            sg += g;
+            sgd += gd;
+            sx += tx;
+        }
+        if (off) c.lo = (F)(sx * inv_n);
+        const double sgx = (double)c.r * (sgd - (double)c.lo * sg);
+        c.c1 = (F)(sgx * inv_n);
+        c.c2 = center ? (F)(sg * inv_n) : F(0);
+        for (long long j = 0; j < segments; j++) {
+            const long long e = r * len + j * stride;
+            F *awj = aw ? aw + j * len : nullptr, *abj = ab ? ab + j * len : nullptr;
+            if (w) grad_x_rows<1, false, true, T, V, F>(x + e, dy + e, dx + e, len, &c, w + j * len, awj, abj, F(1));
+            else grad_x_rows<1, false, false, T, V, F>(x + e, dy + e, dx + e, len, &c, nullptr, awj, abj, F(1));
+        }
+        if (aw && ((r + 1) % BWD_FLUSH_ROWS == 0 || r + 1 == nrows)) {
+            for (long long i = 0; i < n; i++) {
+                dw[i] += (double)aw[i];
+                db[i] += (double)ab[i];
+            }
+            std::fill(acc.begin(), acc.end(), F(0));
+        }
+    }
+    return 0;
+}
+
 // ---- columns: statistics over the middle axis of x viewed as (B, P, Q) -------------------
 //
 // Channels-first layer norm (P = C, Q = H*W, a statistic per column, weight and bias per row
@@ -1876,6 +1944,16 @@ struct ColsCall {
         return rows_bwd<T>(x, dy, dx, w, w_run, mean, rstd, dw, db, nrows, n, center, eps);             \
     }
 
+#define ANYNORM_SEGMENTED_BWD(SUFFIX, T)                                                              \
+    extern "C" int anynorm_segmented_bwd_##SUFFIX(const T *x, const T *dy, T *dx, const Acc<T>::type *w,  \
+                                                  const Acc<T>::type *mean, const Acc<T>::type *rstd,        \
+                                                  double *dw, double *db, long long nrows, long long n,       \
+                                                  long long segments, long long seg_stride, int center,      \
+                                                  double eps) {                                              \
+        return segmented_rows_bwd<T>(x, dy, dx, w, mean, rstd, dw, db, nrows, n, segments, seg_stride,     \
+                                     center, eps);                                                           \
+    }
+
 #define ANYNORM_COLS_BWD(SUFFIX, T)                                                                   \
     extern "C" int anynorm_cols_bwd_##SUFFIX(const T *x, const T *dy, T *dx, const Acc<T>::type *w,       \
                                              const Acc<T>::type *mean, const Acc<T>::type *rstd, double *dw, \
@@ -1935,6 +2013,9 @@ ANYNORM_COLS_PACKED(hp_bf16, bf16, bf16)
 ANYNORM_ROWS_BWD(f32, float)
 ANYNORM_ROWS_BWD(f64, double)
 ANYNORM_ROWS_BWD(bf16, bf16)
+ANYNORM_SEGMENTED_BWD(f32, float)
+ANYNORM_SEGMENTED_BWD(f64, double)
+ANYNORM_SEGMENTED_BWD(bf16, bf16)
 ANYNORM_COLS_BWD(f32, float)
 ANYNORM_COLS_BWD(f64, double)
 ANYNORM_COLS_BWD(bf16, bf16)
@@ -1947,5 +2028,6 @@ ANYNORM_COLS(f16, _Float16)
 ANYNORM_COLS_PACKED(f16, _Float16, float)
 ANYNORM_COLS_PACKED(hp_f16, _Float16, _Float16)
 ANYNORM_ROWS_BWD(f16, _Float16)
+ANYNORM_SEGMENTED_BWD(f16, _Float16)
 ANYNORM_COLS_BWD(f16, _Float16)
 #endif

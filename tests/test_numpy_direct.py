@@ -176,6 +176,9 @@ BACKWARD_CASES = [
     ("layer_norm", (3, 5, 70), {"axis": (-2, -1)}),
     ("rms_norm", (6, 100), {}),
     ("layer_norm", (2, 3), {}),  # rows under a vector: the general path
+    ("layer_norm", (7, 13, 33), {"axis": (0, 2)}),  # segmented rows
+    ("rms_norm", (300, 4, 16), {"axis": (0, 2)}),  # float32 gradient sums flushed part-way
+    ("layer_norm", (2, 3, 4, 1030), {"axis": (0, 1, 3)}),
 ]
 
 
@@ -183,8 +186,9 @@ BACKWARD_CASES = [
 @pytest.mark.parametrize("dtype,pdtype", _dtypes(), ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op,shape,kw", BACKWARD_CASES, ids=lambda v: str(v).replace(" ", ""))
 def test_backward_rows_straight_onto_the_kernel(op, shape, kw, dtype, pdtype, given, monkeypatch):
-    """``*_backward`` over trailing axes of C-contiguous arrays below the threading size: the
-    row backward kernel in one call (no executor), dx and the parameter gradients against
+    """``*_backward`` over trailing axes (or leading and trailing ones: segmented rows) of
+    C-contiguous arrays below the threading size: the row backward kernel in one call (no
+    executor), dx and the parameter gradients against
     the float64 reference, with the statistics given or taken again, with and without a
     weight, at offset 1e4 (float32/float64); inputs left as they were."""
     from anynorm import _numpy_direct
@@ -196,7 +200,9 @@ def test_backward_rows_straight_onto_the_kernel(op, shape, kw, dtype, pdtype, gi
     rng = np.random.default_rng(4)
     x = (rng.standard_normal(shape) + (0.0 if half else 1e4)).astype(dtype)
     dy = rng.standard_normal(shape).astype(dtype)
-    pshape = shape[len(shape) - len(kw.get("axis", (-1,))):]
+    axes = kw.get("axis", -1)
+    axes = sorted(a % len(shape) for a in (axes if isinstance(axes, tuple) else (axes,)))
+    pshape = tuple(shape[a] for a in axes)
     w = (rng.random(pshape) + 0.5).astype(pdtype)
     before = (x.copy(), dy.copy(), w.copy())
     fwd = getattr(anynorm, op)
@@ -223,3 +229,18 @@ def test_backward_rows_straight_onto_the_kernel(op, shape, kw, dtype, pdtype, gi
             assert np.max(np.abs(got.astype(np.float64) - want)) <= max(tol, 64 * F32_EPS) * scale(want)
     for a, b in zip((x, dy, w), before):
         np.testing.assert_array_equal(a, b)
+
+
+def test_segmented_backward_weight_gradients_over_many_rows():
+    """Layer norm over axes (0, 2) of (2, 30000, 16), dy averaging 1: the float32 sums of the
+    weight and bias gradients go to float64 every BWD_FLUSH_ROWS rows (summed in float32
+    over all 30000 rows, dbias drifts to 2.5e-6, 20 float32 eps)."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 30000, 16)).astype(np.float32)
+    dy = (1 + rng.standard_normal(x.shape)).astype(np.float32)
+    w = (rng.random((2, 16)) + 0.5).astype(np.float32)
+    dx, dw, db = anynorm.layer_norm_backward(dy, x, w, axis=(0, 2))
+    ref = reference.backward("layer_norm", dy.astype(np.float64), x.astype(np.float64), w.astype(np.float64),
+                             eps=1e-5, axis=(0, 2))
+    for got, want in zip((dx, dw, db), ref):  # in float32 throughout: 2.5e-6 of dbias
+        assert np.max(np.abs(got - want)) <= 8 * F32_EPS * np.max(np.abs(want))
