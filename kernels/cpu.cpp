@@ -991,6 +991,17 @@ inline void grad_x_group(const T *x, const T *dy, T *dx, long long n, const Grad
     else grad_x_rows<G, false, false, T, V, F>(x, dy, dx, n, rows, wp, aw, ab, F(1));
 }
 
+// hi, lo and r of row r from the statistics the forward wrote (lo then comes from the row's
+// sums), or false where none are given (`rstd` null)
+template <typename F, typename A>
+inline bool given_stats(GradRow<F> *c, const A *mean, const A *rstd, long long r, int center) {
+    if (!rstd) return false;
+    c->hi = center ? (F)mean[r] : F(0);
+    c->lo = 0;
+    c->r = (F)rstd[r];
+    return true;
+}
+
 // A row's GradRow: its statistics as given (`mean` null for RMS norm; lo, what the mean's
 // rounding to the statistics' dtype left out, taken back from the row in the same pass as the
 // sums: xhat about hi alone was off by |mean| * rstd * 2^-24, 6e-3 of dx at 1e6 std) or, with
@@ -1003,11 +1014,7 @@ inline GradRow<F> grad_row(const T *x, const T *dy, long long r, long long n, co
                            double *db, int center, double eps, double *runs) {
     GradRow<F> c;
     const bool off = rstd && center;  // lo from the row's sums
-    if (rstd) {
-        c.hi = center ? (F)mean[r] : F(0);
-        c.lo = 0;
-        c.r = (F)rstd[r];
-    } else {
+    if (!given_stats(&c, mean, rstd, r, center)) {
         const RowStats<T> st = row_stats(x, (const T *)nullptr, (T *)nullptr, r, n, center, eps,
                                          (typename Acc<T>::type *)nullptr, (typename Acc<T>::type *)nullptr);
         // float64: ((x - m1) - c), as its forward; float32: the mean in two floats
@@ -1257,11 +1264,7 @@ int segmented_rows_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::ty
         const T *xr = x + r * len, *dyr = dy + r * len;
         GradRow<F> c;
         const bool off = rstd && center;  // lo from the row's sums
-        if (rstd) {
-            c.hi = center ? (F)mean[r] : F(0);
-            c.lo = 0;
-            c.r = (F)rstd[r];
-        } else {
+        if (!given_stats(&c, mean, rstd, r, center)) {
             double m1, cc, q;
             segmented_moments(xr, segments, len, stride, center, &m1, &cc, &q);
             double var = q - cc * cc;
