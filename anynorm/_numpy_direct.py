@@ -108,11 +108,10 @@ def _at(a, _address=_native.address):
 def backward(plan, dy, x, weight, mean, rstd, max_elements):
     """``(dx, dweight, dbias)`` of layer/RMS norm over trailing axes (or leading and
     trailing ones: segmented rows) by the row backward kernel in one foreign call, or None
-    where this path does not take the call: x and dy
-    not exact C-contiguous ndarrays of one dtype, ``max_elements`` or more, another layout,
-    statistics or a weight not C-contiguous of the accumulation dtype (a weight of x's half
-    dtype is widened), no kernel built.  The plan's part of that is decided once
-    (``plan.memo``)."""
+    where this path does not take the call: x and dy not exact C-contiguous ndarrays of one
+    dtype, ``max_elements`` or more, another layout, statistics or a weight not C-contiguous
+    of the accumulation dtype (a weight of x's half dtype is widened), no kernel built.  The
+    plan's part of that is decided once (``plan.memo``)."""
     if (type(x) is not np.ndarray or type(dy) is not np.ndarray or x.dtype != dy.dtype
             or not (x.flags.c_contiguous and dy.flags.c_contiguous) or x.size >= max_elements):
         return None
