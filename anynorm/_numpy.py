@@ -48,6 +48,7 @@ layer norm rows, NCHW and NHWC instance/group norm and channels-first layer norm
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import math
 import os
@@ -477,13 +478,14 @@ class _ForwardCall:
             kernel.apply(np.add, work, self.b[param_index], yb)
 
 
-def _run(boxes, work, scratch_for, parallel, inner=None):
+def _run(boxes, work, scratch_for, parallel, inner=None, team=None):
     """Run ``work(boxes_part, scratch)`` over the boxes, split across up to ``parallel``
-    threads (:func:`_parallel`) where there are enough of them.
+    threads (:func:`_parallel`) where there are enough of them: ``team``'s
+    (:class:`anynorm._torch_openmp.Team`) where given, else anynorm's pool.
 
-    NumPy and BLAS release the GIL inside their loops, so boxes on separate cores overlap.
-    ``inner``: the length of the inner loops the work runs (:func:`anynorm._numpy_rows.bufsize`).
-    Returns the list of ``work``'s results.
+    NumPy, BLAS and the kernels release the GIL inside their loops, so boxes on separate cores
+    overlap.  ``inner``: the length of the inner loops the work runs
+    (:func:`anynorm._numpy_rows.bufsize`).  Returns the list of ``work``'s results.
     """
     size = bufsize(inner)
     if size is not None:
@@ -493,6 +495,8 @@ def _run(boxes, work, scratch_for, parallel, inner=None):
         return [work(boxes, scratch_for())]
     step = -(-len(boxes) // threads)
     parts = [boxes[i:i + step] for i in range(0, len(boxes), step)]
+    if team is not None:
+        return team.run([functools.partial(work, part, scratch_for()) for part in parts])
     futures = [_pool().submit(work, part, scratch_for()) for part in parts[1:]]
     results = [work(parts[0], scratch_for())]
     return results + [f.result() for f in futures]
@@ -672,13 +676,13 @@ def _transposed(arr, axes):
     return None if arr is None else arr.transpose(axes)
 
 
-def _forward_in_memory_order(plan, order, x, weight, bias, residual, threads):
+def _forward_in_memory_order(plan, order, x, weight, bias, residual, threads, team):
     """Layer/RMS norm of an array C-contiguous in ``order``: the same call on that view (the
     executor's blocks then follow memory), the results seen back through x's axes (y in
     x's memory layout, as NumPy's ufuncs give)."""
     plan_t, weight_axes, inverse, _ = _in_memory_order(plan, order)
     outs = forward(plan_t, x.transpose(order), _transposed(weight, weight_axes),
-                   _transposed(bias, weight_axes), _transposed(residual, order), threads=threads)
+                   _transposed(bias, weight_axes), _transposed(residual, order), threads=threads, team=team)
     return tuple(_transposed(a, inverse) for a in outs)
 
 
@@ -695,26 +699,27 @@ def forward_runner(plan, x, weight, bias, stats):
     return run
 
 
-def forward(plan, x, weight=None, bias=None, residual=None, *, threads=None):
+def forward(plan, x, weight=None, bias=None, residual=None, *, threads=None, team=None):
     """Return ``(y, h, mean, rstd)`` as :func:`anynorm._reference.forward` does; ``threads``:
-    at most this many threads (the torch executor passes ``torch.get_num_threads()``)."""
+    at most this many threads (the torch executor passes ``torch.get_num_threads()``), those of
+    ``team`` where given (:class:`anynorm._torch_openmp.Team`), else anynorm's pool."""
     if x.size < SMALL_ELEMENTS:
         return _small_forward(plan, x, weight, bias, residual)
     if plan.op in ("layer_norm", "rms_norm"):
         order = _memory_order(plan, x, residual)
         if order is not None:
-            return _forward_in_memory_order(plan, order, x, weight, bias, residual, threads)
+            return _forward_in_memory_order(plan, order, x, weight, bias, residual, threads, team)
     arrays = [x] if residual is None else [x, residual]
     layout = _layout(plan, arrays)
     for path in (RowsForward, NativeColumns, ColumnsForward):
         call = path.make(plan, layout, x, weight, bias, residual)
         if call is not None:
-            _run(call.blocks(), call.run, call.buffers, _parallel(x, threads), call.inner)
+            _run(call.blocks(), call.run, call.buffers, _parallel(x, threads), call.inner, team=team)
             return call.results()
     call = _ForwardCall(plan, layout, layout.views(arrays), weight, bias, residual)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
     _run(call.boxes, call.run, scratch_for, _parallel(x, threads),
-         _box_shape(call.boxes[0], layout.shape)[-1])
+         _box_shape(call.boxes[0], layout.shape)[-1], team=team)
     mean = call.mean.reshape(plan.stats_shape) if plan.center else None
     return call.y.reshape(plan.shape), call.h, mean, call.rstd.reshape(plan.stats_shape)
 
@@ -795,9 +800,9 @@ class _BackwardCall:
         return dw, db
 
 
-def backward(plan, dy, x, weight=None, mean=None, rstd=None, *, threads=None):
+def backward(plan, dy, x, weight=None, mean=None, rstd=None, *, threads=None, team=None):
     """Return ``(dx, dweight, dbias)``; stats in public shape, recomputed when None;
-    ``threads``: at most this many threads, as :func:`forward`."""
+    ``threads``, ``team``: as :func:`forward`'s."""
     if x.size and x.size < DIRECT_MAX_ELEMENTS:  # rows the backward kernel takes, straight
         direct = _numpy_direct.backward(plan, dy, x, weight, mean, rstd, DIRECT_MAX_ELEMENTS)
         if direct is not None:
@@ -810,19 +815,20 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None, *, threads=None):
             plan_t, weight_axes, inverse, back = _in_memory_order(plan, order)
             dx, dw, db = backward(plan_t, dy.transpose(order), x.transpose(order),
                                   _transposed(weight, weight_axes), _transposed(mean, order),
-                                  _transposed(rstd, order), threads=threads)
+                                  _transposed(rstd, order), threads=threads, team=team)
             return dx.transpose(inverse), _transposed(dw, back), _transposed(db, back)
     layout = _layout(plan, [x, dy])
     for path in (RowsBackward, ColumnsBackward):
         call = path.make(plan, layout, dy, x, weight, mean, rstd)
         if call is not None:
-            return call.results(_run(call.blocks(), call.run, lambda: None, _parallel(x, threads)))
+            return call.results(_run(call.blocks(), call.run, lambda: None, _parallel(x, threads),
+                                            team=team))
     if x.size < SMALL_BACKWARD_ELEMENTS:
         return _small_backward(plan, dy, x, weight, mean, rstd)
     call = _BackwardCall(plan, dy, x, weight, mean, rstd)
     scratch_for = lambda: _Scratch(call.acc, call.box_size)  # noqa: E731
     parts = _run(call.boxes, call.run, scratch_for, _parallel(x, threads),
-                 _box_shape(call.boxes[0], call.layout.shape)[-1])
+                 _box_shape(call.boxes[0], call.layout.shape)[-1], team=team)
     dx = call.dx.reshape(plan.shape)
     if weight is None:
         return dx, None, None

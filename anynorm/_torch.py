@@ -69,7 +69,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from . import (_native, _numpy, _outputs, _reference, _torch_channels_last, _torch_cpu_grad, _torch_direct,
-               _torch_rms)
+               _torch_openmp, _torch_rms)
 
 __all__ = ["forward", "forward_runner", "backward"]
 
@@ -680,9 +680,10 @@ def _numpy_madvises_huge_pages():
 
 def _numpy_forward(plan, x, weight, bias, residual):
     """The NumPy executor on the tensors' memory, on at most ``torch.get_num_threads()``
-    threads (a caller who limits torch's threads limits anynorm's)."""
+    threads (a caller who limits torch's threads limits anynorm's), those of torch's OpenMP
+    team where it is found (:mod:`anynorm._torch_openmp`)."""
     outs = _numpy.forward(_numpy_plan(plan), _as_numpy(x), _as_numpy(weight), _as_numpy(bias),
-                          _as_numpy(residual), threads=torch.get_num_threads())
+                          _as_numpy(residual), threads=torch.get_num_threads(), team=_torch_openmp.team())
     return tuple(_as_torch(a) for a in outs)
 
 
@@ -1023,6 +1024,7 @@ def backward(plan, dy, x, weight=None, mean=None, rstd=None):
     """Return ``(dx, dweight, dbias)`` as :func:`anynorm._reference.backward` does."""
     if _numpy_eligible(plan, dy, x, weight, mean, rstd, kernels=_backward_kernel_takes(plan, x, dy)):
         outs = _numpy.backward(_numpy_plan(plan), _as_numpy(dy), _as_numpy(x), _as_numpy(weight),
-                               _as_numpy(mean), _as_numpy(rstd), threads=torch.get_num_threads())
+                               _as_numpy(mean), _as_numpy(rstd), threads=torch.get_num_threads(),
+                               team=_torch_openmp.team())
         return tuple(_as_torch(a) for a in outs)
     return _reference.backward(plan, dy, x, weight, mean, rstd)

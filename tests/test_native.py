@@ -744,28 +744,30 @@ def test_torch_route_takes_at_most_torchs_threads(monkeypatch):
     worker, ``torch.set_num_threads(1)``) gets no second thread from anynorm either."""
     torch = pytest.importorskip("torch")
     import anynorm
-    from anynorm import _torch
+    from anynorm import _torch, _torch_openmp
 
     monkeypatch.setattr(_numpy, "NUM_THREADS", 2)
     x = torch.randn(1536, 4096)  # 24 MiB of rows past NATIVE_MAX_ROW: the executor's
     assert x.numel() * 4 >= _torch.LONG_ROWS_KERNEL_MIN_BYTES
     assert x.numel() >= _numpy.PARALLEL_MIN_ELEMENTS
-    pooled = []
-    real_pool = _numpy._pool
-    monkeypatch.setattr(_numpy, "_pool", lambda: pooled.append(1) or real_pool())
+    threads = []  # (threads a part of the call may take, the team that runs them)
+    real_run = _numpy._run
+    monkeypatch.setattr(_numpy, "_run", lambda *args, **kw: threads.append((args[3], kw.get("team")))
+                        or real_run(*args, **kw))
     saved = torch.get_num_threads()
     try:
         with torch.no_grad():
             torch.set_num_threads(1)
             y1 = anynorm.layer_norm(x)
             dx1 = anynorm.layer_norm_backward(x, x)[0]
-            assert not pooled
+            assert threads and all(parallel == 1 for parallel, _ in threads)
+            threads.clear()
             torch.set_num_threads(2)
             y2 = anynorm.layer_norm(x)
-            assert pooled
-            pooled.clear()
             dx2 = anynorm.layer_norm_backward(x, x)[0]
-            assert pooled
+            assert len(threads) == 2 and all(parallel == 2 for parallel, _ in threads)
+            # torch's own OpenMP team runs them where this host's torch has one to find
+            assert all((team is None) == (_torch_openmp.team() is None) for _, team in threads)
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(y1, y2)
