@@ -34,7 +34,8 @@ import numpy as np
 from ._cuda._sources import kernel_dir
 
 __all__ = ["address", "cols_backward_kernel", "cols_kernel", "far_kernel", "rows_backward_kernel", "rows_kernel",
-           "rows_packed_kernel", "cols_packed_kernel", "RowsCall", "ColsCall", "status", "SOURCE"]
+           "rows_packed_kernel", "cols_packed_kernel", "RowsCall", "ColsCall", "status", "SOURCE",
+           "use_openmp"]
 
 SOURCE = "cpu.cpp"
 _FLAGS = (["-O3", "-march=native"], ["-O3"])  # the second where the first is refused
@@ -192,10 +193,24 @@ class RowsCall(ctypes.Structure):
 
     _fields_ = [("rows", ctypes.c_longlong), ("n", ctypes.c_longlong), ("w_run", ctypes.c_longlong),
                 ("w_count", ctypes.c_longlong), ("center", ctypes.c_longlong), ("eps", ctypes.c_double),
-                ("segments", ctypes.c_longlong), ("seg_stride", ctypes.c_longlong)]
+                ("segments", ctypes.c_longlong), ("seg_stride", ctypes.c_longlong),
+                ("threads", ctypes.c_longlong)]
 
-    def __init__(self, rows, n, w_run, w_count, center, eps, segments=1, seg_stride=0):
-        super().__init__(rows, n, w_run, w_count, center, eps, segments, seg_stride)
+    def __init__(self, rows, n, w_run, w_count, center, eps, segments=1, seg_stride=0, threads=1):
+        super().__init__(rows, n, w_run, w_count, center, eps, segments, seg_stride, threads)
+
+
+def use_openmp(parallel, thread_num, num_threads):
+    """Hand the kernels the addresses of the process's OpenMP entry points (``GOMP_parallel``,
+    ``omp_get_thread_num``, ``omp_get_num_threads``: :mod:`anynorm._torch_openmp` finds
+    torch's), on whose team a :class:`RowsCall` of ``threads > 1`` runs its rows; False where
+    the kernels are not built."""
+    if rows_packed_kernel(np.float32) is None:  # loads the library
+        return False
+    fn = _library.anynorm_use_openmp
+    fn.argtypes, fn.restype = [ctypes.c_void_p] * 3, None
+    fn(parallel, thread_num, num_threads)
+    return True
 
 
 def rows_packed_kernel(dtype, half_params=False):
@@ -203,10 +218,12 @@ def rows_packed_kernel(dtype, half_params=False):
 
     ``fn(x, y, w, b, mean, rstd, sizes)``: buffer addresses (0 for absent w, b, mean, rstd)
     and the address of a :class:`RowsCall` ``(rows, n, w_run, w_count, center, eps,
-    segments, seg_stride)``, where ``w_count > 0`` takes run-indexed parameters modulo
+    segments, seg_stride, threads)``, where ``w_count > 0`` takes run-indexed parameters modulo
     ``w_count`` (one sample's channels serve every sample) and ``segments > 1`` reads each
     row as that many runs of ``n / segments`` elements, ``seg_stride`` apart, the row r's
-    first at ``r * n / segments`` (x as (A, R, B) normalized over A and B); no residual.  w
+    first at ``r * n / segments`` (x as (A, R, B) normalized over A and B), and ``threads >
+    1`` cuts the rows among that many threads of the OpenMP team :func:`use_openmp` gave
+    (on the calling thread without one); no residual.  w
     and b are float32 for float16/bfloat16 x, or, with ``half_params`` (float16 and
     bfloat16 only), of x's own dtype.  A ctypes call costs ~70 ns an argument: seven here,
     fourteen in :func:`rows_kernel`.

@@ -39,15 +39,19 @@ import math
 
 import torch
 
-from . import _direct, _native, _outputs
+from . import _direct, _native, _outputs, _torch_openmp
 
-__all__ = ["runner", "DIRECT_MAX_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS", "DIRECT_MAX_SEGMENTED_ELEMENTS"]
+__all__ = ["runner", "DIRECT_MAX_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS", "DIRECT_MAX_SEGMENTED_ELEMENTS",
+           "DIRECT_MAX_THREADED_ELEMENTS"]
 
 DIRECT_MAX_ELEMENTS = 1 << 14  # the row kernel's calls (half that in bfloat16)
 DIRECT_MAX_COLUMN_ELEMENTS = 1 << 17  # the column kernel's
 # the row kernel's segmented rows (layer norm over outer and inner axes), half that in
 # bfloat16: torch's route permutes x into a copy first
 DIRECT_MAX_SEGMENTED_ELEMENTS = 1 << 16
+# past those, up to this, the row kernel's calls (segmented too) on torch's OpenMP team; past
+# it (float32 outputs of 64 MiB) the executor's threads, whose blocks the same kernel runs
+DIRECT_MAX_THREADED_ELEMENTS = 1 << 24
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # no subclass that overrides torch functions
 
@@ -80,7 +84,7 @@ def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
     size = math.prod(plan.shape)
     limit = _numpy.DIRECT_MAX_ELEMENTS if kernels_first else None
     if (x.device.type != "cpu" or type(x) not in _PLAIN or not x.is_contiguous()
-            or size > (limit or max(DIRECT_MAX_ELEMENTS, DIRECT_MAX_COLUMN_ELEMENTS, DIRECT_MAX_SEGMENTED_ELEMENTS))):
+            or size > max(limit or 0, DIRECT_MAX_THREADED_ELEMENTS, DIRECT_MAX_COLUMN_ELEMENTS)):
         return None
     kernel_dtype = _numpy_dtype(plan.dtype)
     half_params = _half_params(plan.dtype, weight, bias)
@@ -95,7 +99,11 @@ def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
     rows = isinstance(sizes, _native.RowsCall)
     most = (DIRECT_MAX_COLUMN_ELEMENTS if not rows
             else DIRECT_MAX_SEGMENTED_ELEMENTS if sizes.segments > 1 else DIRECT_MAX_ELEMENTS)
-    if limit is None and size > (most // 2 if rows and plan.dtype is torch.bfloat16 else most):
+    one_thread = most // 2 if rows and plan.dtype is torch.bfloat16 else most
+    # past one thread's share, the row kernel's calls run on torch's team (torch's threads)
+    threaded = (rows and one_thread < size <= DIRECT_MAX_THREADED_ELEMENTS
+                and _torch_openmp.kernels_on_team())
+    if not threaded and size > (limit or one_thread):
         return None
     at_sizes = ctypes.addressof(sizes)
     center = plan.center
@@ -124,4 +132,10 @@ def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
                None if bias is None else bias.data_ptr(), None if mean is None else mean.data_ptr(),
                None if rstd is None else rstd.data_ptr(), at_sizes)
         return y, None, mean, rstd
+    if threaded:
+        one_call = run
+
+        def run(x, weight, bias, residual, _sizes=sizes, _threads=torch.get_num_threads):
+            _sizes.threads = _threads()  # a caller who limits torch's threads limits ours
+            return one_call(x, weight, bias, residual)
     return run

@@ -23,10 +23,13 @@ import ctypes
 import os
 import threading
 
-__all__ = ["Team", "team"]
+from . import _native
+
+__all__ = ["Team", "team", "kernels_on_team"]
 
 _RUNTIMES = ("libgomp", "libiomp5", "libomp")  # names of OpenMP runtimes that export GOMP_parallel
 _TEAM = None  # the Team once looked for, False where there is none
+_KERNELS = None  # whether the CPU kernels have the team's entry points, once asked
 _LOCK = threading.Lock()
 _BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
@@ -36,6 +39,8 @@ class Team:
 
     def __init__(self, parallel, thread_num, num_threads):
         self._parallel, self._thread_num, self._num_threads = parallel, thread_num, num_threads
+        # the entry points' addresses, for the CPU kernels' own regions
+        self.entry_points = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (parallel, thread_num, num_threads))
 
     def run(self, tasks):
         """``[task() for task in tasks]``, the tasks spread over ``len(tasks)`` threads; the
@@ -67,6 +72,16 @@ def team():
                 entries = _find()
                 _TEAM = Team(*entries) if entries else False
     return _TEAM or None
+
+
+def kernels_on_team():
+    """True where the CPU kernels run a ``RowsCall``'s threads on torch's team (in C, no
+    Python on the team's threads): :func:`team` found it and the kernels are built."""
+    global _KERNELS
+    if _KERNELS is None:
+        found = team()
+        _KERNELS = found is not None and _native.use_openmp(*found.entry_points)
+    return _KERNELS
 
 
 def _find():

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -1889,6 +1890,91 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
     return 0;
 }
 
+// ---- a call's rows over the threads of torch's OpenMP team ----------------------------------------
+//
+// The entry points of the process's OpenMP runtime (libgomp's ABI, which LLVM's and Intel's also
+// export), set by anynorm_use_openmp where the Python side found the one torch runs on: a region
+// there starts on threads torch's own ops left spinning (a few us), where threads of our own would
+// share the cores with them.
+typedef void (*OmpParallel)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*OmpInt)();
+OmpParallel omp_parallel = nullptr;
+OmpInt omp_thread_num = nullptr, omp_num_threads = nullptr;
+
+// body(r0, r1) over rows [0, nrows) cut into `threads` ranges whose bounds are multiples of
+// `align` rows, one a thread of the team (in turn on this thread without one); the first
+// nonzero result, or 0
+template <typename Body>
+int over_threads(long long nrows, long long threads, long long align, const Body &body) {
+    if (threads <= 1 || !omp_parallel || nrows < 2 * align) return body(0, nrows);
+    struct Region {
+        const Body *body;
+        long long nrows, align;
+        std::atomic<int> err;
+    } region{&body, nrows, align, {0}};
+    omp_parallel(
+        [](void *p) {
+            Region &g = *static_cast<Region *>(p);
+            const long long t = omp_thread_num(), nt = omp_num_threads();
+            const long long blocks = (g.nrows + g.align - 1) / g.align;
+            const long long r0 = std::min(g.nrows, blocks * t / nt * g.align);
+            const long long r1 = std::min(g.nrows, blocks * (t + 1) / nt * g.align);
+            if (r0 >= r1) return;
+            int err;
+            try {
+                err = (*g.body)(r0, r1);
+            } catch (...) {  // nothing may leave an OpenMP region
+                err = 2;
+            }
+            if (err) g.err.store(err);
+        },
+        &region, (unsigned)threads, 0);
+    return region.err.load();
+}
+
+inline long long gcd(long long a, long long b) {
+    while (b) {
+        const long long t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+// The same rows with a call's sizes in one struct, made once per call signature (a ctypes call
+// costs ~70 ns an argument: 14 of them 1.0 us, 7 pointers 0.4), no residual, parameters of
+// type P; anynorm_rows_packed_hp_*: float16/bfloat16 x with parameters of its own dtype.
+// threads > 1: over that many threads of the OpenMP team (over_threads), each its own rows.
+struct RowsCall {
+    long long rows, n, w_run, w_count, center;
+    double eps;
+    long long segments, seg_stride;  // segments > 1: segmented_rows (w_run 0)
+    long long threads;
+};
+
+template <typename T, typename P>
+int rows_packed(const T *x, T *y, const P *w, const P *b, typename Acc<T>::type *mean,
+                typename Acc<T>::type *rstd, const RowsCall &c) {
+    const long long n = c.n;
+    if (n <= 0 || c.segments <= 0 || n % c.segments || (c.w_run > 0 && n % c.w_run)) return 1;
+    auto stat = [](typename Acc<T>::type *s, long long r0) { return s ? s + r0 : s; };
+    if (c.segments > 1) {  // row r's runs start at r * len
+        const long long len = n / c.segments;
+        return over_threads(c.rows, c.threads, 1, [&](long long r0, long long r1) {
+            return segmented_rows<T, P>(x + r0 * len, y + r0 * len, w, b, stat(mean, r0), stat(rstd, r0), r1 - r0,
+                                        n, c.segments, c.seg_stride, (int)c.center, c.eps);
+        });
+    }
+    // parameters by run, modulo w_count: a range starts at a multiple of their period in rows
+    // (without w_count, one range)
+    long long align = 1;
+    if (c.w_run > 0) align = c.w_count > 0 ? c.w_count / gcd(c.w_count, n / c.w_run) : std::max(1LL, c.rows);
+    return over_threads(c.rows, c.threads, align, [&](long long r0, long long r1) {
+        return rows<T, P>(x + r0 * n, nullptr, nullptr, y + r0 * n, w, b, c.w_run, c.w_count, stat(mean, r0),
+                          stat(rstd, r0), r1 - r0, n, (int)c.center, c.eps);
+    });
+}
+
 }  // namespace
 
 #define ANYNORM_ROWS(SUFFIX, T)                                                                    \
@@ -1899,24 +1985,18 @@ int cols_bwd(const T *x, const T *dy, T *dx, const typename Acc<T>::type *w, con
         return rows<T, Acc<T>::type>(x, res, h, y, w, b, w_run, 0, mean, rstd, nrows, n, center, eps); \
     }
 
-// The same rows with a call's sizes in one struct, made once per call signature (a ctypes call
-// costs ~70 ns an argument: 14 of them 1.0 us, 7 pointers 0.4), no residual, parameters of
-// type P; anynorm_rows_packed_hp_*: float16/bfloat16 x with parameters of its own dtype
-struct RowsCall {
-    long long rows, n, w_run, w_count, center;
-    double eps;
-    long long segments, seg_stride;  // segments > 1: segmented_rows (w_run 0)
-};
 #define ANYNORM_ROWS_PACKED(SUFFIX, T, P)                                                           \
     extern "C" int anynorm_rows_packed_##SUFFIX(const T *x, T *y, const P *w, const P *b,          \
                                                 Acc<T>::type *mean, Acc<T>::type *rstd,             \
                                                 const RowsCall *c) {                               \
-        if (c->segments > 1)                                                                        \
-            return segmented_rows<T, P>(x, y, w, b, mean, rstd, c->rows, c->n, c->segments,         \
-                                        c->seg_stride, (int)c->center, c->eps);                     \
-        return rows<T, P>(x, nullptr, nullptr, y, w, b, c->w_run, c->w_count, mean, rstd, c->rows, \
-                          c->n, (int)c->center, c->eps);                                           \
+        return rows_packed<T, P>(x, y, w, b, mean, rstd, *c);                                       \
     }
+
+extern "C" void anynorm_use_openmp(void *parallel, void *thread_num, void *num_threads) {
+    omp_thread_num = (OmpInt)thread_num;
+    omp_num_threads = (OmpInt)num_threads;
+    omp_parallel = (OmpParallel)parallel;
+}
 
 #define ANYNORM_COLS(SUFFIX, T)                                                                     \
     extern "C" int anynorm_cols_##SUFFIX(const T *x, T *y, const Acc<T>::type *w, const Acc<T>::type *b, \

@@ -744,9 +744,10 @@ def test_torch_route_takes_at_most_torchs_threads(monkeypatch):
     worker, ``torch.set_num_threads(1)``) gets no second thread from anynorm either."""
     torch = pytest.importorskip("torch")
     import anynorm
-    from anynorm import _torch, _torch_openmp
+    from anynorm import _torch, _torch_direct, _torch_openmp
 
     monkeypatch.setattr(_numpy, "NUM_THREADS", 2)
+    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_THREADED_ELEMENTS", 0)  # the executor, not the packed call
     x = torch.randn(1536, 4096)  # 24 MiB of rows past NATIVE_MAX_ROW: the executor's
     assert x.numel() * 4 >= _torch.LONG_ROWS_KERNEL_MIN_BYTES
     assert x.numel() >= _numpy.PARALLEL_MIN_ELEMENTS

@@ -18,7 +18,7 @@ from support import PACKED_COLUMN_CASES, PACKED_SEGMENTED_CASES, call, count_pac
 
 torch = pytest.importorskip("torch")
 import anynorm  # noqa: E402
-from anynorm import _native, _torch_direct  # noqa: E402
+from anynorm import _native, _torch_direct, _torch_openmp  # noqa: E402
 
 pytestmark = pytest.mark.skipif(_native.rows_packed_kernel(np.float32) is None,
                                 reason="anynorm's CPU kernels are not built here")
@@ -249,16 +249,93 @@ def test_inputs_unchanged_and_outputs_new(kernel_calls):
     assert mean.shape == rstd.shape == (3, 5)
 
 
-def test_larger_calls_take_torchs_kernel(kernel_calls):
-    """Past DIRECT_MAX_ELEMENTS (half that in bfloat16) the direct path stands aside (torch's
-    kernel on all its threads is the faster there); up to it, it serves."""
+@pytest.fixture
+def row_call_threads(monkeypatch):
+    """A list that grows by the ``threads`` of every packed row-kernel call from now on."""
+    threads = []
+    real = _native.rows_packed_kernel
+
+    def spied(dtype, half_params=False):
+        kernel = real(dtype, half_params)
+        if kernel is None:
+            return None
+
+        def call(*args):
+            threads.append(_native.RowsCall.from_address(args[-1]).threads)
+            return kernel(*args)
+        return call
+    monkeypatch.setattr(_native, "rows_packed_kernel", spied)
+    anynorm._calls.clear()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield threads
+    torch.set_num_threads(saved)
+    anynorm._calls.clear()
+
+
+def test_larger_row_calls_run_on_torchs_team(row_call_threads, monkeypatch):
+    """Up to DIRECT_MAX_ELEMENTS (half that in bfloat16) the row kernel serves a call on one
+    thread; past it on torch.get_num_threads() threads of torch's OpenMP team where the
+    kernels have its entry points (else torch's kernel, on all its threads, is the faster),
+    up to DIRECT_MAX_THREADED_ELEMENTS; past that torch's route."""
     limit = _torch_direct.DIRECT_MAX_ELEMENTS
+    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_THREADED_ELEMENTS", 4 * limit)
+    team = 2 if _torch_openmp.kernels_on_team() else None
     with torch.no_grad():
-        for dtype, elements, served in ((torch.float32, limit, True), (torch.float32, limit + 2, False),
-                                        (torch.bfloat16, limit // 2, True), (torch.bfloat16, limit // 2 + 2, False)):
-            before = len(kernel_calls)
+        for dtype, elements, threads in ((torch.float32, limit, 1), (torch.float32, limit + 2, team),
+                                         (torch.float32, 4 * limit + 2, None),
+                                         (torch.bfloat16, limit // 2, 1), (torch.bfloat16, limit // 2 + 2, team)):
+            row_call_threads.clear()
             anynorm.layer_norm(torch.randn(2, elements // 2, dtype=dtype))
-            assert (len(kernel_calls) > before) == served, (dtype, elements)
+            assert row_call_threads == ([] if threads is None else [threads]), (dtype, elements)
+        torch.set_num_threads(1)  # a caller who limits torch's threads limits ours
+        row_call_threads.clear()
+        anynorm.layer_norm(torch.randn(2, limit // 2 + 1))
+        assert row_call_threads == ([1] if team else [])
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["y", "stats"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("op,shape,kw,pshape", [
+    ("layer_norm", (37, 40), {}, (40,)),
+    ("rms_norm", (5, 3, 16), {"axis": (1, 2)}, (3, 16)),
+    ("layer_norm", (3, 13, 16), {"axis": (0, 2)}, (3, 16)),  # segmented rows
+    ("instance_norm", (3, 5, 7, 7), {}, (5,)),  # a parameter a row, modulo the channels
+    ("group_norm", (3, 12, 5, 5), {"num_groups": 4}, (12,)),  # runs of 25 in rows of 75
+    ("group_norm", (5, 6, 4, 4), {"num_groups": 3}, (6,)),
+], ids=["rows", "rms rows", "segmented", "instance nchw", "group nchw 4", "group nchw 3"])
+def test_rows_on_the_team_match_one_thread_bit_for_bit(op, shape, kw, pshape, dtype, stats, row_call_threads,
+                                                       monkeypatch):
+    """The rows cut among the team's threads (their bounds at multiples of the parameters'
+    period where parameters repeat by row) give the bits one thread gives, and the
+    reference's values far from zero."""
+    if not _torch_openmp.kernels_on_team():
+        pytest.skip("torch's OpenMP team not found here")
+    for name in ("DIRECT_MAX_ELEMENTS", "DIRECT_MAX_SEGMENTED_ELEMENTS"):
+        monkeypatch.setattr(_torch_direct, name, 0)  # every call past one thread's share
+    x, w, b = _inputs(shape, pshape, dtype, dtype, 1e4, seed=5)
+    args = (w,) if op == "rms_norm" else (w, b)
+    kw = {**kw, "eps": 1e-5, "return_stats": stats}
+    with torch.no_grad():
+        if op == "group_norm":
+            g = kw.pop("num_groups")
+            run = lambda: anynorm.group_norm(x, g, *args, **kw)  # noqa: E731
+        else:
+            run = lambda: getattr(anynorm, op)(x, *args, **kw)  # noqa: E731
+        on_team = run()
+        torch.set_num_threads(1)
+        alone = run()
+    assert row_call_threads == [2, 1]
+    on_team, alone = (out if stats else (out,) for out in (on_team, alone))
+    for a, b_ in zip(on_team, alone):
+        assert torch.equal(a, b_)
+    where = {k: v for k, v in kw.items() if k not in ("return_stats",)}
+    if op == "group_norm":
+        where["num_groups"] = g
+    ref = reference.forward(op, x.double().numpy(), *(p.double().numpy() for p in args), **where)[0]
+    tol = 64 * float(np.finfo(np.float32).eps) if dtype is torch.float32 else (
+        1e-12 if dtype is torch.float64 else 2.0 ** -7)
+    assert np.max(np.abs(on_team[0].double().numpy() - ref)) <= tol * max(1.0, np.max(np.abs(ref)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

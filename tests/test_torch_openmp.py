@@ -96,9 +96,10 @@ def test_leaves_no_reference_cycle(team, two_threads):
 def test_torch_calls_on_the_team_match_the_pool(monkeypatch, two_threads):
     """A threaded torch CPU call gives the same bits on torch's team as on anynorm's pool,
     forward and backward (the same parts, the same kernels)."""
-    from anynorm import _torch
+    from anynorm import _torch, _torch_direct
 
     monkeypatch.setattr(_numpy, "NUM_THREADS", 2)
+    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_THREADED_ELEMENTS", 0)  # the executor, not the packed call
     x = torch.randn(1536, 4096) * 3 + 1e3  # rows past NATIVE_MAX_ROW: the executor's
     assert x.numel() * 4 >= _torch.LONG_ROWS_KERNEL_MIN_BYTES and x.numel() >= _numpy.PARALLEL_MIN_ELEMENTS
     w, b, dy = torch.randn(4096), torch.randn(4096), torch.randn(1536, 4096)

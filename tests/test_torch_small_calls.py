@@ -77,7 +77,8 @@ def _torch_kernel_route(monkeypatch):
     not given to anynorm's kernels (the plans made again: they memoize the rule)."""
     from anynorm import _plan, _torch
 
-    for name in ("DIRECT_MAX_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS", "DIRECT_MAX_SEGMENTED_ELEMENTS"):
+    for name in ("DIRECT_MAX_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS", "DIRECT_MAX_SEGMENTED_ELEMENTS",
+                 "DIRECT_MAX_THREADED_ELEMENTS"):
         monkeypatch.setattr(_torch_direct, name, 0)
     monkeypatch.setattr(_torch, "SHORT_ROW_MAX", 0)
     _plan.plan_for.cache_clear()
