@@ -238,14 +238,19 @@ class ColsCall(ctypes.Structure):
 
     _fields_ = [("samples", ctypes.c_longlong), ("P", ctypes.c_longlong), ("Q", ctypes.c_longlong),
                 ("group", ctypes.c_longlong), ("strip", ctypes.c_longlong),
-                ("param_rows", ctypes.c_longlong), ("eps", ctypes.c_double)]
+                ("param_rows", ctypes.c_longlong), ("eps", ctypes.c_double), ("threads", ctypes.c_longlong)]
+
+    def __init__(self, samples, P, Q, group, strip, param_rows, eps, threads=1):
+        super().__init__(samples, P, Q, group, strip, param_rows, eps, threads)
 
 
 def cols_packed_kernel(dtype, half_params=False):
     """:func:`cols_kernel` with a call's sizes packed (as :func:`rows_packed_kernel`), or None.
 
     ``fn(x, y, w, b, mean, rstd, sizes)``: buffer addresses (0 for absent w, b) and the
-    address of a :class:`ColsCall` ``(samples, P, Q, group, strip, param_rows, eps)``.
+    address of a :class:`ColsCall` ``(samples, P, Q, group, strip, param_rows, eps,
+    threads)``; ``threads > 1`` shares the samples among that many threads of the OpenMP team
+    :func:`use_openmp` gave.
     """
     if half_params and _suffix(dtype) not in ("f16", "bf16"):
         return None

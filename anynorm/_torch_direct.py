@@ -49,8 +49,8 @@ DIRECT_MAX_COLUMN_ELEMENTS = 1 << 17  # the column kernel's
 # the row kernel's segmented rows (layer norm over outer and inner axes), half that in
 # bfloat16: torch's route permutes x into a copy first
 DIRECT_MAX_SEGMENTED_ELEMENTS = 1 << 16
-# past those, up to this, the row kernel's calls (segmented too) on torch's OpenMP team; past
-# it (float32 outputs of 64 MiB) the executor's threads, whose blocks the same kernel runs
+# past those, up to this, the packed kernels' calls on torch's OpenMP team; past it (float32
+# outputs of 64 MiB) the executor's threads, whose blocks the same kernels run
 DIRECT_MAX_THREADED_ELEMENTS = 1 << 24
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # no subclass that overrides torch functions
@@ -100,8 +100,12 @@ def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
     most = (DIRECT_MAX_COLUMN_ELEMENTS if not rows
             else DIRECT_MAX_SEGMENTED_ELEMENTS if sizes.segments > 1 else DIRECT_MAX_ELEMENTS)
     one_thread = most // 2 if rows and plan.dtype is torch.bfloat16 else most
-    # past one thread's share, the row kernel's calls run on torch's team (torch's threads)
-    threaded = (rows and one_thread < size <= DIRECT_MAX_THREADED_ELEMENTS
+    # past one thread's share, the calls run on torch's team (torch's threads): the row
+    # kernel's by rows, the column kernel's by samples, but for channels-last group norm in
+    # half dtypes where torch's kernel serves (its half channels-last kernel is the faster)
+    threaded = (one_thread < size <= DIRECT_MAX_THREADED_ELEMENTS
+                and (rows or (sizes.samples > 1 and (kernels_first or plan.op != "group_norm"
+                                                     or plan.dtype not in (torch.float16, torch.bfloat16))))
                 and _torch_openmp.kernels_on_team())
     if not threaded and size > (limit or one_thread):
         return None

@@ -1975,6 +1975,26 @@ int rows_packed(const T *x, T *y, const P *w, const P *b, typename Acc<T>::type 
     });
 }
 
+// The same columns with a call's sizes in one struct (as RowsCall), parameters of type Par;
+// threads > 1: the samples over that many threads of the team, each its own
+struct ColsCall {
+    long long samples, P, Q, group, strip, param_rows;
+    double eps;
+    long long threads;
+};
+
+template <typename T, typename Par>
+int cols_packed(const T *x, T *y, const Par *w, const Par *b, typename Acc<T>::type *mean,
+                typename Acc<T>::type *rstd, const ColsCall &c) {
+    if (c.group <= 0) return 1;
+    const long long per = c.P * c.Q, stats = c.Q / c.group;  // a sample's elements, statistics
+    return over_threads(c.samples, c.threads, 1, [&](long long s0, long long s1) {
+        return cols<T, Par>(x + s0 * per, y + s0 * per, w, b, mean ? mean + s0 * stats : mean,
+                            rstd ? rstd + s0 * stats : rstd, s1 - s0, c.P, c.Q, c.group, c.strip, (int)c.param_rows,
+                            c.eps);
+    });
+}
+
 }  // namespace
 
 #define ANYNORM_ROWS(SUFFIX, T)                                                                    \
@@ -2006,17 +2026,11 @@ extern "C" void anynorm_use_openmp(void *parallel, void *thread_num, void *num_t
         return cols<T, Acc<T>::type>(x, y, w, b, mean, rstd, nb, P, Q, group, strip, param_rows, eps);          \
     }
 
-// The same columns with a call's sizes in one struct (as RowsCall), parameters of type Par
-struct ColsCall {
-    long long samples, P, Q, group, strip, param_rows;
-    double eps;
-};
 #define ANYNORM_COLS_PACKED(SUFFIX, T, Par)                                                         \
     extern "C" int anynorm_cols_packed_##SUFFIX(const T *x, T *y, const Par *w, const Par *b,      \
                                                 Acc<T>::type *mean, Acc<T>::type *rstd,             \
                                                 const ColsCall *c) {                               \
-        return cols<T, Par>(x, y, w, b, mean, rstd, c->samples, c->P, c->Q, c->group, c->strip,      \
-                          (int)c->param_rows, c->eps);                                             \
+        return cols_packed<T, Par>(x, y, w, b, mean, rstd, *c);                                     \
     }
 
 #define ANYNORM_ROWS_BWD(SUFFIX, T)                                                                  \

@@ -250,21 +250,23 @@ def test_inputs_unchanged_and_outputs_new(kernel_calls):
 
 
 @pytest.fixture
-def row_call_threads(monkeypatch):
-    """A list that grows by the ``threads`` of every packed row-kernel call from now on."""
+def call_threads(monkeypatch):
+    """A list that grows by the ``threads`` of every packed-kernel call from now on."""
     threads = []
-    real = _native.rows_packed_kernel
 
-    def spied(dtype, half_params=False):
-        kernel = real(dtype, half_params)
-        if kernel is None:
-            return None
+    def spying(real, sizes):
+        def spied(dtype, half_params=False):
+            kernel = real(dtype, half_params)
+            if kernel is None:
+                return None
 
-        def call(*args):
-            threads.append(_native.RowsCall.from_address(args[-1]).threads)
-            return kernel(*args)
-        return call
-    monkeypatch.setattr(_native, "rows_packed_kernel", spied)
+            def call(*args):
+                threads.append(sizes.from_address(args[-1]).threads)
+                return kernel(*args)
+            return call
+        return spied
+    monkeypatch.setattr(_native, "rows_packed_kernel", spying(_native.rows_packed_kernel, _native.RowsCall))
+    monkeypatch.setattr(_native, "cols_packed_kernel", spying(_native.cols_packed_kernel, _native.ColsCall))
     anynorm._calls.clear()
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -273,7 +275,7 @@ def row_call_threads(monkeypatch):
     anynorm._calls.clear()
 
 
-def test_larger_row_calls_run_on_torchs_team(row_call_threads, monkeypatch):
+def test_larger_row_calls_run_on_torchs_team(call_threads, monkeypatch):
     """Up to DIRECT_MAX_ELEMENTS (half that in bfloat16) the row kernel serves a call on one
     thread; past it on torch.get_num_threads() threads of torch's OpenMP team where the
     kernels have its entry points (else torch's kernel, on all its threads, is the faster),
@@ -285,13 +287,37 @@ def test_larger_row_calls_run_on_torchs_team(row_call_threads, monkeypatch):
         for dtype, elements, threads in ((torch.float32, limit, 1), (torch.float32, limit + 2, team),
                                          (torch.float32, 4 * limit + 2, None),
                                          (torch.bfloat16, limit // 2, 1), (torch.bfloat16, limit // 2 + 2, team)):
-            row_call_threads.clear()
+            call_threads.clear()
             anynorm.layer_norm(torch.randn(2, elements // 2, dtype=dtype))
-            assert row_call_threads == ([] if threads is None else [threads]), (dtype, elements)
+            assert call_threads == ([] if threads is None else [threads]), (dtype, elements)
         torch.set_num_threads(1)  # a caller who limits torch's threads limits ours
-        row_call_threads.clear()
+        call_threads.clear()
         anynorm.layer_norm(torch.randn(2, limit // 2 + 1))
-        assert row_call_threads == ([1] if team else [])
+        assert call_threads == ([1] if team else [])
+
+
+def test_channels_last_group_norm_in_half_dtypes_keeps_torchs_kernel(call_threads, monkeypatch):
+    """Past one thread's share the column kernel's calls run on the team too, but for
+    channels-last group norm in half dtypes where torch's kernel serves the signature (its
+    half channels-last kernel is the faster: (8, 64, 64, 320) bfloat16 1.00-1.06x F against
+    1.68x on the column kernel)."""
+    from anynorm import _torch
+    from anynorm._plan import make_plan
+
+    if not _torch_openmp.kernels_on_team():
+        pytest.skip("torch's OpenMP team not found here")
+    monkeypatch.setattr(_torch_direct, "DIRECT_MAX_COLUMN_ELEMENTS", 0)
+    with torch.no_grad():
+        for dtype, threads in ((torch.float32, [2]), (torch.bfloat16, []), (torch.float16, [])):
+            x = torch.randn(2, 32, 32, 16, dtype=dtype)  # 1024 pixels: torch's kernel serves
+            w = torch.ones(16, dtype=dtype)
+            assert _torch._prefers_native(make_plan("group_norm", x, w, w, num_groups=4, channel_axis=-1), x)
+            call_threads.clear()
+            anynorm.group_norm(x, 4, w, w, channel_axis=-1)
+            assert call_threads == threads, dtype
+            call_threads.clear()
+            anynorm.instance_norm(x, w, w, channel_axis=-1)
+            assert call_threads == [2], dtype
 
 
 @pytest.mark.parametrize("stats", [False, True], ids=["y", "stats"])
@@ -303,15 +329,19 @@ def test_larger_row_calls_run_on_torchs_team(row_call_threads, monkeypatch):
     ("instance_norm", (3, 5, 7, 7), {}, (5,)),  # a parameter a row, modulo the channels
     ("group_norm", (3, 12, 5, 5), {"num_groups": 4}, (12,)),  # runs of 25 in rows of 75
     ("group_norm", (5, 6, 4, 4), {"num_groups": 3}, (6,)),
-], ids=["rows", "rms rows", "segmented", "instance nchw", "group nchw 4", "group nchw 3"])
-def test_rows_on_the_team_match_one_thread_bit_for_bit(op, shape, kw, pshape, dtype, stats, row_call_threads,
+    ("layer_norm", (3, 6, 5, 7), {"axis": 1}, (6,)),  # the column kernel's, by samples
+    ("instance_norm", (3, 4, 5, 6), {"channel_axis": -1}, (6,)),
+    ("group_norm", (5, 3, 3, 12), {"num_groups": 4, "channel_axis": -1}, (12,)),
+], ids=["rows", "rms rows", "segmented", "instance nchw", "group nchw 4", "group nchw 3", "channels-first",
+        "instance nhwc", "group nhwc"])
+def test_calls_on_the_team_match_one_thread_bit_for_bit(op, shape, kw, pshape, dtype, stats, call_threads,
                                                        monkeypatch):
-    """The rows cut among the team's threads (their bounds at multiples of the parameters'
-    period where parameters repeat by row) give the bits one thread gives, and the
-    reference's values far from zero."""
+    """The rows (samples) cut among the team's threads (the rows' bounds at multiples of the
+    parameters' period where parameters repeat by row) give the bits one thread gives, and
+    the reference's values far from zero."""
     if not _torch_openmp.kernels_on_team():
         pytest.skip("torch's OpenMP team not found here")
-    for name in ("DIRECT_MAX_ELEMENTS", "DIRECT_MAX_SEGMENTED_ELEMENTS"):
+    for name in ("DIRECT_MAX_ELEMENTS", "DIRECT_MAX_SEGMENTED_ELEMENTS", "DIRECT_MAX_COLUMN_ELEMENTS"):
         monkeypatch.setattr(_torch_direct, name, 0)  # every call past one thread's share
     x, w, b = _inputs(shape, pshape, dtype, dtype, 1e4, seed=5)
     args = (w,) if op == "rms_norm" else (w, b)
@@ -325,7 +355,7 @@ def test_rows_on_the_team_match_one_thread_bit_for_bit(op, shape, kw, pshape, dt
         on_team = run()
         torch.set_num_threads(1)
         alone = run()
-    assert row_call_threads == [2, 1]
+    assert call_threads == [2, 1]
     on_team, alone = (out if stats else (out,) for out in (on_team, alone))
     for a, b_ in zip(on_team, alone):
         assert torch.equal(a, b_)
