@@ -22,6 +22,18 @@ bfloat16: (7, 130, 33) over (0, 2) 0.68 / 0.85, (4, 64, 16) 0.54 / 0.61, (8, 96,
 (0, 2, 3) 0.76 / 0.95; past it the route's two threads win ((7, 520, 33) 0.93 / 1.23, (16,
 256, 64) 1.31 / 1.38).
 
+Past those sizes, up to ``DIRECT_MAX_THREADED_ELEMENTS``, the same kernels run on torch's own
+OpenMP threads (:func:`anynorm._torch_openmp.kernels_on_team`: one region opened in C, each
+thread its rows or samples; on ``torch.get_num_threads()`` of them) where torch's checked
+kernel was the route: ours / ``F`` against the route / ``F`` (2 threads, float32 / bfloat16):
+rows (64, 768) 0.96 / 0.95 against 1.28 / 1.20, (1024, 768) 0.77 / 0.82 against 1.02 /
+1.01, (8192, 768) 0.76 / 0.80 against 1.09 / 1.03, (16, 65536) 0.65 / 0.84; NCHW group norm
+(32, 64, 56, 56) 0.68 / 0.78 against 1.00 / 1.03; segmented (16, 256, 64) 0.75 / 0.82
+against 1.12 / 1.07; NHWC group norm float32 (32, 56, 56, 64) 0.80-0.85 against 1.02-1.10.
+Channels-last group norm in half dtypes keeps torch's kernel where it was the route (its
+half channels-last kernel is the faster: (8, 64, 64, 320) bfloat16 1.68x ``F`` on the
+column kernel, 1.06x on torch's).
+
 It serves the layouts of :func:`anynorm._direct.packed` on contiguous tensors: layer/RMS
 norm over trailing axes (or leading and trailing ones) and group/instance norm of NCHW
 (NCDHW) tensors by the row kernel,

@@ -15,6 +15,12 @@ threads do.  Where it finds none (macOS, Windows, two runtimes loaded, or
 ``ANYNORM_TORCH_OPENMP=0`` in the environment), :func:`team` returns None and the pool runs
 the parts.  A region opened inside another (anynorm called from an OpenMP thread) has one
 thread, which runs every part in turn.
+
+The CPU kernels take the same entry points (:func:`kernels_on_team`): a packed call past one
+thread's share (:mod:`anynorm._torch_direct`) opens its region in C, each thread its own rows
+or samples, with no Python on the team's threads.  A child forked after the team ran has none
+of its threads (libgomp would wait on them for ever, as torch's own parallel ops do in such a
+child): there every call runs on one thread.
 """
 
 from __future__ import annotations
@@ -72,6 +78,19 @@ def team():
                 entries = _find()
                 _TEAM = Team(*entries) if entries else False
     return _TEAM or None
+
+
+def _forget_in_child():
+    """After fork: the parent's team has no threads here (libgomp would wait on them for
+    ever, as torch's own parallel ops do in such a child), so calls run on one thread."""
+    global _TEAM, _KERNELS
+    if _KERNELS:
+        _native.use_openmp(None, None, None)
+    _TEAM = _KERNELS = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def kernels_on_team():

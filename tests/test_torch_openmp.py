@@ -123,3 +123,33 @@ def test_torch_calls_on_the_team_match_the_pool(monkeypatch, two_threads):
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("ANYNORM_TORCH_OPENMP", "0")
     assert _torch_openmp._find() is None
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_a_forked_child_runs_on_one_thread(team, two_threads):
+    """A child forked after the team ran has none of its threads (libgomp would wait on them
+    for ever, as torch's own parallel ops do there): its calls run on one thread."""
+    import os
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, sys, torch, anynorm
+        from anynorm import _torch_openmp
+        torch.set_num_threads(2)
+        x = torch.randn(256, 768)
+        with torch.no_grad():
+            parent = anynorm.layer_norm(x)
+            assert _torch_openmp.kernels_on_team()
+            pid = os.fork()
+            if pid == 0:
+                # (no torch op here: torch's own parallel ops wait for ever in such a child)
+                ok = (anynorm.layer_norm(x).numpy() == parent.numpy()).all() and _torch_openmp.team() is None
+                os._exit(0 if ok else 3)
+            _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(anynorm.__file__)),
+                                                                   os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
