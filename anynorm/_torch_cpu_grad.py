@@ -56,10 +56,10 @@ def takes(plan, x, weight, bias, residual):
         return False
     if plan.op == "rms_norm" or not _executor._kernel_layout(plan):  # RMS: _torch_rms records its own
         return False
-    if _channels_last(plan) and math.prod(plan.shape) < TRAINING_CHANNELS_LAST_MIN_ELEMENTS:
-        return False  # small: torch's autograd graph costs less than a Python Function's
-    if _executor._short_rows(plan) and math.prod(plan.shape) < TRAINING_ROWS_MIN_ELEMENTS:
-        return False  # short rows, whose forward alone the kernels win: torch's graph
+    if (_channels_last(plan) or _executor._short_rows(plan)) and not prefers_kernels(plan):
+        # small channels-last calls (torch's graph costs less than a Python Function's) and
+        # short rows under TRAINING_ROWS_MIN_ELEMENTS (the kernels win their forward alone)
+        return False
     for t in (x, weight, bias):
         if t is not None and (type(t) not in _executor._PLAIN or t.device.type != "cpu"
                               or t.dtype not in _executor._KERNEL_DTYPES):
