@@ -275,13 +275,16 @@ def call_threads(monkeypatch):
     anynorm._calls.clear()
 
 
-def test_larger_row_calls_run_on_torchs_team(call_threads, monkeypatch):
+@pytest.mark.parametrize("found", [True, False], ids=["team", "no team"])
+def test_larger_row_calls_run_on_torchs_team(found, call_threads, monkeypatch):
     """Up to DIRECT_MAX_ELEMENTS (half that in bfloat16) the row kernel serves a call on one
     thread; past it on torch.get_num_threads() threads of torch's OpenMP team where the
     kernels have its entry points (else torch's kernel, on all its threads, is the faster),
     up to DIRECT_MAX_THREADED_ELEMENTS; past that torch's route."""
     limit = _torch_direct.DIRECT_MAX_ELEMENTS
     monkeypatch.setattr(_torch_direct, "DIRECT_MAX_THREADED_ELEMENTS", 4 * limit)
+    if not found:
+        monkeypatch.setattr(_torch_openmp, "_KERNELS", False)
     team = 2 if _torch_openmp.kernels_on_team() else None
     with torch.no_grad():
         for dtype, elements, threads in ((torch.float32, limit, 1), (torch.float32, limit + 2, team),
