@@ -401,27 +401,29 @@ PACKED_COLUMN_CASES = [
 ]
 
 
-def count_packed_kernel_calls(monkeypatch):
-    """A list that grows by one (the call's ``half_params`` flag) for every call of a packed
-    CPU kernel (``anynorm._native.rows_packed_kernel``/``cols_packed_kernel``) looked up from
-    now on; the call cache is cleared so that runners look their kernels up again."""
+def count_packed_kernel_calls(monkeypatch, record=lambda half_params, sizes: half_params):
+    """A list that grows by one entry for every call of a packed CPU kernel
+    (``anynorm._native.rows_packed_kernel``/``cols_packed_kernel``) looked up from now on:
+    ``record(half_params, sizes)``, by default the call's ``half_params`` flag (``sizes``: its
+    ``RowsCall``/``ColsCall``); the call cache is cleared so that runners look their kernels
+    up again."""
     from anynorm import _calls, _native
 
     calls = []
 
-    def counting(real):
+    def counting(real, struct):
         def counted(dtype, half_params=False):
             kernel = real(dtype, half_params)
             if kernel is None:
                 return None
 
             def call(*args):
-                calls.append(half_params)
+                calls.append(record(half_params, struct.from_address(args[-1])))
                 return kernel(*args)
             return call
         return counted
 
-    for name in ("rows_packed_kernel", "cols_packed_kernel"):
-        monkeypatch.setattr(_native, name, counting(getattr(_native, name)))
+    for name, struct in (("rows_packed_kernel", _native.RowsCall), ("cols_packed_kernel", _native.ColsCall)):
+        monkeypatch.setattr(_native, name, counting(getattr(_native, name), struct))
     _calls.clear()
     return calls

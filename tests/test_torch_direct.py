@@ -252,22 +252,7 @@ def test_inputs_unchanged_and_outputs_new(kernel_calls):
 @pytest.fixture
 def call_threads(monkeypatch):
     """A list that grows by the ``threads`` of every packed-kernel call from now on."""
-    threads = []
-
-    def spying(real, sizes):
-        def spied(dtype, half_params=False):
-            kernel = real(dtype, half_params)
-            if kernel is None:
-                return None
-
-            def call(*args):
-                threads.append(sizes.from_address(args[-1]).threads)
-                return kernel(*args)
-            return call
-        return spied
-    monkeypatch.setattr(_native, "rows_packed_kernel", spying(_native.rows_packed_kernel, _native.RowsCall))
-    monkeypatch.setattr(_native, "cols_packed_kernel", spying(_native.cols_packed_kernel, _native.ColsCall))
-    anynorm._calls.clear()
+    threads = count_packed_kernel_calls(monkeypatch, lambda half_params, sizes: sizes.threads)
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     yield threads
