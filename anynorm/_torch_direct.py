@@ -82,6 +82,18 @@ def _half_params(dtype, weight, bias):
     return True if half and params[0].dtype is dtype else None
 
 
+def _team_takes(plan, sizes, kernels_first):
+    """Whether a packed call past one thread's share runs on torch's team (torch's threads):
+    the row kernel's by rows; the column kernel's by samples (two or more), but for
+    channels-last group norm in half dtypes where torch's kernel serves the signature (its
+    half channels-last kernel is the faster)."""
+    from ._torch import _HALF
+
+    if isinstance(sizes, _native.RowsCall):
+        return True
+    return sizes.samples > 1 and (kernels_first or plan.op != "group_norm" or plan.dtype not in _HALF)
+
+
 def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
     """``run(x, weight, bias, residual) -> (y, None, mean, rstd)`` by a packed kernel for this
     call signature (x's and the parameters' types, shapes, strides, dtypes and devices, which
@@ -112,12 +124,7 @@ def runner(plan, x, weight, bias, stats, fallback, kernels_first=False):
     most = (DIRECT_MAX_COLUMN_ELEMENTS if not rows
             else DIRECT_MAX_SEGMENTED_ELEMENTS if sizes.segments > 1 else DIRECT_MAX_ELEMENTS)
     one_thread = most // 2 if rows and plan.dtype is torch.bfloat16 else most
-    # past one thread's share, the calls run on torch's team (torch's threads): the row
-    # kernel's by rows, the column kernel's by samples, but for channels-last group norm in
-    # half dtypes where torch's kernel serves (its half channels-last kernel is the faster)
-    threaded = (one_thread < size <= DIRECT_MAX_THREADED_ELEMENTS
-                and (rows or (sizes.samples > 1 and (kernels_first or plan.op != "group_norm"
-                                                     or plan.dtype not in (torch.float16, torch.bfloat16))))
+    threaded = (one_thread < size <= DIRECT_MAX_THREADED_ELEMENTS and _team_takes(plan, sizes, kernels_first)
                 and _torch_openmp.kernels_on_team())
     if not threaded and size > (limit or one_thread):
         return None
