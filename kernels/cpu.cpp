@@ -1955,8 +1955,7 @@ struct RowsCall {
 template <typename T, typename P>
 int rows_packed(const T *x, T *y, const P *w, const P *b, typename Acc<T>::type *mean,
                 typename Acc<T>::type *rstd, const RowsCall &c) {
-    const long long n = c.n;
-    if (n <= 0 || c.segments <= 0 || n % c.segments || (c.w_run > 0 && n % c.w_run)) return 1;
+    const long long n = c.n;  // its sizes are checked by rows / segmented_rows, range by range
     auto stat = [](typename Acc<T>::type *s, long long r0) { return s ? s + r0 : s; };
     if (c.segments > 1) {  // row r's runs start at r * len
         const long long len = n / c.segments;
